@@ -1,0 +1,122 @@
+"""Compute buffers: the peak of llama.cpp's graph allocator, derived from each architecture's graph shapes.
+
+llama.cpp sizes compute buffers by reserving the worst-case prompt graph (src/llama-context.cpp `sched_reserve`):
+n_tokens = min(n_ctx, n_ubatch), one output per token (n_outputs = min(n_tokens, n_batch)), every KV cell visible.
+ggml-alloc (ggml/src/ggml-alloc.c) then places each node in a buffer, frees a tensor after its last consumer and
+lets element-wise ops (add, mul, rms_norm, rope, soft_max, …) reuse their parent's memory. The buffer's size is the
+allocator's high-water mark. This module computes that high-water mark from the live tensors of each phase of the
+graph, with sizes from the model's shapes:
+
+* graph inputs stay allocated while any layer still reads them: token ids, positions, output ids, and for every
+  KV cache (full and sliding-window) its KQ mask (n_kv × n_tokens, f16 with flash attention, else f32,
+  src/llama-graph.cpp `build_attn_inp_kq_mask`) and the K/V row indices (i64; the transposed V cache used without
+  flash attention needs one index per element, src/llama-kv-cache.cpp `build_input_v_idxs`);
+* attention (src/llama-graph.cpp `build_attn`): the residual, Q/K/V projections, and without flash attention the
+  KQ scores n_kv × n_tokens × n_head f32 (soft_max runs in place) and the permuted, contiguous KQV result;
+* feed-forward: routed experts hold gate, up and the activated product for n_expert_used × n_tokens rows
+  (`build_moe_ffn`), dense blocks the same for n_ff, shared experts on top of the routed output;
+* the output head: the final normalised activations, their get_rows by output ids and the logits
+  n_vocab × n_outputs f32.
+
+A device's buffer holds the phases of the layers placed on it; inputs are copied to every device that reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitter.devices import Device
+from fitter.launch_config import ContextParams
+from fitter.model_spec import ModelSpec
+
+F32 = 4
+I32 = 4
+I64 = 8
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    n_tokens: int
+    n_outputs: int
+    n_kv: tuple[int, int]  # cells visible to full-attention and sliding-window layers
+
+
+def graph_shape(ctx: ContextParams, kv_sizes: tuple[int, int]) -> GraphShape:
+    n_tokens = min(ctx.n_ctx, ctx.n_ubatch)
+    return GraphShape(n_tokens, min(n_tokens, ctx.n_batch), kv_sizes)
+
+
+def _input_bytes(spec: ModelSpec, ctx: ContextParams, g: GraphShape, swa_layers: set[bool]) -> int:
+    """Graph inputs read by the given kinds of layer (full attention: False, sliding window: True)."""
+    T = g.n_tokens
+    mask_elt = 2 if ctx.flash_attn else F32
+    v_idx = T * (1 if ctx.flash_attn else max(spec.n_embd_v_gqa(il) for il in range(spec.n_layer)))
+    total = 0
+    for is_swa in swa_layers:
+        n_kv = g.n_kv[1] if is_swa else g.n_kv[0]
+        total += n_kv * T * mask_elt + T * I64 + (0 if spec.is_mla else v_idx * I64)
+    return total
+
+
+def _attention_bytes(spec: ModelSpec, ctx: ContextParams, g: GraphShape, il: int) -> int:
+    T = g.n_tokens
+    n_head = spec.n_head[il]
+    n_kv = g.n_kv[1] if spec.swa_layers[il] else g.n_kv[0]
+    residual = spec.n_embd * T * F32
+    q = n_head * spec.head_dim_k * T * F32
+    k = spec.n_embd_k_gqa(il) * T * F32
+    v = spec.n_embd_v_gqa(il) * T * F32
+    out = n_head * spec.head_dim_v * T * F32
+    if ctx.flash_attn:
+        return residual + q + k + v + out
+    kq = n_kv * T * n_head * F32
+    return residual + q + max(k + v, kq + 2 * out)
+
+
+def _ffn_bytes(spec: ModelSpec, g: GraphShape, il: int) -> int:
+    T = g.n_tokens
+    residual = spec.n_embd * T * F32
+    normed = spec.n_embd * T * F32
+    is_moe = spec.n_expert > 0 and il >= spec.n_layer_dense_lead
+    if not is_moe:
+        return residual + normed + 3 * spec.n_ff[il] * T * F32
+    k = spec.n_expert_used
+    router = 2 * spec.n_expert * T * F32 + spec.n_expert * T * I32 + 2 * k * T * F32
+    routed = 3 * spec.n_ff_exp * k * T * F32
+    down = spec.n_embd * k * T * F32
+    peak = residual + normed + router + max(routed, spec.n_ff_exp * k * T * F32 + down)
+    if spec.n_expert_shared:
+        shexp_ff = spec.n_ff_shexp or spec.n_ff_exp * spec.n_expert_shared
+        peak = max(peak, residual + normed + spec.n_embd * T * F32 + 3 * shexp_ff * T * F32)
+    return peak
+
+
+def _output_bytes(spec: ModelSpec, g: GraphShape) -> int:
+    return 2 * spec.n_embd * g.n_tokens * F32 + spec.n_vocab * g.n_outputs * F32
+
+
+def compute_bytes_by_device(
+    spec: ModelSpec, ctx: ContextParams, layer_dev: tuple[Device | None, ...], kv_sizes: tuple[int, int]
+) -> dict[str, int]:
+    """Peak compute bytes per device name ("CPU" for the host), from the phases of the layers it runs."""
+    g = graph_shape(ctx, kv_sizes)
+    T = g.n_tokens
+    names = [d.name if d is not None else "CPU" for d in layer_dev]
+    base_inputs = T * I32 + T * I32 + g.n_outputs * I32  # tokens, positions, output ids
+    out: dict[str, int] = {}
+    for name in dict.fromkeys(names):
+        layers = [il for il in range(spec.n_layer) if names[il] == name]
+        kinds = {spec.swa_layers[il] for il in layers}
+        inputs = _input_bytes(spec, ctx, g, kinds) + (base_inputs if name == "CPU" or layers else 0)
+        peak = 0
+        for il in layers:
+            peak = max(peak, _attention_bytes(spec, ctx, g, il), _ffn_bytes(spec, g, il))
+        total = inputs + peak
+        if names[spec.n_layer] == name:
+            # The output head runs after the last layer has released the KV inputs.
+            total = max(total, base_inputs + _output_bytes(spec, g))
+        out[name] = total
+    if "CPU" not in out:
+        # token embedding lookup always runs on the CPU (the input layer stays there)
+        out["CPU"] = base_inputs + spec.n_embd * T * F32
+    return out

@@ -1,0 +1,22 @@
+"""Small generated GGUF files for tests, cached per session (generation is deterministic)."""
+
+from __future__ import annotations
+
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from fitter.demo_models import SHAPES, write_model
+
+_DIR = Path(tempfile.mkdtemp(prefix="fitter-test-models-"))
+
+
+@cache
+def model_files(shape: str, sparse: bool = False, n_shards: int = 1) -> tuple[Path, ...]:
+    folder = _DIR / f"{'sparse' if sparse else 'dense'}-{n_shards}"
+    folder.mkdir(exist_ok=True)
+    return tuple(write_model(SHAPES[shape], folder / f"{shape}.gguf", sparse=sparse, n_shards=n_shards))
+
+
+def model_file(shape: str, sparse: bool = False) -> Path:
+    return model_files(shape, sparse)[0]
