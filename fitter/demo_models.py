@@ -4,7 +4,9 @@ Every model here is random but *valid*: quantized blocks are generated directly 
 numpy Generator (no float→quant round trip), so a 100 M-parameter model writes in well under a second
 and the same arguments always give the same bytes. Real-sized shapes (gpt-oss-120b, …) are meant to be
 written with ``sparse=True``: the header is real, the data region is a file hole, and llama.cpp maps it
-with mmap to report its true buffer sizes without any disk use.
+with mmap to report its true buffer sizes without any disk use. (llama.cpp's mmap uses MAP_POPULATE, so
+the hole is still faulted in as zero pages: no disk reads, but page cache up to the model's size and
+~1 s per 10 GiB. ``no_alloc`` with ``load_mode=NONE`` reads the header only.)
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
+from fitter._gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from fitter.compute import compute_bytes_by_device
 from fitter.devices import CPU_ALIGNMENT, CPU_AVX2, CpuProfile, Device
 from fitter.errors import LaunchConfigError

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
-
+from fitter._gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 from fitter.errors import GGUFError
 
 GGUF_MAGIC = b"GGUF"
@@ -136,10 +135,23 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise self.fail(f"{what} is not valid UTF-8: {e.reason}") from None
 
-    def skip_string(self, what: str) -> None:
-        n = self.unpack("<Q", what)
-        self.need(n, f"{what} of length {n}")
-        self.pos += n
+
+
+_U64 = struct.Struct("<Q")
+
+
+def _skip_strings(cur: _Cursor, count: int, key: str) -> None:
+    """Step over `count` length-prefixed strings: the hot loop of a 200k-token vocabulary, kept minimal."""
+    unpack, buf, pos, end = _U64.unpack_from, cur.buf, cur.pos, cur.size - 8
+    for _ in range(count):
+        if pos > end:
+            cur.pos = pos
+            raise cur.fail(f"truncated header: an item of {key!r} runs past the end of the file")
+        pos += 8 + unpack(buf, pos)[0]
+    if pos > cur.size:
+        cur.pos = pos
+        raise cur.fail(f"truncated header: the last item of {key!r} runs past the end of the file")
+    cur.pos = pos
 
 
 def _value_type(cur: _Cursor, raw: int, key: str) -> GGUFValueType:
@@ -162,8 +174,7 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str) -> Any:
         cur.need(count * min_item, f"array {key!r} of {count} {item_type.name} items")
         if item_type == GGUFValueType.STRING:
             if count > MAX_KEPT_ARRAY:
-                for _ in range(count):
-                    cur.skip_string(f"item of {key!r}")
+                _skip_strings(cur, count, key)
                 return SkippedArray(item_type.name, count)
             return [cur.string(f"item of {key!r}") for _ in range(count)]
         fmt = _SCALAR_FORMATS[item_type]

@@ -29,6 +29,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ LOAD_MODE_NONE = 0
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 _LOG_ERROR, _LOG_CONT = 3, 5  # ggml.h enum ggml_log_level
 _TAIL = 4000  # characters of a crashed child's stderr/log kept in the error
+_ABORT_RE = re.compile(r"^\S+\.(?:c|cc|cpp|h):\d+: .+$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ def _run_child(mode: str, request: dict[str, Any], timeout: float) -> CaptureRes
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parent.parent)  # so `-m fitter…` resolves from any directory
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("GGML_NO_BACKTRACE", "1")  # an abort would otherwise run gdb for a backtrace
         cmd = [sys.executable, "-m", "fitter.llama_cpp_loader", str(req), str(res), str(log)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, errors="replace", timeout=timeout)
@@ -131,7 +134,8 @@ def _run_child(mode: str, request: dict[str, Any], timeout: float) -> CaptureRes
             why = f"llama.cpp child was killed by signal {-rc} (an abort inside llama.cpp)"
         else:
             why = f"llama.cpp child exited with status {rc} without a result"
-        tail = (stderr.strip() or log_text.strip())[-_TAIL:]
+        aborts = [m.group(0) for m in _ABORT_RE.finditer(stderr)]  # GGML_ABORT: "file.cpp:123: message"
+        tail = "\n".join(aborts) if aborts else (stderr.strip() or log_text.strip())[-_TAIL:]
         return CaptureResult(ok=False, log=log_text, buffers=buffers, error=f"{why}: {tail}" if tail else why,
                              returncode=rc)
 

@@ -12,7 +12,7 @@ long names such as `RPC0[127.0.0.1:50052]` overflow the padding and short ones a
   name, printed only for sizes above 1 byte.
 - src/llama-context.cpp `llama_context`: `"%s: %10s  output buffer size = %8.2f MiB\\n"` (two spaces).
 
-A prefix before the function name (llama-server's timestamps and level letters) is tolerated.
+A prefix before the function name (llama-server's timestamps, progress dots) is tolerated.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _SOURCES = {
 KINDS = ("model", "kv", "compute", "output")
 
 _LINE_RE = re.compile(
-    r"(?:^|\s)(?P<func>load_tensors|llama_kv_cache|sched_reserve|llama_context):\s+"
+    r"(?<!\w)(?P<func>load_tensors|llama_kv_cache|sched_reserve|llama_context):\s+"
     r"(?P<name>\S+)\s+(?P<word>model|KV|compute|output) buffer size =\s*(?P<mib>-?\d+(?:\.\d+)?) MiB",
     re.MULTILINE,
 )

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from gguf.constants import MODEL_TENSOR, TENSOR_NAMES
-
+from fitter._gguf import MODEL_TENSOR, TENSOR_NAMES
 from fitter.errors import GGUFError
 from fitter.gguf_header import GGUFHeader, SkippedArray, TensorInfo
 

@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fitter.cli import main
+from tests.models import model_file
+
+
+def test_estimate_json_follows_the_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(model_file("gpt-oss-tiny"))
+    assert main(["estimate", path, "--devices", "none", "-c", "2048", "-np", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"model", "devices", "buffers", "tensors", "llama_cpp"}
+    assert out["model"]["arch"] == "gpt-oss" and out["model"]["shards"] == 1
+    cpu = out["devices"]["CPU"]
+    assert cpu["total"] == cpu["model"] + cpu["kv"] + cpu["compute"] + cpu["output"]
+    assert sum(b["bytes"] for b in out["buffers"]) == cpu["total"]
+    assert out["llama_cpp"]["commit"] == "0c1e570"
+    assert out["context"]["n_ctx"] == 2048
+    kv = [b["bytes"] for b in out["buffers"] if b["kind"] == "kv"]
+    assert kv == [2048 * 2 * 64 * 2, 768 * 2 * 64 * 2]  # one full and one SWA layer, K+V f16, 2 heads x 32
+
+
+def test_estimate_table_names_buffers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", str(model_file("gpt-oss-tiny")), "--devices", "cuda:8192", "-ncmoe", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA0" in out and "CPU_Mapped" in out and "not yet validated against a CUDA build" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["estimate", "{missing}", "--devices", "none"], "no such file"),
+        (["estimate", "{model}", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["estimate", "{model}", "-ctv", "q8_0", "-fa", "off"], "a quantized V cache requires flash attention"),
+        (["estimate", "{model}", "--devices", "cuda:lots"], "'lots' is not a positive number of MiB"),
+        (["estimate", "{notgguf}"], "not a GGUF file"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path: Path, args: list[str], message: str) -> None:
+    notgguf = tmp_path / "notes.txt"
+    notgguf.write_text("hello")
+    subst = {"{missing}": str(tmp_path / "missing.gguf"), "{model}": str(model_file("gpt-oss-tiny")),
+             "{notgguf}": str(notgguf)}
+    argv = [subst.get(a, a) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "fitter.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_help_states_llama_server_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    out = capsys.readouterr().out
+    assert "-np auto = 4 slots sharing one unified KV cache" in out
+    assert "--swa-full off" in out
