@@ -1,7 +1,8 @@
 """Compute buffers: the peak of llama.cpp's graph allocator, derived from each architecture's graph shapes.
 
 llama.cpp sizes compute buffers by reserving the worst-case prompt graph (src/llama-context.cpp `sched_reserve`):
-n_tokens = min(n_ctx, n_ubatch), one output per token (n_outputs = min(n_tokens, n_batch)), every KV cell visible.
+n_tokens = min(n_ctx, n_ubatch), n_outputs = min(n_tokens, n_outputs_max) (llama-server: one per slot), every
+KV cell visible.
 ggml-alloc (ggml/src/ggml-alloc.c) then places each node in a buffer, frees a tensor after its last consumer and
 lets element-wise ops (add, mul, rms_norm, rope, soft_max, …) reuse their parent's memory. The buffer's size is the
 allocator's high-water mark. This module computes that high-water mark from the live tensors of each phase of the
@@ -43,7 +44,7 @@ class GraphShape:
 
 def graph_shape(ctx: ContextParams, kv_sizes: tuple[int, int]) -> GraphShape:
     n_tokens = min(ctx.n_ctx, ctx.n_ubatch)
-    return GraphShape(n_tokens, min(n_tokens, ctx.n_batch), kv_sizes)
+    return GraphShape(n_tokens, min(n_tokens, ctx.n_outputs_max), kv_sizes)
 
 
 def _input_bytes(spec: ModelSpec, ctx: ContextParams, g: GraphShape, swa_layers: set[bool]) -> int:

@@ -151,7 +151,7 @@ def _cpu_buft(t: TensorSpec, config: LaunchConfig, devices: tuple[Device, ...], 
     host = next((d.profile.host_buft for d in devices if d.profile.host_buft), None)
     if host is not None:
         # "avoid using a host buffer when using mmap": the pinned host type becomes plain CPU.
-        return CPU if not config.no_mmap else host
+        return CPU if config.mmap else host
     op = _weight_op(t)
     if not config.no_repack and _repacks(t, op, cpu):
         return "CPU_REPACK"
@@ -205,7 +205,7 @@ def model_buffers(placements: list[Placement], config: LaunchConfig, devices: tu
     for p in placements:
         grouped[p.buft].append(p.tensor)
     for buft, tensors in grouped.items():
-        if buft == CPU and not config.no_mmap:
+        if buft == CPU and config.mmap:
             # With mmap the CPU buffer is the byte range of each shard spanning its CPU tensors, so it includes
             # any other tensors lying between them (llama_model_loader::get_mapping_range).
             ranges: dict[int, tuple[int, int]] = {}

@@ -19,6 +19,7 @@ KV_CACHE_TYPES: dict[str, tuple[int, int]] = {
     "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
     "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
 }
+LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")  # common/arg.cpp -lm/--load-mode
 # common/common.h LLM_FFN_EXPS_REGEX: no `.weight` anchor, so expert biases move too.
 FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 # common/common.cpp is_truthy / is_falsey / is_autoy
@@ -32,7 +33,8 @@ llama-server defaults assumed when a flag is not given (llama.cpp 0c1e570):
   -np auto = 4 slots sharing one unified KV cache (--kv-unified); an explicit -np N uses N separate streams
   unless --kv-unified is also given.  --swa-full off (the C API and llama-cpp-python default to on).
   -ngl auto: --fit chooses; fitter's estimate then assumes all layers (what llama.cpp does with -fit off).
-  KV and compute on the GPU (no -nkvo), op offload on, weight repacking on, mmap on, -fit on."""
+  KV and compute on the GPU (no -nkvo), op offload on, weight repacking on, -lm auto (mmap), -fit on.
+  llama-server reserves logits for one output per slot (-np), so the compute graph has n_slots outputs."""
 
 
 @dataclass(frozen=True)
@@ -63,12 +65,17 @@ class LaunchConfig:
     no_kv_offload: bool = False
     no_op_offload: bool = False
     no_repack: bool = False
-    no_mmap: bool = False
+    load_mode: str = "auto"  # -lm: auto | none | mmap | mlock | mmap+mlock | dio
     fit: bool = True
     tensor_split: tuple[float, ...] = ()
     main_gpu: int = 0
     rpc: tuple[str, ...] = ()
     flags: tuple[str, ...] = field(default=(), compare=False)  # the flags as the user gave them
+
+    @property
+    def mmap(self) -> bool:
+        """Weights mapped from the file (common/arg.cpp --load-mode; auto = mmap where every device allows it)."""
+        return self.load_mode in ("auto", "mmap", "mmap+mlock")
 
     @property
     def n_seq_max(self) -> int:
@@ -91,6 +98,7 @@ class ContextParams:
     n_stream: int  # 1 when unified, else n_seq_max
     n_batch: int
     n_ubatch: int
+    n_outputs_max: int  # llama-server reserves logits for one output per slot (server_output_limits)
     flash_attn: bool
     swa_full: bool
     warnings: tuple[str, ...]
@@ -133,6 +141,9 @@ def resolve_context(config: LaunchConfig, n_ctx_train: int) -> ContextParams:
         n_stream=1 if config.unified else n_seq_max,
         n_batch=n_batch,
         n_ubatch=n_ubatch,
+        # tools/server/server-context.cpp server_output_limits → common_speculative_get_output_limits:
+        # min(n_batch, n_parallel * (1 + n_draft)), no speculative decoding here.
+        n_outputs_max=min(n_batch, n_seq_max),
         flash_attn=flash_attn,
         swa_full=config.swa_full,
         warnings=tuple(warnings),
@@ -250,7 +261,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("-nkvo", "--no-kv-offload", dest="no_kv_offload", action="store_true")
     g.add_argument("--no-op-offload", dest="no_op_offload", action="store_true")
     g.add_argument("-nr", "--no-repack", dest="no_repack", action="store_true")
-    g.add_argument("--no-mmap", dest="no_mmap", action="store_true")
+    lm = g.add_mutually_exclusive_group()
+    lm.add_argument("-lm", "--load-mode", dest="load_mode", choices=LOAD_MODES, default="auto",
+                    help="how weights are loaded (default auto = mmap)")
+    lm.add_argument("--no-mmap", dest="load_mode", action="store_const", const="none",
+                    help="older llama.cpp spelling of -lm none")
     g.add_argument("-fit", "--fit", dest="fit", type=_on_off, default=True, metavar="on|off")
     g.add_argument("-ts", "--tensor-split", dest="tensor_split", type=_split, default=(), metavar="N0,N1,...")
     g.add_argument("-mg", "--main-gpu", dest="main_gpu", type=int, default=0, metavar="INDEX")
@@ -273,7 +288,7 @@ def launch_config_from_args(ns: argparse.Namespace, flags: list[str]) -> LaunchC
         no_kv_offload=ns.no_kv_offload,
         no_op_offload=ns.no_op_offload,
         no_repack=ns.no_repack,
-        no_mmap=ns.no_mmap,
+        load_mode=ns.load_mode,
         fit=ns.fit,
         tensor_split=ns.tensor_split,
         main_gpu=ns.main_gpu,

@@ -16,8 +16,8 @@ Translation notes (where the C API and llama-server differ, llama-server wins):
 - n_outputs_max: llama-server sets it to min(n_batch, n_parallel × (1 + n_draft)) (tools/server/
   server-context.cpp `server_output_limits`), not the C API's n_batch; this sizes the logits in the compute
   buffer. Without speculative decoding that is min(-b, slots), with one output per sequence.
-- `--no-mmap` (gone from llama-server at 0c1e570, which has `--load-mode none`) → load_mode NONE; otherwise
-  load_mode AUTO (mmap unless a device cannot map).
+- `-lm/--load-mode` (`--no-mmap` is the older spelling of `-lm none`): mmap modes → load_mode AUTO (mmap unless a
+  device cannot map), others → NONE.
 - `-ngl auto` (-1) is passed as -1, which the C API reads as "all layers": `--fit` is not in libllama.
 - `-ot`/`-cmoe`/`-ncmoe` rules are resolved by buffer type name over the ggml devices, as common/arg.cpp does.
 - Threads: 1 for generation and batch (these machines have 2 cores; threads do not change memory).
@@ -47,7 +47,7 @@ __all__ = ["CaptureResult", "llama_cpp_info", "load_and_capture"]
 LOAD_MODE_AUTO = -1
 LOAD_MODE_NONE = 0
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
-_LOG_ERROR, _LOG_CONT = 3, 5  # ggml.h enum ggml_log_level
+_LOG_ERROR, _LOG_CONT = 4, 5  # ggml.h enum ggml_log_level (llama-cpp-python's _logger.py comment is stale)
 _TAIL = 4000  # characters of a crashed child's stderr/log kept in the error
 _ABORT_RE = re.compile(r"^\S+\.(?:c|cc|cpp|h):\d+: .+$", re.MULTILINE)
 
@@ -286,7 +286,7 @@ def _child_load(request: dict[str, Any], log_path: Path) -> dict[str, Any]:
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
         mparams.main_gpu = config.main_gpu
-        mparams.load_mode = LOAD_MODE_NONE if config.no_mmap else LOAD_MODE_AUTO
+        mparams.load_mode = LOAD_MODE_AUTO if config.mmap else LOAD_MODE_NONE
         mparams.use_extra_bufts = not config.no_repack
         keep_alive: list[Any] = []
         if config.tensor_split:

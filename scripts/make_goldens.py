@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Write tests/golden/cpu.json: the buffers the real llama.cpp allocates, CPU only, for a matrix of models × flags.
+
+Models come from fitter.demo_models: the tiny test shapes and "demo" as real files, and four real shapes as
+header-only sparse files (mmap on, --no-repack: nothing is read or written but the headers). Each flag list is
+parsed as llama-server flags (fitter.launch_config.parse_launch_flags) and loaded through
+fitter.llama_cpp_loader in a child process; the buffers llama.cpp logged are recorded.
+
+About a fifth of the cases are marked "held_out" (a fixed rule on the case id): they are for a held-out check
+of the estimator and must not be tuned against.
+
+    python scripts/make_goldens.py [--out tests/golden/cpu.json] [--jobs 2]
+
+Deterministic: the same llama.cpp build gives the same file (cases sorted by id, buffers in log order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fitter.demo_models import SHAPES, write_model
+from fitter.launch_config import parse_launch_flags
+from fitter.llama_cpp_loader import CaptureResult, llama_cpp_info, load_and_capture
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "tests" / "golden" / "cpu.json"
+
+# Small models: real files, a few MiB each (demo ~95 MB); sub-second loads.
+SMALL_MODELS = (
+    "gpt-oss-tiny", "qwen3moe-tiny", "qwen2moe-tiny", "mixtral-tiny", "llama-tiny", "qwen3-tiny",
+    "deepseek2-tiny", "demo",
+)
+# Real shapes: header-only sparse files (name -> shards).
+REAL_MODELS = {"gpt-oss-120b": 3, "gpt-oss-20b": 1, "qwen3-30b-a3b": 1, "mixtral-8x7b": 1}
+
+C4K = ["-c", "4096"]
+SMALL_FLAGS: dict[str, list[str]] = {
+    "default": [],  # -c 0: the training context
+    "c256": ["-c", "256"],  # -b and -ub clamp to the context
+    "c512": ["-c", "512"],
+    "c2048": ["-c", "2048"],
+    "c4096": C4K,
+    "c4097": ["-c", "4097"],  # padded to 4352
+    "c4096-b2048-ub128": [*C4K, "-b", "2048", "-ub", "128"],
+    "c4096-b2048-ub512": [*C4K, "-b", "2048", "-ub", "512"],
+    "c4096-b2048-ub1024": [*C4K, "-b", "2048", "-ub", "1024"],
+    "c4096-b4096-ub4096": [*C4K, "-b", "4096", "-ub", "4096"],
+    "c4096-b256-ub512": [*C4K, "-b", "256", "-ub", "512"],  # -ub clamps to -b
+    "c4096-kv-q8_0-fa-on": [*C4K, "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"],
+    "c4096-k-q4_0-fa-on": [*C4K, "-ctk", "q4_0", "-fa", "on"],
+    "c4096-v-q8_0-fa-auto": [*C4K, "-ctv", "q8_0"],
+    "c4096-fa-off": [*C4K, "-fa", "off"],
+    "c4096-np1": [*C4K, "-np", "1"],
+    "c4096-np2-no-kvu": [*C4K, "-np", "2", "--no-kv-unified"],
+    "c4096-np2-kvu": [*C4K, "-np", "2", "--kv-unified"],
+    "c1000-np3": ["-np", "3", "-c", "1000"],
+    "c4096-swa-full": [*C4K, "--swa-full"],
+    "c4096-nr": [*C4K, "-nr"],
+    "c4096-no-mmap": [*C4K, "--no-mmap"],
+    "c4096-no-mmap-nr": [*C4K, "--no-mmap", "-nr"],
+    "c4096-cmoe": [*C4K, "-cmoe"],  # CPU only: changes nothing, but must load
+    "c4096-ncmoe2": [*C4K, "-ncmoe", "2"],
+}
+# Only for one model: a buffer type this machine does not have (llama-server: "unknown buffer type").
+ERROR_FLAGS: dict[str, dict[str, list[str]]] = {
+    "gpt-oss-tiny": {"c4096-ot-cuda0": [*C4K, "-ot", r"\.ffn_up_exps=CUDA0"]},
+}
+REAL_FLAGS: dict[str, list[str]] = {
+    "c4096-nr": [*C4K, "-nr"],  # llama-server's defaults otherwise (4 slots, unified KV, -fa auto)
+    "c32768-nr-fa-off": ["-c", "32768", "-nr", "-fa", "off"],
+    "c4096-kv-q8_0-nr": [*C4K, "-ctk", "q8_0", "-ctv", "q8_0", "-nr"],
+}
+REAL_SWA_FLAGS: dict[str, list[str]] = {"c4096-nr-swa-full": [*C4K, "-nr", "--swa-full"]}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    model: str
+    flags: list[str]
+
+    @property
+    def held_out(self) -> bool:
+        # A fixed rule, independent of order and of which other cases exist: ~1 in 5.
+        return zlib.crc32(self.id.encode()) % 5 == 0
+
+
+def build_cases() -> list[Case]:
+    cases: list[Case] = []
+    for model in SMALL_MODELS:
+        flag_sets = {**SMALL_FLAGS, **ERROR_FLAGS.get(model, {})}
+        cases += [Case(f"{model}/{name}", model, flags) for name, flags in flag_sets.items()]
+    for model in REAL_MODELS:
+        flag_sets = {**REAL_FLAGS, **(REAL_SWA_FLAGS if SHAPES[model].sliding_window else {})}
+        cases += [Case(f"{model}/{name}", model, flags) for name, flags in flag_sets.items()]
+    return sorted(cases, key=lambda c: c.id)
+
+
+def write_models(folder: Path) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
+    paths: dict[str, Path] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    for name in SMALL_MODELS:
+        paths[name] = write_model(SHAPES[name], folder / f"{name}.gguf")[0]
+        meta[name] = {"shape": name, "n_shards": 1, "sparse": False}
+    for name, n_shards in REAL_MODELS.items():
+        paths[name] = write_model(SHAPES[name], folder / f"{name}.gguf", sparse=True, n_shards=n_shards)[0]
+        meta[name] = {"shape": name, "n_shards": n_shards, "sparse": True}
+    return paths, meta
+
+
+def run_case(case: Case, model_path: Path, folder: Path) -> tuple[dict[str, Any], CaptureResult]:
+    res = load_and_capture(model_path, parse_launch_flags(case.flags))
+    error = None if res.ok else (res.error or "unknown error").replace(str(folder), "<models>")
+    record = {
+        "id": case.id,
+        "model": case.model,
+        "flags": case.flags,
+        "held_out": case.held_out,
+        "outcome": "ok" if res.ok else "error",
+        "error": error,
+        "buffers": [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers],
+    }
+    return record, res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--jobs", type=int, default=2, help="parallel loads of the small models (default 2)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    info = llama_cpp_info()
+    cases = build_cases()
+    records: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="fitter-goldens-") as tmp:
+        folder = Path(tmp)
+        paths, models = write_models(folder)
+        print(f"wrote {len(paths)} models in {time.perf_counter() - t0:.1f} s; {len(cases)} cases", file=sys.stderr)
+        done = 0
+
+        def report(record: dict[str, Any], res: CaptureResult) -> None:
+            nonlocal done
+            done += 1
+            records[record["id"]] = record
+            status = "ok" if res.ok else f"ERROR {record['error'][:120]}"
+            print(f"[{done:3d}/{len(cases)}] {record['id']:<42} {res.seconds:6.2f} s  {status}", file=sys.stderr)
+
+        small = [c for c in cases if c.model not in REAL_MODELS]
+        real = [c for c in cases if c.model in REAL_MODELS]
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            for record, res in pool.map(lambda c: run_case(c, paths[c.model], folder), small):
+                report(record, res)
+        for case in real:  # one at a time: each maps tens of GB of file holes
+            report(*run_case(case, paths[case.model], folder))
+
+    golden: dict[str, Any] = {
+        "generated_by": "scripts/make_goldens.py",
+        "llama_cpp": {"version": info["version"], "system_info": info["system_info"]},
+        "models": dict(sorted(models.items())),
+        "cases": [records[c.id] for c in cases],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    n_err = sum(r["outcome"] == "error" for r in golden["cases"])
+    n_held = sum(r["held_out"] for r in golden["cases"])
+    print(
+        f"{len(cases)} cases ({len(cases) - n_err} ok, {n_err} error, {n_held} held out) "
+        f"in {time.perf_counter() - t0:.1f} s -> {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
