@@ -1,5 +1,11 @@
 """Compute buffers: the peak of llama.cpp's graph allocator, derived from each architecture's graph shapes.
 
+For the architectures in `fitter.graphs.GRAPH_ARCHS` with every layer on one backend, the worst-case graph is rebuilt
+node for node and ggml-alloc is replayed on it (fitter.graphs, fitter.ggml_graph): that matches llama.cpp to within
+1 % on every golden case. Otherwise (other architectures, layers split across devices) the phase model below gives
+the estimate.
+
+The phase model:
 llama.cpp sizes compute buffers by reserving the worst-case prompt graph (src/llama-context.cpp `sched_reserve`):
 n_tokens = min(n_ctx, n_ubatch), n_outputs = min(n_tokens, n_outputs_max) (llama-server: one per slot), every
 KV cell visible.
@@ -27,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fitter.devices import Device
+from fitter.graphs import GRAPH_ARCHS, GraphParams, graph_compute_bytes
 from fitter.launch_config import ContextParams
 from fitter.model_spec import ModelSpec
 
@@ -97,10 +104,24 @@ def _output_bytes(spec: ModelSpec, g: GraphShape) -> int:
 
 
 def compute_bytes_by_device(
-    spec: ModelSpec, ctx: ContextParams, layer_dev: tuple[Device | None, ...], kv_sizes: tuple[int, int]
+    spec: ModelSpec,
+    ctx: ContextParams,
+    layer_dev: tuple[Device | None, ...],
+    kv_sizes: tuple[int, int],
+    cache_types: tuple[str, str],
 ) -> dict[str, int]:
-    """Peak compute bytes per device name ("CPU" for the host), from the phases of the layers it runs."""
+    """Peak compute bytes per device name ("CPU" for the host)."""
     g = graph_shape(ctx, kv_sizes)
+    if spec.arch in GRAPH_ARCHS and all(d is None for d in layer_dev):
+        params = GraphParams(g.n_tokens, g.n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types)
+        return {"CPU": graph_compute_bytes(spec, params)}
+    return _phase_bytes_by_device(spec, ctx, layer_dev, g)
+
+
+def _phase_bytes_by_device(
+    spec: ModelSpec, ctx: ContextParams, layer_dev: tuple[Device | None, ...], g: GraphShape
+) -> dict[str, int]:
+    """Peak compute bytes per device from the live tensors of each phase of the layers it runs."""
     T = g.n_tokens
     names = [d.name if d is not None else "CPU" for d in layer_dev]
     base_inputs = T * I32 + T * I32 + g.n_outputs * I32  # tokens, positions, output ids

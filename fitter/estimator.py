@@ -277,11 +277,15 @@ def kv_buffers(
 
 
 def compute_buffers(
-    spec: ModelSpec, ctx: ContextParams, layer_dev: tuple[Device | None, ...], devices: tuple[Device, ...]
+    spec: ModelSpec,
+    ctx: ContextParams,
+    layer_dev: tuple[Device | None, ...],
+    devices: tuple[Device, ...],
+    cache_types: tuple[str, str],
 ) -> list[Buffer]:
     """One compute buffer per backend (src/llama-context.cpp: the CPU backend uses the first device's pinned host
     buffer type when it has one)."""
-    by_dev = compute_bytes_by_device(spec, ctx, layer_dev, kv_cache_sizes(spec, ctx))
+    by_dev = compute_bytes_by_device(spec, ctx, layer_dev, kv_cache_sizes(spec, ctx), cache_types)
     buffers = [Buffer(d.name, "compute", d.name, by_dev[d.name]) for d in devices if d.name in by_dev]
     host = next((d.profile.host_buft for d in devices if d.profile.host_buft), None)
     buffers.append(Buffer(host or CPU, "compute", CPU, by_dev[CPU]))
@@ -316,7 +320,7 @@ def estimate(
     placements = place_tensors(spec, config, devices, layer_dev, cpu)
     buffers = model_buffers(placements, config, devices)
     buffers += kv_buffers(spec, config, ctx, layer_dev)
-    buffers += compute_buffers(spec, ctx, layer_dev, devices)
+    buffers += compute_buffers(spec, ctx, layer_dev, devices, (config.cache_type_k, config.cache_type_v))
     buffers.append(output_buffer(spec, ctx, layer_dev))
     return MemoryPlan(
         model=spec,

@@ -104,11 +104,16 @@ class ModelSpec:
     n_swa: int  # sliding window, 0 = none
     swa_layers: tuple[bool, ...]  # per layer
     is_mla: bool
+    head_dim_k_mla: int  # per-head Q/K width of MLA before absorption (attention.key_length_mla)
+    head_dim_v_mla: int
     kv_lora_rank: int
     q_lora_rank: int
     n_rot: int
     n_vocab: int
     n_ctx_train: int
+    expert_gating: int  # llama_expert_gating_func_type: 0 none (arch default), 1 softmax, 2 sigmoid, 3 softmax_weight
+    expert_weights_norm: bool
+    expert_weights_scale: float
     tensors: tuple[TensorSpec, ...]
 
     @property
@@ -256,11 +261,16 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         n_swa=n_swa,
         swa_layers=_swa_layers(keys, arch, n_layer, n_swa),
         is_mla=is_mla,
+        head_dim_k_mla=keys.integer("attention.key_length_mla", 0),
+        head_dim_v_mla=keys.integer("attention.value_length_mla", 0),
         kv_lora_rank=keys.integer("attention.kv_lora_rank", 0),
         q_lora_rank=keys.integer("attention.q_lora_rank", 0),
         n_rot=keys.integer("rope.dimension_count", head_dim_k),
         n_vocab=_n_vocab(header, keys),
         n_ctx_train=keys.integer("context_length"),
+        expert_gating=keys.integer("expert_gating_func", 0),
+        expert_weights_norm=bool(keys._raw("expert_weights_norm") or False),
+        expert_weights_scale=float(keys._raw("expert_weights_scale") or 0.0),
         tensors=tensors,
     )
 

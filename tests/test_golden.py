@@ -53,3 +53,8 @@ def test_model_kv_and_output_buffers_match_llama_cpp_exactly(case: dict[str, Any
     est, gold = estimated(case), logged(case)
     exact = {k: v for k, v in gold.items() if k[1] != "compute"}
     assert {k: [round(x, 2) for x in v] for k, v in est.items() if k[1] != "compute"} == exact
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_compute_buffer_within_5_percent(case: dict[str, Any]) -> None:
+    est, gold = estimated(case), logged(case)
+    (e,), (g,) = est[("CPU", "compute")], gold[("CPU", "compute")]
+    assert abs(e - g) <= 0.05 * g, f"estimated {e:.2f} MiB, llama.cpp {g:.2f} MiB ({(e - g) / g:+.1%})"
