@@ -262,11 +262,6 @@ def kv_buffers(
             v_width = v_width_max if v_trans else spec.n_embd_v_gqa(il)
             tensors.append((config.cache_type_v, (v_width, cells, ctx.n_stream)))
         for type_name, ne in tensors:
-            if ne[0] % KV_CACHE_TYPES[type_name][0]:
-                raise LaunchConfigError(
-                    f"-ctk/-ctv {type_name}: layer {il}'s KV row of {ne[0]} is not a multiple of the type's block "
-                    f"{KV_CACHE_TYPES[type_name][0]}"
-                )
             n_bytes = row_bytes(type_name, ne[0]) * ne[1] * ne[2]
             caches[(is_swa, name)] += alloc_size(dev, type_name, ne, n_bytes)
     buffers = []
@@ -305,6 +300,25 @@ def output_buffer(spec: ModelSpec, ctx: ContextParams, layer_dev: tuple[Device |
     return Buffer(host or CPU, "output", CPU, size)
 
 
+def check_cache_types(spec: ModelSpec, config: LaunchConfig, ctx: ContextParams) -> None:
+    """The KV-type rules llama_init_from_model checks against the model (src/llama-context.cpp)."""
+    ctk, ctv = config.cache_type_k, config.cache_type_v
+    if spec.is_mla and ctk != ctv:
+        raise LaunchConfigError(
+            f"-ctk {ctk} -ctv {ctv}: {spec.arch} uses MLA, whose V lives inside the K cache, so llama.cpp requires "
+            "the same K and V cache type"
+        )
+    if not ctx.flash_attn:
+        return
+    for flag, type_name, head in (("-ctk", ctk, spec.head_dim_k), ("-ctv", ctv, spec.head_dim_v)):
+        block = KV_CACHE_TYPES[type_name][0]
+        if block > 1 and head % block:
+            raise LaunchConfigError(
+                f"{flag} {type_name}: its block of {block} does not divide the model's head size {head} "
+                "(llama.cpp refuses quantized caches that do not tile the heads)"
+            )
+
+
 def estimate(
     spec: ModelSpec,
     config: LaunchConfig,
@@ -313,11 +327,21 @@ def estimate(
 ) -> MemoryPlan:
     """Every buffer llama.cpp will allocate for this model, these flags and these devices."""
     ctx = resolve_context(config, spec.n_ctx_train)
+    check_cache_types(spec, config, ctx)
     warnings = list(ctx.warnings)
     if devices and config.n_gpu_layers == -1 and config.fit:
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
     layer_dev = layer_devices(spec, config, devices)
     placements = place_tensors(spec, config, devices, layer_dev, cpu)
+    host_weights = any(p.buft in (CPU, "CPU_REPACK") and p.tensor.role is not Role.EMBEDDING for p in placements)
+    if any(d.profile.op_offload for d in devices) and not config.no_op_offload and ctx.n_ubatch >= 32 and host_weights:
+        warnings.append(
+            "op offload: for batches of 32+ tokens llama.cpp copies CPU-resident weights to the GPU, growing its "
+            "compute buffer (llama.cpp issue #22319); those copies are not in this estimate until a CUDA golden run "
+            "validates them (--no-op-offload avoids them)"
+        )
+    if devices:
+        warnings.append("compute buffers with layers on a GPU come from fitter's phase model, not a graph replay")
     buffers = model_buffers(placements, config, devices)
     buffers += kv_buffers(spec, config, ctx, layer_dev)
     buffers += compute_buffers(spec, ctx, layer_dev, devices, (config.cache_type_k, config.cache_type_v))

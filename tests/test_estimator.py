@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fitter.devices import CPU_AVX2, CPU_NO_REPACK, parse_devices
@@ -87,3 +89,19 @@ def test_kv_bytes_of_gpt_oss_120b_q8_0() -> None:
     kv = [b.bytes for b in plan.buffers if b.kind == "kv"]
     row = 8 * 64 // 32 * 34  # 8 KV heads x 64 dims in q8_0 blocks
     assert kv == [18 * 2 * row * 32768, 18 * 2 * row * 768]  # full, then SWA: pad256(128 + 512)
+
+
+def test_mla_needs_equal_kv_types() -> None:
+    with pytest.raises(LaunchConfigError, match=r"-ctk q8_0 -ctv f16: deepseek2 uses MLA.*same K and V cache type"):
+        _plan("deepseek2-tiny", ["-ctk", "q8_0", "-fa", "on", "-c", "512"])
+    _, plan = _plan("deepseek2-tiny", ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-c", "512", "-np", "1"])
+    # K-only cache of 3 layers x (kv_lora 64 + rope 32) wide rows, no V
+    assert [b.bytes for b in plan.buffers if b.kind == "kv"] == [3 * (96 // 32 * 34) * 512]
+
+
+def test_quantized_cache_must_tile_the_heads() -> None:
+    spec = replace(load_model_spec(str(model_file("qwen3-tiny"))), head_dim_k=48)  # a 48-wide head
+    flags = ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-c", "512"]
+    with pytest.raises(LaunchConfigError, match=r"-ctk q8_0: its block of 32 does not divide the model's head size 48"):
+        estimate(spec, parse_launch_flags(flags))
+    estimate(spec, parse_launch_flags(["-c", "512"]))  # f16 caches have no blocks to tile

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from fitter.devices import CPU_AVX2
+from fitter.errors import LaunchConfigError
 from fitter.estimator import estimate
 from fitter.launch_config import parse_launch_flags
 from fitter.model_spec import ModelSpec, load_model_spec
@@ -58,3 +59,12 @@ def test_compute_buffer_within_5_percent(case: dict[str, Any]) -> None:
     est, gold = estimated(case), logged(case)
     (e,), (g,) = est[("CPU", "compute")], gold[("CPU", "compute")]
     assert abs(e - g) <= 0.05 * g, f"estimated {e:.2f} MiB, llama.cpp {g:.2f} MiB ({(e - g) / g:+.1%})"
+
+
+ERRORS = [c for c in GOLDEN["cases"] if c["outcome"] == "error"]
+
+
+@pytest.mark.parametrize("case", ERRORS, ids=[c["id"] for c in ERRORS])
+def test_configs_llama_cpp_refused_are_refused_before_loading(case: dict[str, Any]) -> None:
+    with pytest.raises(LaunchConfigError):
+        estimate(_spec(case["model"]), parse_launch_flags(case["flags"]), (), CPU_AVX2)
