@@ -171,7 +171,7 @@ def place_tensors(
         embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
         if embd is not None:
             tensors.append(TensorSpec("output.weight (tied token_embd)", embd.type, embd.ne, embd.n_bytes, None,
-                                      Role.OUTPUT, -1, embd.offset))
+                                      Role.OUTPUT, embd.shard, embd.offset))
     for t in tensors:
         buft = None
         for rule in config.overrides:
@@ -210,9 +210,8 @@ def model_buffers(placements: list[Placement], config: LaunchConfig, devices: tu
             # any other tensors lying between them (llama_model_loader::get_mapping_range).
             ranges: dict[int, tuple[int, int]] = {}
             for t in tensors:
-                shard = t.shard if t.shard >= 0 else 0
-                lo, hi = ranges.get(shard, (t.offset, t.offset + t.n_bytes))
-                ranges[shard] = (min(lo, t.offset), max(hi, t.offset + t.n_bytes))
+                lo, hi = ranges.get(t.shard, (t.offset, t.offset + t.n_bytes))
+                ranges[t.shard] = (min(lo, t.offset), max(hi, t.offset + t.n_bytes))
             for shard in sorted(ranges):
                 lo, hi = ranges[shard]
                 buffers.append(Buffer("CPU_Mapped", "model", CPU, hi - lo))
