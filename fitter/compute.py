@@ -6,9 +6,9 @@ node for node and ggml-alloc is replayed on it (fitter.graphs, fitter.ggml_graph
 below gives the estimate; it is not validated against llama.cpp (its errors on the CPU goldens were -38 % … +12 %
 before the graph replay replaced it there), and the estimate says so.
 
-The phase model. llama.cpp sizes compute buffers by reserving the worst-case prompt graph (src/llama-context.cpp `sched_reserve`):
-n_tokens = min(n_ctx, n_ubatch), n_outputs = min(n_tokens, n_outputs_max) (llama-server: one per slot), every
-KV cell visible.
+The phase model. llama.cpp sizes compute buffers by reserving the worst-case prompt graph
+(src/llama-context.cpp `sched_reserve`): n_tokens = min(n_ctx, n_ubatch), n_outputs = min(n_tokens, n_outputs_max)
+(llama-server: one per slot), every KV cell visible.
 ggml-alloc (ggml/src/ggml-alloc.c) then places each node in a buffer, frees a tensor after its last consumer and
 lets element-wise ops (add, mul, rms_norm, rope, soft_max, …) reuse their parent's memory. The buffer's size is the
 allocator's high-water mark. This module computes that high-water mark from the live tensors of each phase of the
