@@ -30,10 +30,11 @@ A device's buffer holds the phases of the layers placed on it; inputs are copied
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fitter.devices import Device
-from fitter.graphs import GRAPH_ARCHS, GraphParams, graph_compute_bytes
+from fitter.devices import CPU_ALIGNMENT, Device
+from fitter.graphs import GRAPH_ARCHS, BackendMap, GraphParams, graph_compute_bytes
 from fitter.launch_config import ContextParams
 from fitter.model_spec import ModelSpec
 
@@ -106,16 +107,33 @@ def _output_bytes(spec: ModelSpec, g: GraphShape) -> int:
 def compute_bytes_by_device(
     spec: ModelSpec,
     ctx: ContextParams,
+    devices: tuple[Device, ...],
     layer_dev: tuple[Device | None, ...],
+    weight_device: Mapping[str, str],
+    kv_on_cpu: bool,
     kv_sizes: tuple[int, int],
     cache_types: tuple[str, str],
 ) -> dict[str, int]:
-    """Peak compute bytes per device name ("CPU" for the host)."""
+    """Peak compute bytes per device name ("CPU" for the host); weight_device maps tensor names to device names."""
     g = graph_shape(ctx, kv_sizes)
-    if spec.arch in GRAPH_ARCHS and all(d is None for d in layer_dev):
-        params = GraphParams(g.n_tokens, g.n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types)
-        return {"CPU": graph_compute_bytes(spec, params)}
-    return _phase_bytes_by_device(spec, ctx, layer_dev, g)
+    if spec.arch not in GRAPH_ARCHS:
+        return _phase_bytes_by_device(spec, ctx, layer_dev, g)
+    index = {d.name: i for i, d in enumerate(devices)}
+    cpu = len(devices)
+    backends = BackendMap(
+        n_backends=cpu + 1,
+        weight_backend={name: index.get(dev, cpu) for name, dev in weight_device.items()},
+        layer_backend=tuple(index[d.name] if d is not None else cpu for d in layer_dev),
+        kv_on_cpu=kv_on_cpu,
+        full_offload=bool(devices) and all(d is not None for d in layer_dev),
+    )
+    alignments = (*(d.profile.alignment for d in devices), CPU_ALIGNMENT)
+    # sched_reserve reserves the prompt graph and the one-token-per-sequence graph; buffers only ever grow.
+    peaks = [0] * (cpu + 1)
+    for n_tokens, n_outputs in ((g.n_tokens, g.n_outputs), (ctx.n_seq_max, ctx.n_seq_max)):
+        params = GraphParams(n_tokens, n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types, backends)
+        peaks = [max(a, b) for a, b in zip(peaks, graph_compute_bytes(spec, params, alignments), strict=True)]
+    return {**{d.name: peaks[i] for i, d in enumerate(devices)}, "CPU": peaks[cpu]}
 
 
 def _phase_bytes_by_device(

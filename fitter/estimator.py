@@ -14,6 +14,7 @@ from fitter._gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from fitter.compute import compute_bytes_by_device
 from fitter.devices import CPU_ALIGNMENT, CPU_AVX2, CpuProfile, Device
 from fitter.errors import LaunchConfigError
+from fitter.graphs import GRAPH_ARCHS
 from fitter.launch_config import KV_CACHE_TYPES, ContextParams, LaunchConfig, resolve_context
 from fitter.model_spec import ModelSpec, Role, TensorSpec
 
@@ -272,14 +273,19 @@ def kv_buffers(
 
 def compute_buffers(
     spec: ModelSpec,
+    config: LaunchConfig,
     ctx: ContextParams,
     layer_dev: tuple[Device | None, ...],
     devices: tuple[Device, ...],
-    cache_types: tuple[str, str],
+    placements: list[Placement],
 ) -> list[Buffer]:
     """One compute buffer per backend (src/llama-context.cpp: the CPU backend uses the first device's pinned host
     buffer type when it has one)."""
-    by_dev = compute_bytes_by_device(spec, ctx, layer_dev, kv_cache_sizes(spec, ctx), cache_types)
+    weight_device = {p.tensor.name: p.buft for p in placements}
+    by_dev = compute_bytes_by_device(
+        spec, ctx, devices, layer_dev, weight_device, config.no_kv_offload, kv_cache_sizes(spec, ctx),
+        (config.cache_type_k, config.cache_type_v),
+    )
     buffers = [Buffer(d.name, "compute", d.name, by_dev[d.name]) for d in devices if d.name in by_dev]
     host = next((d.profile.host_buft for d in devices if d.profile.host_buft), None)
     buffers.append(Buffer(host or CPU, "compute", CPU, by_dev[CPU]))
@@ -339,11 +345,11 @@ def estimate(
             "compute buffer (llama.cpp issue #22319); those copies are not in this estimate until a CUDA golden run "
             "validates them (--no-op-offload avoids them)"
         )
-    if devices:
-        warnings.append("compute buffers with layers on a GPU come from fitter's phase model, not a graph replay")
+    if devices and spec.arch not in GRAPH_ARCHS:
+        warnings.append(f"{spec.arch}: compute buffers come from fitter's phase model, not a graph replay")
     buffers = model_buffers(placements, config, devices)
     buffers += kv_buffers(spec, config, ctx, layer_dev)
-    buffers += compute_buffers(spec, ctx, layer_dev, devices, (config.cache_type_k, config.cache_type_v))
+    buffers += compute_buffers(spec, config, ctx, layer_dev, devices, placements)
     buffers.append(output_buffer(spec, ctx, layer_dev))
     return MemoryPlan(
         model=spec,

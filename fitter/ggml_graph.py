@@ -10,6 +10,7 @@ a parent they are the last consumer of. The buffer llama.cpp logs is that alloca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fitter._gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -41,6 +42,11 @@ class Tensor:
     is_input: bool = False
     is_output: bool = False
     name: str = ""
+    # Scheduling (fitter.sched): where a tensor with data lives, whether it is a weight (buffer usage WEIGHTS, as
+    # opposed to a KV cache), and a backend llama.cpp pins a node to (ggml_backend_sched_set_tensor_backend).
+    backend: int = -1
+    is_weight: bool = False
+    pinned: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -78,10 +84,12 @@ def new(type_name: str, *ne: int, op: str = "NONE", src: tuple[Tensor | None, ..
     return Tensor(type_name, ne4, contiguous_strides(type_name, ne4), op, src, name=name)
 
 
-def data_tensor(type_name: str, *ne: int, name: str = "") -> Tensor:
+def data_tensor(type_name: str, *ne: int, name: str = "", backend: int = -1, weight: bool = True) -> Tensor:
     """A weight or a KV cache tensor: it has memory of its own, outside the compute buffer."""
     t = new(type_name, *ne, name=name)
     t.has_data = True
+    t.backend = backend
+    t.is_weight = weight
     return t
 
 
@@ -275,6 +283,7 @@ class _Hash:
     n_children: int = 0
     n_views: int = 0
     allocated: bool = False
+    buffer: int = 0
     offset: int = -1
 
 
@@ -288,7 +297,13 @@ def _same_layout(a: Tensor, b: Tensor) -> bool:
 
 def allocate(graph: Graph, alignment: int) -> int:
     """Peak bytes of ggml_gallocr_alloc_graph_impl over this graph: the compute buffer size."""
-    alloc = _DynAllocator(alignment)
+    return allocate_buffers(graph, [alignment], lambda t: 0)[0]
+
+
+def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[Tensor], int]) -> list[int]:
+    """ggml_gallocr with one buffer per backend: the peak bytes of each. `buffer_of` gives a tensor's buffer
+    (ggml-alloc takes it from node_buffer_ids / leaf_buffer_ids, which the scheduler fills with backends)."""
+    allocs = [_DynAllocator(a) for a in alignments]
     info: dict[int, _Hash] = {}
 
     def h(t: Tensor) -> _Hash:
@@ -297,7 +312,7 @@ def allocate(graph: Graph, alignment: int) -> int:
             hn = info[id(t)] = _Hash()
         return hn
 
-    def allocate_node(node: Tensor) -> None:
+    def allocate_node(node: Tensor, buffer_id: int) -> None:
         hn = h(node)
         if node.has_data or hn.allocated or _is_view(node):
             return
@@ -312,43 +327,43 @@ def allocate(graph: Graph, alignment: int) -> int:
                 if not p_hn.allocated or parent.is_output or not _same_layout(node, parent):
                     continue
                 if p_hn.n_children == 1 and p_hn.n_views == 0:
-                    hn.offset = p_hn.offset
+                    hn.buffer, hn.offset = p_hn.buffer, p_hn.offset
                     p_hn.allocated = False
-                    _free_extra(parent, node, hn.offset)
+                    alloc = allocs[hn.buffer]
+                    p_size, n_size = alloc._align(parent.nbytes), alloc._align(node.nbytes)
+                    if p_size > n_size:  # ggml_gallocr_free_extra_space
+                        alloc.free(hn.offset + n_size, p_size - n_size)
                     return
-        hn.offset = alloc.alloc(node.nbytes)
-
-    def _free_extra(parent: Tensor, node: Tensor, offset: int) -> None:
-        p_size, n_size = alloc._align(parent.nbytes), alloc._align(node.nbytes)
-        if p_size > n_size:
-            alloc.free(offset + n_size, p_size - n_size)
+        hn.buffer = buffer_id
+        hn.offset = allocs[buffer_id].alloc(node.nbytes)
 
     def free_node(node: Tensor) -> None:
         if node.is_output:
             return
         hn = h(node)
-        alloc.free(hn.offset, node.nbytes)
+        allocs[hn.buffer].free(hn.offset, node.nbytes)
         hn.allocated = False
 
     for leaf in graph.leafs:
-        allocate_node(leaf)
+        allocate_node(leaf, buffer_of(leaf))
     for node in graph.nodes:
         if _is_view(node) and node.op != "NONE":
             assert node.view_src is not None
             h(node.view_src).n_views += 1
         if node.is_input:
-            allocate_node(node)
+            allocate_node(node, buffer_of(node))
         for s in node.src:
             if s is None:
                 continue
             h(s).n_children += 1
             if s.is_input:
-                allocate_node(s)
+                allocate_node(s, buffer_of(node))
     for node in graph.nodes:
+        buffer_id = buffer_of(node)
         for parent in node.src:
             if parent is not None:
-                allocate_node(parent)
-        allocate_node(node)
+                allocate_node(parent, buffer_id)
+        allocate_node(node, buffer_id)
         for parent in node.src:
             if parent is None:
                 continue
@@ -364,4 +379,4 @@ def allocate(graph: Graph, alignment: int) -> int:
                         free_node(root)
                 elif p_hn.allocated:
                     free_node(parent)
-    return alloc.max_size
+    return [a.max_size for a in allocs]

@@ -12,7 +12,8 @@ n_outputs = min(n_tokens, n_outputs_max) and every KV cell visible.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from fitter import ggml_graph as g
 from fitter.ggml_graph import Graph, Tensor
@@ -24,6 +25,24 @@ GRAPH_ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "qwen3", "llama", "deepseek2")
 
 
 @dataclass(frozen=True)
+class BackendMap:
+    """Where tensors live, as ggml_backend_sched backend indices: devices first, the CPU last."""
+
+    n_backends: int = 1
+    weight_backend: Mapping[str, int] = field(default_factory=dict)  # tensor name → backend; missing = CPU
+    layer_backend: tuple[int, ...] = ()  # per layer; empty = all on the CPU
+    kv_on_cpu: bool = False  # -nkvo
+    full_offload: bool = False  # every layer and the output on devices (llama_context::graph_get_cb)
+
+    @property
+    def cpu(self) -> int:
+        return self.n_backends - 1
+
+    def layer(self, il: int) -> int:
+        return self.layer_backend[il] if self.layer_backend else self.cpu
+
+
+@dataclass(frozen=True)
 class GraphParams:
     n_tokens: int
     n_outputs: int
@@ -32,6 +51,7 @@ class GraphParams:
     flash_attn: bool
     type_k: str
     type_v: str
+    backends: BackendMap = field(default_factory=BackendMap)
 
 
 class _Builder:
@@ -50,7 +70,8 @@ class _Builder:
         t = self.shapes.get(name)
         if t is None:
             return None
-        return g.data_tensor(t.type, *t.ne, name=name)
+        bm = self.p.backends
+        return g.data_tensor(t.type, *t.ne, name=name, backend=bm.weight_backend.get(name, bm.cpu))
 
     def weight(self, name: str) -> Tensor:
         t = self.w(name)
@@ -62,10 +83,11 @@ class _Builder:
         """The layer's K or V cache as llama_kv_cache allocates it: {width, cells, streams}."""
         spec, p = self.spec, self.p
         cells = p.n_kv[1] if spec.swa_layers[il] else p.n_kv[0]
+        backend = p.backends.cpu if p.backends.kv_on_cpu else p.backends.layer(il)
         if kind == "k":
-            return g.data_tensor(_kv(p.type_k), spec.n_embd_k_gqa(il), cells, p.n_stream)
+            return g.data_tensor(_kv(p.type_k), spec.n_embd_k_gqa(il), cells, p.n_stream, backend=backend, weight=False)
         width = self.v_width if self.v_trans else spec.n_embd_v_gqa(il)
-        return g.data_tensor(_kv(p.type_v), width, cells, p.n_stream)
+        return g.data_tensor(_kv(p.type_v), width, cells, p.n_stream, backend=backend, weight=False)
 
     # --- inputs (src/llama-graph.cpp, src/llama-kv-cache.cpp) ---
 
@@ -103,6 +125,10 @@ class _Builder:
 
     def norm(self, x: Tensor, weight: str | None) -> Tensor:
         cur = g.dup_op("RMS_NORM", x)
+        bm = self.p.backends
+        if weight and weight.startswith("blk.") and (self.T < 32 or bm.full_offload):
+            # graph_get_cb pins each layer's "norm" to the layer's device for small batches or full offload
+            cur.pinned = bm.layer(int(weight.split(".")[1]))
         w = self.w(weight) if weight else None
         if w is not None:
             cur = g.dup_op("MUL", cur, w)
@@ -183,6 +209,8 @@ class _Builder:
             kqv = g.mul_mat(vp, kq)
             cur = g.permute(kqv, 0, 2, 1, 3)
             cur = g.cont(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+            if p.backends.kv_on_cpu:
+                cur.pinned = p.backends.cpu  # "all nodes between the KV store and the attention output" on CPU
         self.gf.expand(cur)
         if self.v_rot is not None:
             cur = self.hadamard(cur, self.v_rot)
@@ -245,6 +273,8 @@ class _Builder:
             kqv = g.mul_mat(v_mla, g.mul_mat(v_t, kq))
             cur = g.permute(kqv, 0, 2, 1, 3)
             cur = g.cont(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+            if p.backends.kv_on_cpu:
+                cur.pinned = p.backends.cpu
         self.gf.expand(cur)
         return self.mm(pre + "attn_output.weight", cur)
 
@@ -403,6 +433,12 @@ def build_graph(spec: ModelSpec, p: GraphParams) -> Graph:
     return b.gf
 
 
-def graph_compute_bytes(spec: ModelSpec, p: GraphParams, alignment: int = 32) -> int:
-    """The CPU compute buffer llama.cpp reserves for this graph (all layers on one backend)."""
-    return g.allocate(build_graph(spec, p), alignment)
+def graph_compute_bytes(spec: ModelSpec, p: GraphParams, alignments: tuple[int, ...] = (32,)) -> list[int]:
+    """The compute buffer llama.cpp reserves on each backend (devices first, the CPU last) for this graph."""
+    from fitter.sched import schedule
+
+    graph = build_graph(spec, p)
+    if p.backends.n_backends == 1:
+        return [g.allocate(graph, alignments[0])]
+    copy, backend_of = schedule(graph, p.backends.n_backends)
+    return g.allocate_buffers(copy, list(alignments), backend_of)
