@@ -82,6 +82,14 @@ def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:
     return 0
 
 
+def cmd_probe(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.probe import probe, probe_json, probe_table
+
+    result = probe()
+    print(json.dumps(probe_json(result), indent=1) if ns.json else probe_table(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fitter.launch_config import SERVER_DEFAULTS_HELP, add_launch_arguments
 
@@ -112,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sparse", action="store_true", help="header only; the data region is a hole")
     demo.add_argument("--shards", type=int, default=1)
     demo.set_defaults(func=cmd_demo_model)
+
+    probe = sub.add_parser("probe", help="report this machine's GPUs, CPU, RAM and llama.cpp build",
+                           description="Report what this machine offers llama.cpp: NVIDIA GPUs (NVML), CPU topology "
+                           "and ISA, RAM, and the installed llama-cpp-python build.")
+    probe.add_argument("--json", action="store_true", help="machine-readable output (shape: fitter/probe.py)")
+    probe.set_defaults(func=cmd_probe)
     return parser
 
 
