@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fitter.devices import CPU_ALIGNMENT, Device
-from fitter.graphs import GRAPH_ARCHS, BackendMap, GraphParams, graph_compute_bytes
+from fitter.graphs import GRAPH_ARCHS, BackendMap, GraphParams, flash_attn_devices_match, graph_compute_bytes
 from fitter.launch_config import ContextParams
 from fitter.model_spec import ModelSpec
 
@@ -59,7 +59,7 @@ def _input_bytes(spec: ModelSpec, ctx: ContextParams, g: GraphShape, swa_layers:
     """Graph inputs read by the given kinds of layer (full attention: False, sliding window: True)."""
     T = g.n_tokens
     mask_elt = 2 if ctx.flash_attn else F32
-    v_idx = T * (1 if ctx.flash_attn else max(spec.n_embd_v_gqa(il) for il in range(spec.n_layer)))
+    v_idx = T * (max(spec.n_embd_v_gqa(il) for il in range(spec.n_layer)) if ctx.v_trans else 1)
     total = 0
     for is_swa in swa_layers:
         n_kv = g.n_kv[1] if is_swa else g.n_kv[0]
@@ -104,34 +104,53 @@ def _output_bytes(spec: ModelSpec, g: GraphShape) -> int:
     return 2 * spec.n_embd * g.n_tokens * F32 + spec.n_vocab * g.n_outputs * F32
 
 
-def compute_bytes_by_device(
-    spec: ModelSpec,
-    ctx: ContextParams,
-    devices: tuple[Device, ...],
-    layer_dev: tuple[Device | None, ...],
-    weight_device: Mapping[str, str],
-    kv_on_cpu: bool,
-    kv_sizes: tuple[int, int],
-    cache_types: tuple[str, str],
-) -> dict[str, int]:
-    """Peak compute bytes per device name ("CPU" for the host); weight_device maps tensor names to device names."""
-    g = graph_shape(ctx, kv_sizes)
-    if spec.arch not in GRAPH_ARCHS:
-        return _phase_bytes_by_device(spec, ctx, layer_dev, g)
+def backend_map(
+    devices: tuple[Device, ...], layer_dev: tuple[Device | None, ...], weight_device: Mapping[str, str], kv_on_cpu: bool
+) -> BackendMap:
+    """ggml_backend_sched's view of a placement: devices are backends 0…n-1, the CPU is backend n."""
     index = {d.name: i for i, d in enumerate(devices)}
     cpu = len(devices)
-    backends = BackendMap(
+    return BackendMap(
         n_backends=cpu + 1,
         weight_backend={name: index.get(dev, cpu) for name, dev in weight_device.items()},
         layer_backend=tuple(index[d.name] if d is not None else cpu for d in layer_dev),
         kv_on_cpu=kv_on_cpu,
         full_offload=bool(devices) and all(d is not None for d in layer_dev),
     )
+
+
+def auto_flash_attn_mismatch(
+    spec: ModelSpec, ctx: ContextParams, backends: BackendMap, kv_sizes: tuple[int, int], cache_types: tuple[str, str]
+) -> int | None:
+    """The first layer whose flash-attention op llama.cpp would place off the layer's device under `-fa auto`
+    (then it turns flash attention off for the whole context), or None."""
+    if not ctx.auto_fa or backends.n_backends == 1 or spec.arch not in GRAPH_ARCHS:
+        return None
+    n = ctx.n_seq_max  # the probe graph: one token per sequence
+    params = GraphParams(n, n, kv_sizes, ctx.n_stream, True, *cache_types, backends, ctx.v_trans)
+    return flash_attn_devices_match(spec, params)
+
+
+def compute_bytes_by_device(
+    spec: ModelSpec,
+    ctx: ContextParams,
+    devices: tuple[Device, ...],
+    layer_dev: tuple[Device | None, ...],
+    backends: BackendMap,
+    kv_sizes: tuple[int, int],
+    cache_types: tuple[str, str],
+) -> dict[str, int]:
+    """Peak compute bytes per device name ("CPU" for the host)."""
+    g = graph_shape(ctx, kv_sizes)
+    if spec.arch not in GRAPH_ARCHS:
+        return _phase_bytes_by_device(spec, ctx, layer_dev, g)
+    cpu = len(devices)
     alignments = (*(d.profile.alignment for d in devices), CPU_ALIGNMENT)
     # sched_reserve reserves the prompt graph and the one-token-per-sequence graph; buffers only ever grow.
     peaks = [0] * (cpu + 1)
     for n_tokens, n_outputs in ((g.n_tokens, g.n_outputs), (ctx.n_seq_max, ctx.n_seq_max)):
-        params = GraphParams(n_tokens, n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types, backends)
+        params = GraphParams(n_tokens, n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types, backends,
+                             ctx.v_trans)
         peaks = [max(a, b) for a, b in zip(peaks, graph_compute_bytes(spec, params, alignments), strict=True)]
     return {**{d.name: peaks[i] for i, d in enumerate(devices)}, "CPU": peaks[cpu]}
 

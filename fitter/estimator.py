@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fitter._gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from fitter.compute import compute_bytes_by_device
+from fitter.compute import auto_flash_attn_mismatch, backend_map, compute_bytes_by_device
 from fitter.devices import CPU_ALIGNMENT, CPU_AVX2, CpuProfile, Device
 from fitter.errors import LaunchConfigError
-from fitter.graphs import GRAPH_ARCHS
+from fitter.graphs import GRAPH_ARCHS, BackendMap
 from fitter.launch_config import KV_CACHE_TYPES, ContextParams, LaunchConfig, resolve_context
 from fitter.model_spec import ModelSpec, Role, TensorSpec
 
@@ -244,7 +244,7 @@ def kv_buffers(
     spec: ModelSpec, config: LaunchConfig, ctx: ContextParams, layer_dev: tuple[Device | None, ...]
 ) -> list[Buffer]:
     size_base, size_swa = kv_cache_sizes(spec, ctx)
-    v_trans = not ctx.flash_attn
+    v_trans = ctx.v_trans
     v_width_max = max(spec.n_embd_v_gqa(il) for il in range(spec.n_layer))
     # One cache per kind (base, swa), one buffer per buffer type within it, in name order (std::map by name).
     caches: dict[tuple[bool, str], int] = defaultdict(int)
@@ -273,19 +273,15 @@ def kv_buffers(
 
 def compute_buffers(
     spec: ModelSpec,
-    config: LaunchConfig,
     ctx: ContextParams,
     layer_dev: tuple[Device | None, ...],
     devices: tuple[Device, ...],
-    placements: list[Placement],
+    backends: BackendMap,
+    cache_types: tuple[str, str],
 ) -> list[Buffer]:
     """One compute buffer per backend (src/llama-context.cpp: the CPU backend uses the first device's pinned host
     buffer type when it has one)."""
-    weight_device = {p.tensor.name: p.buft for p in placements}
-    by_dev = compute_bytes_by_device(
-        spec, ctx, devices, layer_dev, weight_device, config.no_kv_offload, kv_cache_sizes(spec, ctx),
-        (config.cache_type_k, config.cache_type_v),
-    )
+    by_dev = compute_bytes_by_device(spec, ctx, devices, layer_dev, backends, kv_cache_sizes(spec, ctx), cache_types)
     buffers = [Buffer(d.name, "compute", d.name, by_dev[d.name]) for d in devices if d.name in by_dev]
     host = next((d.profile.host_buft for d in devices if d.profile.host_buft), None)
     buffers.append(Buffer(host or CPU, "compute", CPU, by_dev[CPU]))
@@ -347,9 +343,18 @@ def estimate(
         )
     if devices and spec.arch not in GRAPH_ARCHS:
         warnings.append(f"{spec.arch}: compute buffers come from fitter's phase model, not a graph replay")
+    cache_types = (config.cache_type_k, config.cache_type_v)
+    backends = backend_map(devices, layer_dev, {p.tensor.name: p.buft for p in placements}, config.no_kv_offload)
+    bad_layer = auto_flash_attn_mismatch(spec, ctx, backends, kv_cache_sizes(spec, ctx), cache_types)
+    if bad_layer is not None:
+        ctx = replace(ctx, flash_attn=False)
+        warnings.append(
+            f"-fa auto: layer {bad_layer}'s flash attention would run off the layer's device, so llama.cpp turns "
+            "flash attention off (its V cache stays untransposed); pin it with -fa on or off"
+        )
     buffers = model_buffers(placements, config, devices)
     buffers += kv_buffers(spec, config, ctx, layer_dev)
-    buffers += compute_buffers(spec, config, ctx, layer_dev, devices, placements)
+    buffers += compute_buffers(spec, ctx, layer_dev, devices, backends, cache_types)
     buffers.append(output_buffer(spec, ctx, layer_dev))
     return MemoryPlan(
         model=spec,

@@ -52,6 +52,7 @@ class GraphParams:
     type_k: str
     type_v: str
     backends: BackendMap = field(default_factory=BackendMap)
+    v_trans: bool | None = None  # V cache transposed; None: as flash attention implies
 
 
 class _Builder:
@@ -61,7 +62,7 @@ class _Builder:
         self.names = {t.name for t in spec.tensors}
         self.shapes = {t.name: t for t in spec.tensors}
         self.T = p.n_tokens
-        self.v_trans = not p.flash_attn
+        self.v_trans = (not p.flash_attn) if p.v_trans is None else p.v_trans
         self.v_width = max(spec.n_embd_v_gqa(il) for il in range(spec.n_layer))
 
     # --- tensors that exist outside the compute buffer ---
@@ -202,10 +203,13 @@ class _Builder:
             if self.v_trans:
                 vp = g.transpose(vp)
             cur = g.flash_attn_ext(qp, kp, vp, mask, sinks)
+            cur.name = f"fa-{il}"
             cur = g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
         else:
             kq = g.mul_mat(kp, qp)
             kq = g.dup_op("SOFT_MAX", kq, mask, sinks)
+            if not self.v_trans:  # a cache made for flash attention, used without it ("avoid this branch")
+                vp = g.cont(g.transpose(vp))
             kqv = g.mul_mat(vp, kq)
             cur = g.permute(kqv, 0, 2, 1, 3)
             cur = g.cont(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
@@ -264,6 +268,7 @@ class _Builder:
         v_mla = self.weight(pre + "attn_v_b.weight")
         if p.flash_attn:
             cur = g.flash_attn_ext(qp, kp, vp, mask, None)
+            cur.name = f"fa-{il}"
             cur = g.mul_mat(v_mla, g.permute(cur, 0, 2, 1, 3))
             cur = g.cont(g.permute(cur, 0, 2, 1, 3))
             cur = g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
@@ -431,6 +436,23 @@ def build_graph(spec: ModelSpec, p: GraphParams) -> Graph:
         inp.is_output = True  # res->t_h_nextn: the last layer's output is kept (src/models/openai-moe.cpp)
     b.output(inp, rows_before=arch == "gpt-oss")
     return b.gf
+
+
+def flash_attn_devices_match(spec: ModelSpec, p: GraphParams) -> int | None:
+    """llama_context::resolve_fused_ops for `-fa auto`: schedule the one-token-per-sequence graph with flash
+    attention and check every layer's FA op runs on the layer's device. Returns the first layer that does not."""
+    from fitter.sched import schedule
+
+    graph = build_graph(spec, p)
+    if p.backends.n_backends == 1:
+        return None
+    _, backend_of = schedule(graph, p.backends.n_backends)
+    for node in graph.nodes:
+        if node.op == "FLASH_ATTN_EXT" and node.name.startswith("fa-"):
+            il = int(node.name[3:])
+            if backend_of(node) != p.backends.layer(il):
+                return il
+    return None
 
 
 def graph_compute_bytes(spec: ModelSpec, p: GraphParams, alignments: tuple[int, ...] = (32,)) -> list[int]:

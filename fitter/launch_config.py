@@ -99,7 +99,9 @@ class ContextParams:
     n_batch: int
     n_ubatch: int
     n_outputs_max: int  # llama-server reserves logits for one output per slot (server_output_limits)
-    flash_attn: bool
+    flash_attn: bool  # as the graph is built; `-fa auto` may still be turned off by the estimator's probe
+    auto_fa: bool  # -fa auto with an unquantized V: llama.cpp probes the graph's devices (resolve_fused_ops)
+    v_trans: bool  # V cache stored transposed: fixed when the cache is made, i.e. only with -fa off
     swa_full: bool
     warnings: tuple[str, ...]
 
@@ -133,7 +135,10 @@ def resolve_context(config: LaunchConfig, n_ctx_train: int) -> ContextParams:
                 f"({n_ctx_seq} per slot)"
             )
             n_ctx = n_ctx_seq * n_seq_max
-    flash_attn = config.flash_attn != "off"  # auto resolves to on for CPU, CUDA and RPC devices
+    # src/llama-context.cpp: a quantized V forces -fa auto to on; otherwise auto starts on (so the KV cache is made
+    # for flash attention, V not transposed) and is turned off if the probe finds an FA op off its layer's device.
+    flash_attn = config.flash_attn != "off"
+    auto_fa = config.flash_attn == "auto" and KV_CACHE_TYPES[config.cache_type_v][0] == 1
     return ContextParams(
         n_ctx=n_ctx,
         n_ctx_seq=n_ctx_seq,
@@ -145,6 +150,8 @@ def resolve_context(config: LaunchConfig, n_ctx_train: int) -> ContextParams:
         # min(n_batch, n_parallel * (1 + n_draft)), no speculative decoding here.
         n_outputs_max=min(n_batch, n_seq_max),
         flash_attn=flash_attn,
+        auto_fa=auto_fa,
+        v_trans=not flash_attn,
         swa_full=config.swa_full,
         warnings=tuple(warnings),
     )

@@ -1,5 +1,10 @@
 #!/usr/bin/env python
-"""Write tests/golden/cpu.json: the buffers the real llama.cpp allocates, CPU only, for a matrix of models × flags.
+"""Write tests/golden/cpu.json (or rpc.json): the buffers the real llama.cpp allocates for models × flags.
+
+`--device cpu` (default): CPU only. `--device rpc`: with fitter's emulated GPU (an RPC device on 127.0.0.1 whose
+cap is large enough never to refuse), so layers, KV and compute land on a GPU-type device; its buffers are
+recorded under the canonical name RPC0[127.0.0.1:50052] whatever port the run used, and `{rpc}` in a flag list
+stands for that device.
 
 Models come from fitter.demo_models: the tiny test shapes and "demo" as real files, and four real shapes as
 header-only sparse files (mmap on, --no-repack: nothing is read or written but the headers). Each flag list is
@@ -9,7 +14,7 @@ fitter.llama_cpp_loader in a child process; the buffers llama.cpp logged are rec
 About a fifth of the cases are marked "held_out" (a fixed rule on the case id): they are for a held-out check
 of the estimator and must not be tuned against.
 
-    python scripts/make_goldens.py [--out tests/golden/cpu.json] [--jobs 2]
+    python scripts/make_goldens.py [--device cpu|rpc] [--out tests/golden/cpu.json] [--jobs 2]
 
 Deterministic: the same llama.cpp build gives the same file (cases sorted by id, buffers in log order).
 """
@@ -81,6 +86,37 @@ REAL_FLAGS: dict[str, list[str]] = {
 }
 REAL_SWA_FLAGS: dict[str, list[str]] = {"c4096-nr-swa-full": [*C4K, "-nr", "--swa-full"]}
 
+# The emulated GPU: every flag list gets `--rpc <endpoint>`; {rpc} is the device's buffer type name.
+CANONICAL_RPC = "127.0.0.1:50052"
+ALL = [*C4K, "-ngl", "all"]
+RPC_FLAGS: dict[str, list[str]] = {
+    "ngl-all": ALL,
+    "ngl-1": [*C4K, "-ngl", "1"],  # only the output layer
+    "ngl-2": [*C4K, "-ngl", "2"],
+    "ngl-0-ot-layer0": [*C4K, "-ngl", "0", "-ot", r"blk\.0\.=" + "{rpc}"],
+    "ngl-all-cmoe": [*ALL, "-cmoe"],
+    "ngl-all-cmoe-nr": [*ALL, "-cmoe", "-nr"],
+    "ngl-all-ncmoe1": [*ALL, "-ncmoe", "1"],
+    "ngl-all-ot-up-gate1": [*ALL, "-ot", r"blk\.1\.ffn_(up|gate)(_exps)?\.=CPU"],
+    "ngl-all-nkvo": [*ALL, "-nkvo"],
+    "ngl-all-nkvo-fa-off": [*ALL, "-nkvo", "-fa", "off"],
+    "ngl-all-ub128": [*ALL, "-ub", "128"],
+    "ngl-all-b4096-ub4096": [*ALL, "-b", "4096", "-ub", "4096"],
+    "ngl-all-c512": ["-c", "512", "-ngl", "all"],
+    "ngl-all-kv-q8_0-fa-on": [*ALL, "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"],
+    "ngl-all-fa-off": [*ALL, "-fa", "off"],
+    "ngl-all-np1": [*ALL, "-np", "1"],
+    "ngl-all-np2-no-kvu": [*ALL, "-np", "2", "--no-kv-unified"],
+    "ngl-all-swa-full": [*ALL, "--swa-full"],
+    "ngl-all-no-mmap": [*ALL, "--no-mmap"],
+    "ngl-1-cmoe-ub1024": [*C4K, "-ngl", "1", "-cmoe", "-ub", "1024"],
+}
+# Real shapes on the emulated GPU: dense weights on the device (their holes are read and sent), experts mapped.
+REAL_RPC_FLAGS: dict[str, dict[str, list[str]]] = {
+    "gpt-oss-20b": {"ngl-all-cmoe-nr-c8192": ["-c", "8192", "-ngl", "all", "-cmoe", "-nr"]},
+    "qwen3-30b-a3b": {"ngl-all-ncmoe44-nr-c8192": ["-c", "8192", "-ngl", "all", "-ncmoe", "44", "-nr"]},
+}
+
 
 @dataclass(frozen=True)
 class Case:
@@ -92,6 +128,12 @@ class Case:
     def held_out(self) -> bool:
         # A fixed rule, independent of order and of which other cases exist: ~1 in 5.
         return zlib.crc32(self.id.encode()) % 5 == 0
+
+
+def build_rpc_cases() -> list[Case]:
+    cases = [Case(f"{m}/{name}", m, flags) for m in SMALL_MODELS for name, flags in RPC_FLAGS.items()]
+    cases += [Case(f"{m}/{name}", m, flags) for m, sets in REAL_RPC_FLAGS.items() for name, flags in sets.items()]
+    return sorted(cases, key=lambda c: c.id)
 
 
 def build_cases() -> list[Case]:
@@ -117,9 +159,20 @@ def write_models(folder: Path) -> tuple[dict[str, Path], dict[str, dict[str, Any
     return paths, meta
 
 
-def run_case(case: Case, model_path: Path, folder: Path) -> tuple[dict[str, Any], CaptureResult]:
-    res = load_and_capture(model_path, parse_launch_flags(case.flags))
+def run_case(
+    case: Case, model_path: Path, folder: Path, endpoint: str | None = None
+) -> tuple[dict[str, Any], CaptureResult]:
+    flags = case.flags
+    if endpoint is not None:
+        flags = [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint]
+    res = load_and_capture(model_path, parse_launch_flags(flags))
     error = None if res.ok else (res.error or "unknown error").replace(str(folder), "<models>")
+    buffers = [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers]
+    if endpoint is not None:
+        for b in buffers:
+            b["buft"] = str(b["buft"]).replace(endpoint, CANONICAL_RPC)
+        if error:
+            error = error.replace(endpoint, CANONICAL_RPC)
     record = {
         "id": case.id,
         "model": case.model,
@@ -127,19 +180,28 @@ def run_case(case: Case, model_path: Path, folder: Path) -> tuple[dict[str, Any]
         "held_out": case.held_out,
         "outcome": "ok" if res.ok else "error",
         "error": error,
-        "buffers": [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers],
+        "buffers": buffers,
     }
     return record, res
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--device", choices=("cpu", "rpc"), default="cpu")
+    ap.add_argument("--out", type=Path, default=None, help="default tests/golden/<device>.json")
     ap.add_argument("--jobs", type=int, default=2, help="parallel loads of the small models (default 2)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     info = llama_cpp_info()
-    cases = build_cases()
+    out: Path = args.out or DEFAULT_OUT.with_name(f"{args.device}.json")
+    cases = build_cases() if args.device == "cpu" else build_rpc_cases()
+    gpu = None
+    if args.device == "rpc":
+        from fitter.emulated_gpu import EmulatedGpu
+
+        gpu = EmulatedGpu(cap_mib=20000).start()  # big enough never to refuse: only sizes are recorded
+        args.jobs = 1  # one server: loads go one after another
+    endpoint = gpu.endpoint if gpu is not None else None
     records: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="fitter-goldens-") as tmp:
         folder = Path(tmp)
@@ -157,10 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         small = [c for c in cases if c.model not in REAL_MODELS]
         real = [c for c in cases if c.model in REAL_MODELS]
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            for record, res in pool.map(lambda c: run_case(c, paths[c.model], folder), small):
+            for record, res in pool.map(lambda c: run_case(c, paths[c.model], folder, endpoint), small):
                 report(record, res)
         for case in real:  # one at a time: each maps tens of GB of file holes
-            report(*run_case(case, paths[case.model], folder))
+            report(*run_case(case, paths[case.model], folder, endpoint))
+    if gpu is not None:
+        gpu.stop()
 
     golden: dict[str, Any] = {
         "generated_by": "scripts/make_goldens.py",
@@ -168,13 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         "models": dict(sorted(models.items())),
         "cases": [records[c.id] for c in cases],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+    if args.device == "rpc":
+        golden["device"] = {"kind": "rpc", "endpoint": CANONICAL_RPC, "emulated": True}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
     n_err = sum(r["outcome"] == "error" for r in golden["cases"])
     n_held = sum(r["held_out"] for r in golden["cases"])
     print(
         f"{len(cases)} cases ({len(cases) - n_err} ok, {n_err} error, {n_held} held out) "
-        f"in {time.perf_counter() - t0:.1f} s -> {args.out}",
+        f"in {time.perf_counter() - t0:.1f} s -> {out}",
         file=sys.stderr,
     )
     return 0
