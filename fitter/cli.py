@@ -66,6 +66,82 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     return 0
 
 
+def _mib_list(value: str, flag: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in value.split(",") if x)
+    except ValueError:
+        raise LaunchConfigError(f"{flag} {value!r}: expected MiB[,MiB...]") from None
+    if not out or any(x < 0 for x in out):
+        raise LaunchConfigError(f"{flag} {value!r}: expected non-negative MiB[,MiB...]")
+    return out
+
+
+def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.devices import RPC, Device, detect_cpu_profile
+    from fitter.export import server_command, server_flags
+    from fitter.fit import fit
+    from fitter.launch_config import launch_config_from_args
+    from fitter.model_spec import load_model_spec
+    from fitter.report import fit_json, fit_table
+
+    config = launch_config_from_args(ns, flags)
+    targets = _mib_list(ns.fit_target, "--fit-target")
+    model = _model_path(ns.model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = load_model_spec(model)
+    for c in caught:
+        print(f"fitter: warning: {c.message}", file=sys.stderr)
+    gpu = None
+    try:
+        if ns.emulated_gpu is not None:
+            from fitter.emulated_gpu import EmulatedGpu
+
+            if ns.devices or ns.rpc:
+                raise LaunchConfigError("--emulated-gpu replaces --devices and --rpc: give one target")
+            gpu = EmulatedGpu(cap_mib=ns.emulated_gpu).start()
+            cap = ns.emulated_gpu * MIB
+            devices: tuple[Any, ...] = (Device(gpu.device_name, RPC, cap, cap),)
+        else:
+            devices = _target_devices(ns)
+        result = fit(spec, config, devices, targets, ns.fit_ctx, detect_cpu_profile())
+        rpc = (gpu.endpoint,) if gpu is not None else config.rpc
+        launch = server_flags(result.config, result.plan.context, rpc)
+        verify = None
+        if ns.verify:
+            if gpu is None:
+                raise LaunchConfigError("--verify needs --emulated-gpu: only an emulated device can be loaded here")
+            verify = _verify(model, launch, gpu)
+    finally:
+        if gpu is not None:
+            gpu.stop()
+    for w in result.plan.warnings:
+        print(f"fitter: warning: {w}", file=sys.stderr)
+    if ns.json:
+        out = fit_json(result, launch, server_command(model, launch), emulated=gpu is not None, verify=verify)
+        print(json.dumps(out, indent=1))
+    else:
+        print(fit_table(result, server_command(model, launch), emulated=gpu is not None, verify=verify))
+    return 0 if result.fits else 1
+
+
+def _verify(model: str, launch: list[str], gpu: Any) -> dict[str, Any]:
+    """Load the chosen flags on the emulated device and read what it really allocated."""
+    from fitter.launch_config import parse_launch_flags
+    from fitter.llama_cpp_loader import load_and_capture
+
+    gpu.reset_peak()
+    res = load_and_capture(model, parse_launch_flags(launch))
+    stats = gpu.stats()
+    return {
+        "loaded": res.ok,
+        "error": res.error,
+        "device_peak_bytes": stats.peak_bytes,
+        "device_cap_bytes": stats.cap_bytes,
+        "buffers": [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers],
+    }
+
+
 def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.demo_models import SHAPES, demo_model_path, write_model
 
@@ -114,6 +190,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(est)
     est.set_defaults(func=cmd_estimate)
 
+    fit = sub.add_parser(
+        "fit",
+        help="the placement that puts the most on the GPU(s) within free memory minus a target",
+        description="Find the placement (-ngl, -ncmoe, -ot) that puts the most weights on the GPU(s) within free "
+        "memory minus --fit-target, for the given context, batch and KV choices; with -c 0 also the largest "
+        "context that placement allows. Judged by fitter's estimator; nothing is loaded unless --verify.",
+        epilog=SERVER_DEFAULTS_HELP + "\n\nTargets: NVIDIA GPUs (NVML free memory), --devices cuda:MiB[,MiB...] "
+        "(hypothetical GPUs; CUDA rules not yet validated against a CUDA build), or --emulated-gpu MiB (a capped "
+        "llama.cpp RPC device fitter starts on 127.0.0.1: real placement and out-of-memory behaviour, CPU speed). "
+        "Exit code 1 when nothing fits.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fit.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
+    fit.add_argument("--fit-target", default="1024", metavar="MiB[,MiB...]",
+                     help="memory to leave free per device (default 1024, as llama.cpp's --fit-target)")
+    fit.add_argument("--fit-ctx", type=int, default=4096, metavar="N",
+                     help="with -c 0: the context the placement is found at before it grows (default 4096)")
+    fit.add_argument("--devices", default="", help="none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]")
+    fit.add_argument("--emulated-gpu", type=int, metavar="MiB", help="fit onto a capped emulated GPU")
+    fit.add_argument("--verify", action="store_true", help="load the result on the emulated GPU and report it")
+    fit.add_argument("--json", action="store_true")
+    add_launch_arguments(fit)
+    fit.set_defaults(func=cmd_fit)
+
     demo = sub.add_parser("demo-model", help="write the demo model (or a test shape) and print its path")
     demo.add_argument("--out", help="where to write it (default: fitter's cache)")
     demo.add_argument("--shape", default="demo", help="demo (default) or a test shape, e.g. gpt-oss-120b")
@@ -146,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _llama_flags(argv: list[str], model: str | None) -> list[str]:
     """The llama.cpp flags as given: the command, the model path and fitter's own options dropped."""
-    own = {"--devices": 1, "--json": 0, "--tensors": 0}
+    own = {"--devices": 1, "--json": 0, "--tensors": 0, "--fit-target": 1, "--fit-ctx": 1, "--emulated-gpu": 1,
+           "--verify": 0}
     out, i = [], 1  # argv[0] is the command
     while i < len(argv):
         a = argv[i]

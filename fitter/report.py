@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fitter.estimator import MemoryPlan
+from fitter.fit import FitResult
 
 MIB = 1024 * 1024
 
@@ -85,4 +86,66 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
                 f"{p.tensor.name:<40}{p.tensor.type:<8}{p.tensor.role.value:<14}{p.buft:<24}{_mib(p.tensor.n_bytes)}"
             )
     lines.append(f"\nrules matched against llama.cpp {llama_cpp['commit']} ({llama_cpp['source']})")
+    return "\n".join(lines)
+
+
+def fit_json(
+    result: FitResult, flags: list[str], command: str, emulated: bool, verify: dict[str, Any] | None
+) -> dict[str, Any]:
+    """CONTRACTS.md `fitter fit --json`, plus the command line, the budgets and an optional verification load."""
+    totals = result.plan.totals()
+    devices = {}
+    for d in result.plan.devices:
+        t = totals[d.name]
+        free = d.free_bytes if d.free_bytes is not None else d.total_bytes or 0
+        devices[d.name] = {
+            "model": t.model, "kv": t.kv, "compute": t.compute, "output": t.output, "total": t.total,
+            "free": free, "free_after": free - t.total, "budget": result.budgets[d.name],
+        }
+    out: dict[str, Any] = {
+        "fits": result.fits,
+        "flags": flags,
+        "command": command,
+        "emulated": emulated,
+        "devices": devices,
+        "host": {"model": totals["CPU"].model, "kv": totals["CPU"].kv, "compute": totals["CPU"].compute,
+                 "output": totals["CPU"].output, "total": totals["CPU"].total},
+        "layers": {"expert_layers_on_device": result.expert_layers_on_device, "n_layer": result.plan.model.n_layer},
+        "shortfall": result.shortfall,
+        "suggestions": list(result.suggestions),
+        "warnings": list(result.plan.warnings),
+    }
+    if verify is not None:
+        out["verify"] = verify
+    return out
+
+
+def fit_table(result: FitResult, command: str, emulated: bool, verify: dict[str, Any] | None) -> str:
+    plan = result.plan
+    lines = [f"model   {plan.model.path}  ({plan.model.arch}, {plan.model.n_layer} layers)"]
+    if emulated:
+        lines.append("device  emulated GPU (a capped llama.cpp RPC device on 127.0.0.1): real placement and "
+                     "out-of-memory behaviour, CPU speed")
+    lines += ["", f"{'device':<28}{'model':>10}{'kv':>10}{'compute':>10}{'total':>10}{'free':>10}{'after':>10}"]
+    totals = plan.totals()
+    for d in plan.devices:
+        t = totals[d.name]
+        free = d.free_bytes if d.free_bytes is not None else d.total_bytes or 0
+        lines.append(f"{d.name:<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.total)}{_mib(free)}"
+                     f"{_mib(free - t.total)}")
+    t = totals["CPU"]
+    lines.append(f"{'host (RAM)':<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.total)}")
+    lines.append("")
+    if result.fits:
+        lines.append(f"fits: experts of {result.expert_layers_on_device}/{plan.model.n_layer} layers on the GPU, "
+                     f"context {plan.context.n_ctx}")
+        lines.append(command)
+    else:
+        assert result.shortfall is not None
+        lines.append(f"does not fit: {result.shortfall / MIB:.0f} MiB over budget even with nothing offloaded")
+        lines += [f"  try {s}" for s in result.suggestions]
+    if verify is not None:
+        state = "loaded" if verify["loaded"] else f"FAILED to load: {verify['error']}"
+        lines.append(f"verify: {state}; device peak {verify['device_peak_bytes'] / MIB:.2f} MiB of "
+                     f"{verify['device_cap_bytes'] / MIB:.0f} MiB")
     return "\n".join(lines)

@@ -1,0 +1,201 @@
+"""`fitter fit`: the placement that puts the most useful bytes on the GPU(s) within free memory minus a target.
+
+Every candidate is judged by the estimator alone (no model is loaded). For a MoE model the search follows the
+seeds' recipe: all layers on the GPU and the smallest `-ncmoe N` that fits; then the whole expert tensors of layer
+N−1 that still fit go back to the GPU through `-ot` (up and gate, say, with down left on the CPU). Only if every
+expert on the CPU is still too much do whole layers leave the GPU (`-ngl`). A dense model gets the largest
+`-ngl`; an `-ngl` the user gives is kept, and then "nothing fits" is a real answer, with what would fit
+instead. With `-c 0` the placement is found at `--fit-ctx` (default 4096, as llama.cpp's `--fit-ctx`) and the
+context then grows to the largest that still fits, up to the model's training context.
+
+llama.cpp's own `--fit` (common/fit.cpp) makes the opposite choice for experts: it moves the experts of the
+highest-numbered layers to the CPU. Either is a valid placement; fitter keeps llama-server's `-ncmoe` semantics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fitter.devices import CPU_AVX2, CpuProfile, Device
+from fitter.errors import FitterError
+from fitter.estimator import MemoryPlan, estimate
+from fitter.launch_config import FFN_EXPS_REGEX, LaunchConfig, TensorOverride
+from fitter.model_spec import ModelSpec, Role
+
+MIB = 1024 * 1024
+DEFAULT_FIT_TARGET_MIB = 1024  # common/common.h fit_params_target
+DEFAULT_FIT_CTX = 4096  # common/common.h fit_params_min_ctx
+_EXPERT_KINDS = ("up", "gate", "down")
+
+
+@dataclass(frozen=True)
+class FitResult:
+    fits: bool
+    config: LaunchConfig
+    plan: MemoryPlan
+    budgets: dict[str, int]  # device → free memory minus the fit target
+    expert_layers_on_device: int
+    shortfall: int | None  # bytes over budget on the worst device, when nothing fits
+    suggestions: tuple[str, ...]
+
+
+def ncmoe_rules(n: int) -> tuple[TensorOverride, ...]:
+    """The rules `-ncmoe n` adds (common/common.h llm_add_n_cpu_ffn_overrides)."""
+    return tuple(TensorOverride(rf"blk\.{i}{FFN_EXPS_REGEX}", "CPU") for i in range(n))
+
+
+def _device_bytes(plan: MemoryPlan) -> dict[str, int]:
+    totals = plan.totals()
+    return {d.name: totals[d.name].total for d in plan.devices}
+
+
+def _over(plan: MemoryPlan, budgets: dict[str, int]) -> int:
+    """Bytes by which the worst device exceeds its budget (≤ 0 when everything fits)."""
+    used = _device_bytes(plan)
+    return max(used[name] - budget for name, budget in budgets.items())
+
+
+class _Search:
+    def __init__(self, spec: ModelSpec, devices: tuple[Device, ...], budgets: dict[str, int], cpu: CpuProfile):
+        self.spec, self.devices, self.budgets, self.cpu = spec, devices, budgets, cpu
+        self.tried = 0
+
+    def plan(self, config: LaunchConfig) -> MemoryPlan:
+        self.tried += 1
+        return estimate(self.spec, config, self.devices, self.cpu)
+
+    def fits(self, config: LaunchConfig) -> tuple[bool, MemoryPlan]:
+        plan = self.plan(config)
+        return _over(plan, self.budgets) <= 0, plan
+
+
+def _expert_layers_on_device(plan: MemoryPlan) -> int:
+    """Layers with at least one expert tensor on a device."""
+    names = {d.name for d in plan.devices}
+    return len({p.tensor.layer for p in plan.placements if p.tensor.role is Role.EXPERT and p.buft in names})
+
+
+def _place(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
+    return (_place_moe if s.spec.n_expert else _place_layers)(s, base)
+
+
+def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
+    n_layer = s.spec.n_layer
+    all_on = replace(base, n_gpu_layers=-2 if base.n_gpu_layers == -1 else base.n_gpu_layers)
+    for n in range(n_layer + 1):
+        config = replace(all_on, overrides=ncmoe_rules(n))
+        ok, plan = s.fits(config)
+        if not ok:
+            continue
+        if n == 0:
+            return config, plan
+        # Layer n-1's experts are on the CPU; move back whichever of its expert tensors still fit, most bytes first.
+        layer = n - 1
+        sizes = {kind: sum(t.n_bytes for t in s.spec.tensors
+                           if t.layer == layer and t.role is Role.EXPERT and f"ffn_{kind}_" in t.name)
+                 for kind in _EXPERT_KINDS}
+        subsets = [(a, b) for i, a in enumerate(_EXPERT_KINDS) for b in _EXPERT_KINDS[i + 1:]]
+        candidates = sorted([*subsets, *((k,) for k in _EXPERT_KINDS)], key=lambda ks: -sum(sizes[k] for k in ks))
+        for to_device in candidates:
+            stay = [k for k in _EXPERT_KINDS if k not in to_device]
+            rule = TensorOverride(rf"blk\.{layer}\.ffn_({'|'.join(stay)})_(ch|)exps", "CPU")
+            partial = replace(all_on, overrides=(*ncmoe_rules(layer), rule))
+            ok_partial, partial_plan = s.fits(partial)
+            if ok_partial:
+                return partial, partial_plan
+        return config, plan
+    # Every expert on the CPU is still too much: whole layers leave the GPU, from the first one.
+    return _place_layers(s, replace(base, overrides=ncmoe_rules(n_layer)))
+
+
+def _place_layers(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
+    """The most layers that fit; an -ngl the user gave is kept as it is."""
+    choices = range(s.spec.n_layer + 1, -1, -1) if base.n_gpu_layers == -1 else (base.n_gpu_layers,)
+    for ngl in choices:
+        config = replace(base, n_gpu_layers=ngl)
+        ok, plan = s.fits(config)
+        if ok:
+            return config, plan
+    return None
+
+
+def _grow_context(s: _Search, config: LaunchConfig, plan: MemoryPlan) -> tuple[LaunchConfig, MemoryPlan]:
+    """The largest context (a multiple of 256, up to the training context) that still fits this placement."""
+    lo, hi = config.ctx_size // 256, s.spec.n_ctx_train // 256
+    best = (config, plan)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        candidate = replace(config, ctx_size=mid * 256)
+        ok, candidate_plan = s.fits(candidate)
+        if ok:
+            lo, best = mid, (candidate, candidate_plan)
+        else:
+            hi = mid - 1
+    return best
+
+
+def _lightest(s: _Search, base: LaunchConfig) -> LaunchConfig:
+    """The least a placement can put on the devices: every expert on the CPU, and no layers unless -ngl was given."""
+    ngl = 0 if base.n_gpu_layers == -1 else base.n_gpu_layers
+    return replace(base, n_gpu_layers=ngl, overrides=ncmoe_rules(s.spec.n_layer) if s.spec.n_expert else ())
+
+
+def _suggestions(s: _Search, base: LaunchConfig, plan: MemoryPlan) -> tuple[str, ...]:
+    """What would fit instead, each checked with the estimator at the lightest placement."""
+    lightest = _lightest(s, base)
+    ctx = plan.context.n_ctx
+    variants: list[tuple[str, LaunchConfig]] = [
+        (f"-c {max(256, ctx // 2 // 256 * 256)}", replace(base, ctx_size=max(256, ctx // 2 // 256 * 256))),
+        ("-c 4096", replace(base, ctx_size=4096)),
+        ("-ctk q8_0 -ctv q8_0 -fa on", replace(base, cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on")),
+        ("-ub 256", replace(base, ubatch_size=256)),
+        ("-ub 128", replace(base, ubatch_size=128)),
+        ("-nkvo", replace(base, no_kv_offload=True)),
+    ]
+    out = []
+    for label, variant in variants:
+        try:
+            placed = _place(s, variant)
+        except FitterError:
+            continue
+        if placed is not None:
+            used = max(_device_bytes(placed[1]).values())
+            out.append(f"{label}: fits ({used / MIB:.0f} MiB on the busiest device)")
+    if not out:
+        used = max(_device_bytes(s.plan(lightest)).values())
+        out.append(f"even with nothing offloaded the devices need {used / MIB:.0f} MiB: lower --fit-target")
+    return tuple(out)
+
+
+def fit(
+    spec: ModelSpec,
+    base: LaunchConfig,
+    devices: tuple[Device, ...],
+    targets_mib: tuple[int, ...] = (DEFAULT_FIT_TARGET_MIB,),
+    fit_ctx: int = DEFAULT_FIT_CTX,
+    cpu: CpuProfile = CPU_AVX2,
+) -> FitResult:
+    if not devices:
+        raise FitterError("fitter fit: no GPU to fit onto (no NVIDIA GPU found); give --devices cuda:MiB, "
+                          "--emulated-gpu MiB or --rpc HOST:PORT")
+    if len(targets_mib) not in (1, len(devices)):
+        raise FitterError(f"--fit-target {','.join(map(str, targets_mib))}: give one value or one per device "
+                          f"({len(devices)})")
+    budgets = {}
+    for i, d in enumerate(devices):
+        free = d.free_bytes if d.free_bytes is not None else d.total_bytes
+        if free is None:
+            raise FitterError(f"{d.name}: its free memory is unknown; give --devices cuda:MiB or --emulated-gpu MiB")
+        budgets[d.name] = free - targets_mib[i if len(targets_mib) > 1 else 0] * MIB
+    s = _Search(spec, devices, budgets, cpu)
+    auto_ctx = base.ctx_size == 0
+    start = replace(base, ctx_size=min(fit_ctx, spec.n_ctx_train)) if auto_ctx else base
+    placed = _place(s, start)
+    if placed is None:
+        lightest = _lightest(s, start)
+        plan = s.plan(lightest)
+        return FitResult(False, lightest, plan, budgets, 0, _over(plan, budgets), _suggestions(s, start, plan))
+    config, plan = placed
+    if auto_ctx:
+        config, plan = _grow_context(s, config, plan)
+    return FitResult(True, config, plan, budgets, _expert_layers_on_device(plan), None, ())
