@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Write tests/golden/cpu.json (or rpc.json): the buffers the real llama.cpp allocates for models × flags.
 
-`--device cpu` (default): CPU only. `--device rpc`: with fitter's emulated GPU (an RPC device on 127.0.0.1 whose
-cap is large enough never to refuse), so layers, KV and compute land on a GPU-type device; its buffers are
+`--device cpu` (default): CPU only. `--device cuda`: the first CUDA GPU, with a llama-cpp-python built with
+`CMAKE_ARGS="-DGGML_CUDA=on -DGGML_RPC=ON"` (the same matrix as rpc; the CUDA rules stay "not yet validated"
+until this has run on a GPU and tests/golden/cuda.json exists). `--device rpc`: with fitter's emulated GPU (an RPC
+device on 127.0.0.1 whose cap is large enough never to refuse), so layers, KV and compute land on a GPU-type device; its buffers are
 recorded under the canonical name RPC0[127.0.0.1:50052] whatever port the run used, and `{rpc}` in a flag list
 stands for that device.
 
@@ -160,11 +162,13 @@ def write_models(folder: Path) -> tuple[dict[str, Path], dict[str, dict[str, Any
 
 
 def run_case(
-    case: Case, model_path: Path, folder: Path, endpoint: str | None = None
+    case: Case, model_path: Path, folder: Path, endpoint: str | None = None, device_name: str | None = None
 ) -> tuple[dict[str, Any], CaptureResult]:
     flags = case.flags
     if endpoint is not None:
         flags = [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint]
+    elif device_name is not None:  # a real GPU: {rpc} stands for its buffer type
+        flags = [f.replace("{rpc}", device_name) for f in flags]
     res = load_and_capture(model_path, parse_launch_flags(flags))
     error = None if res.ok else (res.error or "unknown error").replace(str(folder), "<models>")
     buffers = [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers]
@@ -187,7 +191,7 @@ def run_case(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cpu", "rpc"), default="cpu")
+    ap.add_argument("--device", choices=("cpu", "rpc", "cuda"), default="cpu")
     ap.add_argument("--out", type=Path, default=None, help="default tests/golden/<device>.json")
     ap.add_argument("--jobs", type=int, default=2, help="parallel loads of the small models (default 2)")
     args = ap.parse_args(argv)
@@ -196,6 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out or DEFAULT_OUT.with_name(f"{args.device}.json")
     cases = build_cases() if args.device == "cpu" else build_rpc_cases()
     gpu = None
+    device_name = None
+    if args.device == "cuda":
+        from fitter.errors import FitterError
+        from fitter.probe import require_gpu_build
+
+        try:
+            require_gpu_build()
+        except FitterError as e:
+            print(f"make_goldens: {e}", file=sys.stderr)
+            return 2
+        device_name = "CUDA0"
+        args.jobs = 1
     if args.device == "rpc":
         from fitter.emulated_gpu import EmulatedGpu
 
@@ -219,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         small = [c for c in cases if c.model not in REAL_MODELS]
         real = [c for c in cases if c.model in REAL_MODELS]
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            for record, res in pool.map(lambda c: run_case(c, paths[c.model], folder, endpoint), small):
+            for record, res in pool.map(lambda c: run_case(c, paths[c.model], folder, endpoint, device_name), small):
                 report(record, res)
         for case in real:  # one at a time: each maps tens of GB of file holes
-            report(*run_case(case, paths[case.model], folder, endpoint))
+            report(*run_case(case, paths[case.model], folder, endpoint, device_name))
     if gpu is not None:
         gpu.stop()
 
@@ -234,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.device == "rpc":
         golden["device"] = {"kind": "rpc", "endpoint": CANONICAL_RPC, "emulated": True}
+    if args.device == "cuda":
+        from fitter.devices import detect_gpus
+
+        gpus = detect_gpus()
+        golden["device"] = {"kind": "cuda", "name": "CUDA0", "free_mib": gpus[0].free_bytes // 2**20 if gpus else None}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
     n_err = sum(r["outcome"] == "error" for r in golden["cases"])

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fitter.devices import CPU_AVX2, Device, rpc_devices
+from fitter.devices import CPU_AVX2, CUDA, Device, rpc_devices
 from fitter.errors import LaunchConfigError
 from fitter.estimator import estimate
 from fitter.launch_config import parse_launch_flags
@@ -23,7 +23,9 @@ from fitter.model_spec import ModelSpec, load_model_spec
 from tests.models import model_files
 
 MIB = 1024 * 1024
-GOLDENS = {name: json.loads((Path(__file__).parent / "golden" / f"{name}.json").read_text()) for name in ("cpu", "rpc")}
+_DIR = Path(__file__).parent / "golden"
+# cuda.json exists once scripts/make_goldens.py --device cuda has run on a GPU
+GOLDENS = {p.stem: json.loads(p.read_text()) for p in sorted(_DIR.glob("*.json")) if p.stem in ("cpu", "rpc", "cuda")}
 CASES = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "ok"]
 ERRORS = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "error"]
 _specs: dict[str, ModelSpec] = {}
@@ -45,6 +47,9 @@ def _target(golden: str, flags: list[str]) -> tuple[list[str], tuple[Device, ...
     device = GOLDENS[golden].get("device")
     if device is None:
         return flags, ()
+    if device["kind"] == "cuda":
+        free = device["free_mib"] * MIB
+        return [f.replace("{rpc}", "CUDA0") for f in flags], (Device("CUDA0", CUDA, free, free),)
     endpoint = device["endpoint"]
     return [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint], rpc_devices([endpoint])
 
