@@ -4,9 +4,9 @@
 `--device cpu` (default): CPU only. `--device cuda`: the first CUDA GPU, with a llama-cpp-python built with
 `CMAKE_ARGS="-DGGML_CUDA=on -DGGML_RPC=ON"` (the same matrix as rpc; the CUDA rules stay "not yet validated"
 until this has run on a GPU and tests/golden/cuda.json exists). `--device rpc`: with fitter's emulated GPU (an RPC
-device on 127.0.0.1 whose cap is large enough never to refuse), so layers, KV and compute land on a GPU-type device; its buffers are
-recorded under the canonical name RPC0[127.0.0.1:50052] whatever port the run used, and `{rpc}` in a flag list
-stands for that device.
+device on 127.0.0.1 whose cap is large enough never to refuse), so layers, KV and compute land on a GPU-type device;
+its buffers are recorded under the canonical name RPC0[127.0.0.1:50052] whatever port the run used, and `{rpc}` in a
+flag list stands for that device.
 
 Models come from fitter.demo_models: the tiny test shapes and "demo" as real files, and four real shapes as
 header-only sparse files (mmap on, --no-repack: nothing is read or written but the headers). Each flag list is
