@@ -320,6 +320,19 @@ def check_cache_types(spec: ModelSpec, config: LaunchConfig, ctx: ContextParams)
             )
 
 
+def first_failure(plan: MemoryPlan, device: str, cap_bytes: int) -> str | None:
+    """The stage at which a device with cap_bytes runs out, in llama.cpp's order of allocation: model buffers
+    (load_tensors), then each KV buffer (llama_kv_cache), then compute (sched_reserve). None if everything fits."""
+    used = 0
+    for kind in ("model", "kv", "compute"):
+        for b in plan.buffers:
+            if b.kind == kind and b.device == device:
+                used += b.bytes
+                if used > cap_bytes:
+                    return kind
+    return None
+
+
 def estimate(
     spec: ModelSpec,
     config: LaunchConfig,
