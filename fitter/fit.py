@@ -1,15 +1,15 @@
 """`fitter fit`: the placement that puts the most useful bytes on the GPU(s) within free memory minus a target.
 
-Every candidate is judged by the estimator alone (no model is loaded). For a MoE model the search follows the
-seeds' recipe: all layers on the GPU and the smallest `-ncmoe N` that fits; then the whole expert tensors of layer
-N−1 that still fit go back to the GPU through `-ot` (up and gate, say, with down left on the CPU). Only if every
-expert on the CPU is still too much do whole layers leave the GPU (`-ngl`). A dense model gets the largest
-`-ngl`; an `-ngl` the user gives is kept, and then "nothing fits" is a real answer, with what would fit
+Every candidate is judged by the estimator alone (no model is loaded). For a MoE model the search starts from the seeds'
+recipe, all layers on the GPU and the smallest `-ncmoe N` that fits, and also tries llama.cpp's `--fit` order (the
+experts of the last layers on the CPU), whichever expert tensors of the boundary layer still fit (`-ot`), and a
+few lower `-ngl` values once every expert on the CPU fits; of all placements that fit it keeps the one that uses
+the most device memory, then the most weights. A dense model gets the largest `-ngl`; an `-ngl` the user gives is kept, and then "nothing fits" is a real answer, with what would fit
 instead. With `-c 0` the placement is found at `--fit-ctx` (default 4096, as llama.cpp's `--fit-ctx`) and the
 context then grows to the largest that still fits, up to the model's training context.
 
-llama.cpp's own `--fit` (common/fit.cpp) makes the opposite choice for experts: it moves the experts of the
-highest-numbered layers to the CPU. Either is a valid placement; fitter keeps llama-server's `-ncmoe` semantics.
+llama.cpp's own `--fit` (common/fit.cpp) only ever moves the experts of the highest-numbered layers and whole layers;
+placements differ in their compute buffers (the graph splits differently), so fitter judges both orders.
 """
 
 from __future__ import annotations
@@ -79,33 +79,80 @@ def _place(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | 
     return (_place_moe if s.spec.n_expert else _place_layers)(s, base)
 
 
+def _expert_rules(layers: list[int], boundary: int | None, stay: tuple[str, ...]) -> tuple[TensorOverride, ...]:
+    """Experts of `layers` on the CPU, plus the `stay` expert tensors of one boundary layer."""
+    rules = [TensorOverride(rf"blk\.{i}{FFN_EXPS_REGEX}", "CPU") for i in layers]
+    if boundary is not None and stay:
+        rules.append(TensorOverride(rf"blk\.{boundary}\.ffn_({'|'.join(stay)})_(ch|)exps", "CPU"))
+    return tuple(rules)
+
+
+def _cpu_layers(n_layer: int, n: int, from_top: bool) -> list[int]:
+    """The n layers whose experts go to the CPU: the first n (-ncmoe) or the last n (llama.cpp's --fit)."""
+    return list(range(n_layer - n, n_layer)) if from_top else list(range(n))
+
+
+def _better(a: tuple[LaunchConfig, MemoryPlan] | None, b: tuple[LaunchConfig, MemoryPlan]) -> bool:
+    """More device memory put to use, then more weights on the devices."""
+    if a is None:
+        return True
+    def key(p: MemoryPlan) -> tuple[int, int]:
+        totals = p.totals()
+        return (sum(totals[d.name].total for d in p.devices), sum(totals[d.name].model for d in p.devices))
+    return key(b[1]) > key(a[1])
+
+
 def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
+    """Search layers on the GPU × how many layers' experts go to the CPU (first or last ones, as -ncmoe or as
+    llama.cpp's --fit) × which expert tensors of the boundary layer come back, keeping the placement that fits and
+    uses the most device memory. For each -ngl the count of expert layers is found by bisection (more experts on the
+    CPU never needs more device memory); -ngl is only lowered below the first value where every expert on the CPU
+    fits by two more steps, where whole layers' KV traded for experts can still pay."""
     n_layer = s.spec.n_layer
-    all_on = replace(base, n_gpu_layers=-2 if base.n_gpu_layers == -1 else base.n_gpu_layers)
-    for n in range(n_layer + 1):
-        config = replace(all_on, overrides=ncmoe_rules(n))
-        ok, plan = s.fits(config)
-        if not ok:
+    fixed = base.n_gpu_layers != -1
+    ngl_values = [base.n_gpu_layers] if fixed else list(range(n_layer + 1, -1, -1))
+    best: tuple[LaunchConfig, MemoryPlan] | None = None
+    first_fitting_ngl: int | None = None
+    for ngl in ngl_values:
+        if first_fitting_ngl is not None and ngl < first_fitting_ngl - 2:
+            break
+        layered = replace(base, n_gpu_layers=-2 if ngl == n_layer + 1 and not fixed else ngl)
+        all_cpu = replace(layered, overrides=_expert_rules(list(range(n_layer)), None, ()))
+        ok_all_cpu, plan_all_cpu = s.fits(all_cpu)
+        if not ok_all_cpu:
             continue
-        if n == 0:
-            return config, plan
-        # Layer n-1's experts are on the CPU; move back whichever of its expert tensors still fit, most bytes first.
-        layer = n - 1
-        sizes = {kind: sum(t.n_bytes for t in s.spec.tensors
-                           if t.layer == layer and t.role is Role.EXPERT and f"ffn_{kind}_" in t.name)
-                 for kind in _EXPERT_KINDS}
-        subsets = [(a, b) for i, a in enumerate(_EXPERT_KINDS) for b in _EXPERT_KINDS[i + 1:]]
-        candidates = sorted([*subsets, *((k,) for k in _EXPERT_KINDS)], key=lambda ks: -sum(sizes[k] for k in ks))
-        for to_device in candidates:
-            stay = [k for k in _EXPERT_KINDS if k not in to_device]
-            rule = TensorOverride(rf"blk\.{layer}\.ffn_({'|'.join(stay)})_(ch|)exps", "CPU")
-            partial = replace(all_on, overrides=(*ncmoe_rules(layer), rule))
-            ok_partial, partial_plan = s.fits(partial)
-            if ok_partial:
-                return partial, partial_plan
-        return config, plan
-    # Every expert on the CPU is still too much: whole layers leave the GPU, from the first one.
-    return _place_layers(s, replace(base, overrides=ncmoe_rules(n_layer)))
+        first_fitting_ngl = ngl if first_fitting_ngl is None else first_fitting_ngl
+        if _better(best, (all_cpu, plan_all_cpu)):
+            best = (all_cpu, plan_all_cpu)
+        for from_top in (False, True):
+            lo, hi = 0, n_layer  # the smallest count of CPU expert layers that fits lies in [lo, hi]
+            found: dict[int, tuple[LaunchConfig, MemoryPlan]] = {n_layer: (all_cpu, plan_all_cpu)}
+            while lo < hi:
+                mid = (lo + hi) // 2
+                config = replace(layered, overrides=_expert_rules(_cpu_layers(n_layer, mid, from_top), None, ()))
+                ok, plan = s.fits(config)
+                if ok:
+                    hi, found[mid] = mid, (config, plan)
+                else:
+                    lo = mid + 1
+            n = lo
+            if _better(best, found[n]):
+                best = found[n]
+            if n == 0:
+                continue
+            # the boundary layer: whichever of its expert tensors still fit go back to the device
+            cpu_layers = _cpu_layers(n_layer, n, from_top)
+            boundary = cpu_layers[0] if from_top else cpu_layers[-1]
+            rest = [i for i in cpu_layers if i != boundary]
+            for stay in [*((a, b) for i, a in enumerate(_EXPERT_KINDS) for b in _EXPERT_KINDS[i + 1:]),
+                         *((k,) for k in _EXPERT_KINDS)]:
+                config = replace(layered, overrides=_expert_rules(rest, boundary, stay))
+                ok, plan = s.fits(config)
+                if ok and _better(best, (config, plan)):
+                    best = (config, plan)
+    if best is None and not fixed:
+        return None
+    return best
 
 
 def _place_layers(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:

@@ -111,16 +111,19 @@ class _Builder:
             mask = g.input_tensor("F16" if p.flash_attn else "F32", n_kv, T // p.n_stream, 1, p.n_stream,
                                   name="attn_inp_kq_mask")
             self.kv_inputs[is_swa] = (k_idxs, v_idxs, mask)
-        head_k = {spec.head_dim_k}
-        self.k_rot = self.v_rot = None
+        # one rotation input per KV cache (the full-attention and the sliding-window cache each build their own)
+        self.k_rot: dict[bool, Tensor] = {}
+        self.v_rot: dict[bool, Tensor] = {}
         # llama_kv_cache: quantized caches rotate K/V with a Hadamard matrix when heads are multiples of 64
-        if _quantized(p.type_k) and len(head_k) == 1 and spec.head_dim_k % 64 == 0:
+        if _quantized(p.type_k) and spec.head_dim_k % 64 == 0:
             nrot = 64
             while spec.head_dim_k % (nrot * 2) == 0:
                 nrot *= 2
-            self.k_rot = g.input_tensor("F32", nrot, nrot, name="attn_inp_k_rot")
+            for is_swa in self.kv_inputs:
+                self.k_rot[is_swa] = g.input_tensor("F32", nrot, nrot, name="attn_inp_k_rot")
         if _quantized(p.type_v) and spec.head_dim_v % 64 == 0:
-            self.v_rot = g.input_tensor("F32", 64, 64, name="attn_inp_v_rot")
+            for is_swa in self.kv_inputs:
+                self.v_rot[is_swa] = g.input_tensor("F32", 64, 64, name="attn_inp_v_rot")
 
     # --- building blocks ---
 
@@ -154,11 +157,12 @@ class _Builder:
         """build_attn + build_attn_mha for a KV cache (the iSWA variant when the model has SWA layers)."""
         spec, p = self.spec, self.p
         iswa = any(spec.swa_layers)
-        if self.k_rot is not None:
-            q = self.hadamard(q, self.k_rot)
-            k = self.hadamard(k, self.k_rot)
-        if self.v_rot is not None:
-            v = self.hadamard(v, self.v_rot)
+        k_rot, v_rot = self.k_rot.get(spec.swa_layers[il]), self.v_rot.get(spec.swa_layers[il])
+        if k_rot is not None:
+            q = self.hadamard(q, k_rot)
+            k = self.hadamard(k, k_rot)
+        if v_rot is not None:
+            v = self.hadamard(v, v_rot)
         for t in (q, k, v) if iswa else (q, v, k):
             self.gf.expand(t)
         k_idxs, v_idxs, mask = self.kv_inputs[spec.swa_layers[il]]
@@ -216,8 +220,8 @@ class _Builder:
             if p.backends.kv_on_cpu:
                 cur.pinned = p.backends.cpu  # "all nodes between the KV store and the attention output" on CPU
         self.gf.expand(cur)
-        if self.v_rot is not None:
-            cur = self.hadamard(cur, self.v_rot)
+        if v_rot is not None:
+            cur = self.hadamard(cur, v_rot)
         return cur
 
     def mla_attention(self, il: int, x: Tensor) -> Tensor:

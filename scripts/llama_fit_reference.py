@@ -1,0 +1,525 @@
+#!/usr/bin/env python
+"""Write tests/golden/fit_reference.json: what llama.cpp's own `--fit` chooses on a capped (emulated) GPU.
+
+For a matrix of (model, device cap, fit target, context/flags), this runs llama.cpp's `llama-fit-params` (the tool
+form of `--fit`: common/fit.cpp `common_fit_params`, which prints the fitted CLI args) against fitter's emulated
+GPU (`fitter.emulated_gpu.EmulatedGpu`: an RPC device whose advertised free memory is the cap and which refuses
+allocations past it), then loads llama.cpp's chosen placement on the same capped device through
+`fitter.llama_cpp_loader.load_and_capture` and records the buffers it logged and the device memory it really used
+(the cap's peak counter). `fitter fit` is compared against this file.
+
+The tool is built once from the llama.cpp source vendored in llama-cpp-python 0.3.36 (the version fitter pins):
+the sdist is fetched with `pip download` (or `--llama-src DIR` names a llama.cpp tree), configured with CMake and
+only the `llama-fit-params` target is built (~6 min on 2 cores). The binary is cached in
+`fitter_home()/tools/llama-fit-params-0.3.36/`, so later runs skip the build.
+
+A run takes ~3 minutes after the build, most of it copying two ~3.3 GiB placements of the real shapes into the
+emulated GPU; placements projected over 6 GiB are fitted but not loaded (`load_skipped` says so).
+
+Semantics to know when comparing (llama.cpp 0c1e570):
+- llama-fit-params parses args as its own example (LLAMA_EXAMPLE_FIT_PARAMS), not as llama-server: `-np` defaults
+  to 1, `-kvu` does not exist (KV never unified), and n_outputs_max stays 0 (= n_batch: logits for a full ubatch
+  in the compute graph). Every case therefore pins `-np`, and the load reproduces the context the fit projected
+  (`load_and_capture(..., n_outputs_max=0)`); llama-server itself reserves only min(-b, slots) outputs.
+- `-c 0` given explicitly disables fit's context reduction unless `-fitc` follows it (common/arg.cpp); the fit
+  command puts the case's flags first and `-fitc` last.
+- With one device, fit only ever overflows tensors to `CPU`; with two, the first device's partial layer may
+  overflow to the second device's buffer type (`RPC0[127.0.0.1:PORT]`).
+- The RPC endpoints are normalized to 127.0.0.1:50052 (and :50053 for a second device) in args, logs and buffers.
+
+    python scripts/llama_fit_reference.py [--llama-src DIR] [--out tests/golden/fit_reference.json]
+                                          [--only SUBSTRING] [--rebuild] [--build-only]
+
+Deterministic: the same llama.cpp build gives the same file (cases in a fixed order; buffers sorted by kind, then
+buffer type, in log order among equals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fitter.demo_models import SHAPES, fitter_home, write_model
+from fitter.emulated_gpu import MIB, EmulatedGpu
+from fitter.launch_config import parse_launch_flags
+from fitter.llama_cpp_loader import llama_cpp_info, load_and_capture
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "tests" / "golden" / "fit_reference.json"
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release fitter pins
+LLAMA_CPP_COMMIT = "0c1e570"  # the llama.cpp it vendors (its sdist has no git metadata: the tool says "unknown")
+TOOL = "llama-fit-params"
+CMAKE_ARGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_RPC=ON",
+    "-DGGML_NATIVE=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary in the cache
+    "-DLLAMA_BUILD_COMMON=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",  # tools/fit-params
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF",  # this version has no LLAMA_CURL (deprecated, ignored); OpenSSL is its HTTPS option
+]
+BUILD_JOBS = 2
+
+CANONICAL_PORTS = (50052, 50053)  # endpoint i of a case is written as 127.0.0.1:CANONICAL_PORTS[i]
+LOAD_LIMIT_BYTES = 6 * 1024 * MIB  # device-resident bytes above which a load is skipped (copied into the server)
+FIT_TIMEOUT_S = 600.0
+# The lines of the fit's own log (LOG_TRC at -lv 4) and the tool's verdict; `llama_params_fit*` in older builds.
+FIT_LOG_RE = re.compile(
+    r"^(?:common_params_fit_impl|common_fit_params|llama_params_fit_impl|llama_params_fit|"
+    r"llama_fit_params|common_get_device_memory_data_impl): "
+)
+TOOK_RE = re.compile(r"fitting params to free memory took [0-9.]+ seconds")
+# The fit's projection for the placement it settled on (MiB, floored as logged).
+USED_RE = re.compile(r"^\S+:\s+- (?P<dev>.+?): .* (?P<used>-?\d+) MiB used, +(?P<free>-?\d+) MiB free$")
+TOTAL_RE = re.compile(r"projected to use (?P<used>\d+) MiB of device memory vs\. (?P<free>\d+) MiB of free device")
+INITIAL_RE = re.compile(r"^\S+:\s+- (?P<dev>.+?): +\d+ total, +(?P<used>-?\d+) used, ")  # several devices
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tool
+
+
+def tool_dir() -> Path:
+    return fitter_home() / "tools" / f"{TOOL}-{LLAMA_CPP_PYTHON}"
+
+
+def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
+    print(f"$ {shlex.join(cmd)}", file=sys.stderr)
+    with log.open("a") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"`{shlex.join(cmd)}` failed with status {proc.returncode}; log {log}:\n{tail}")
+
+
+def fetch_source(work: Path, log: Path) -> Path:
+    """llama-cpp-python's sdist (pip download), with only its vendor/llama.cpp extracted; returns that folder."""
+    dl = work / "sdist"
+    dl.mkdir()
+    pip = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
+    _run([*pip, f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(dl)], log)
+    archives = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
+    if not archives:
+        raise SystemExit(f"pip download left no llama_cpp_python-*.tar.gz in {dl}: {sorted(dl.iterdir())}")
+    marker = "/vendor/llama.cpp/"
+    out = work / "src"
+    with tarfile.open(archives[0]) as tar:
+        members = [m for m in tar.getmembers() if marker in m.name + "/" and "/.git/" not in m.name]
+        if not members:
+            raise SystemExit(f"{archives[0].name} has no vendor/llama.cpp")
+        kwargs: dict[str, Any] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(out, members=members, **kwargs)
+    roots = sorted({m.name.split(marker)[0] for m in members})
+    src = out / roots[0] / "vendor" / "llama.cpp"
+    if not (src / "tools" / "fit-params").is_dir():
+        raise SystemExit(f"{src}: no tools/fit-params (llama-cpp-python {LLAMA_CPP_PYTHON} should vendor it)")
+    return src
+
+
+def ensure_tool(llama_src: Path | None, rebuild: bool) -> Path:
+    """The cached llama-fit-params, built first if missing (or if `rebuild`)."""
+    home = tool_dir()
+    binary = home / TOOL
+    if binary.is_file() and not rebuild:
+        return binary
+    home.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=home, prefix=".build-") as tmp:
+        work = Path(tmp)
+        log = work / "build.log"
+        src = llama_src.resolve() if llama_src is not None else fetch_source(work, log)
+        origin = str(src) if llama_src is not None else f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist (pip download)"
+        build = work / "build"
+        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+        cmake = shutil.which("cmake")
+        if cmake is None:
+            raise SystemExit("building llama-fit-params needs cmake on PATH (and a C/C++ compiler)")
+        _run([cmake, "-S", str(src), "-B", str(build), *gen, *CMAKE_ARGS], log)
+        _run([cmake, "--build", str(build), "--target", TOOL, f"-j{BUILD_JOBS}"], log)
+        built = build / "bin" / TOOL
+        if not built.is_file():
+            raise SystemExit(f"the build finished but {built} is missing; log {log}")
+        version = subprocess.run([str(built), "--version"], capture_output=True, text=True).stderr.strip()
+        tmp_bin = home / f".{TOOL}.part"
+        shutil.copy2(built, tmp_bin)
+        os.replace(tmp_bin, binary)  # atomic: a half-copied binary is never cached
+        info = {
+            "llama_cpp_python": LLAMA_CPP_PYTHON,
+            "source": origin,
+            "cmake_args": CMAKE_ARGS,
+            "target": TOOL,
+            "jobs": BUILD_JOBS,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "version": version,
+        }
+        (home / "build.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"built {binary} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return binary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cases
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    model: str
+    caps_mib: tuple[int, ...]  # one capped device per entry
+    fit_target_mib: int  # -fitt, broadcast to every device
+    flags: tuple[str, ...]  # the case's own llama.cpp flags, given to both the fit and the load
+    fit_ctx_min: int | None = None  # -fitc (only matters with -c 0)
+
+
+# Small models: real files. Real shapes: header-only sparse files (fit reads headers only; loads map file holes).
+SMALL_MODELS = ("demo", "gpt-oss-tiny", "qwen3moe-tiny")
+REAL_MODELS = ("gpt-oss-20b", "qwen3-30b-a3b")
+
+
+def build_cases() -> list[Case]:
+    cases: list[Case] = []
+    np1 = ("-np", "1")  # llama-fit-params' default; pinned so the load (llama-server flags) means the same
+    # The demo model (8 layers, ~91 MiB, mostly MXFP4 experts): caps below the model, targets that matter.
+    for cap in (48, 64, 96, 128):
+        for target in (0, 8, 16):
+            for ctx in (4096, 8192):
+                cases.append(Case(f"demo/cap{cap}/fitt{target}/c{ctx}", "demo", (cap,), target, ("-c", str(ctx), *np1)))
+    # -c 0: fit may shrink the context (down to -fitc) before it moves layers. An explicit `-c 0` sets -fitc to
+    # "no reduction" unless a -fitc follows it (common/arg.cpp); without -c, -fitc defaults to 4096.
+    for cap, target in ((48, 8), (64, 8), (128, 16)):
+        cases.append(Case(f"demo/cap{cap}/fitt{target}/c0-fitc2048", "demo", (cap,), target, ("-c", "0", *np1), 2048))
+    cases.append(Case("demo/cap64/fitt8/c0", "demo", (64,), 8, ("-c", "0", *np1)))
+    cases.append(Case("demo/cap64/fitt8/c-unset", "demo", (64,), 8, np1))
+    # Flags fit never tunes but which change what it projects.
+    variants = {
+        "c8192-ub128": ("-c", "8192", "-ub", "128", *np1),
+        "c8192-b4096-ub2048": ("-c", "8192", "-b", "4096", "-ub", "2048", *np1),
+        "c8192-kv-q8_0-fa-on": ("-c", "8192", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", *np1),
+        "c8192-fa-off": ("-c", "8192", "-fa", "off", *np1),
+        "c8192-np4": ("-c", "8192", "-np", "4"),  # 4 separate streams in both (llama-fit-params has no -kvu)
+    }
+    for name, flags in variants.items():
+        cases.append(Case(f"demo/cap64/fitt8/{name}", "demo", (64,), 8, flags))
+    # Two capped devices: fit fills them front to back and may overflow a partial layer into the next device.
+    for pair in ((32, 32), (48, 32)):
+        tag = "+".join(map(str, pair))
+        cases.append(Case(f"demo/cap{tag}/fitt4/c4096", "demo", pair, 4, ("-c", "4096", *np1)))
+    # Tiny models (2 layers, ~1 MiB of weights, ~5 MiB loaded): caps of a few MiB still force choices.
+    tiny: dict[str, tuple[int, ...]] = {"gpt-oss-tiny": (3, 4, 5), "qwen3moe-tiny": (4, 5)}
+    for model, caps in tiny.items():
+        for cap in caps:
+            cases.append(Case(f"{model}/cap{cap}/fitt0/c2048", model, (cap,), 0, ("-c", "2048", *np1)))
+    # Real shapes, header-only: -nr keeps the host side from repacking GiBs of mapped holes.
+    for model in REAL_MODELS:
+        for cap, target in ((4096, 512), (8192, 1024)):
+            flags = ("-c", "8192", *np1, "-nr")
+            cases.append(Case(f"{model}/cap{cap}/fitt{target}/c8192", model, (cap,), target, flags))
+    return cases
+
+
+def write_models(folder: Path, names: set[str]) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
+    paths: dict[str, Path] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    for name in sorted(names):
+        sparse = name in REAL_MODELS
+        paths[name] = write_model(SHAPES[name], folder / f"{name}.gguf", sparse=sparse)[0]
+        meta[name] = {"shape": name, "n_shards": 1, "sparse": sparse}
+    return paths, meta
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running one case
+
+
+def _normalize(text: str, endpoints: list[str]) -> str:
+    for endpoint, port in zip(endpoints, CANONICAL_PORTS, strict=False):
+        text = text.replace(endpoint, f"127.0.0.1:{port}")
+    return text
+
+
+def fit_command(tool: Path, model: Path, case: Case, endpoints: list[str]) -> list[str]:
+    cmd = [str(tool), "--model", str(model), "--rpc", ",".join(endpoints), "-fitt", str(case.fit_target_mib)]
+    cmd += list(case.flags)
+    if case.fit_ctx_min is not None:
+        cmd += ["-fitc", str(case.fit_ctx_min)]
+    # -lv 4: the fit's LOG_TRC lines (its projections) on stderr, without timestamps, level prefixes or colours
+    return [*cmd, "-t", "1", "-lv", "4", "--no-log-prefix", "--no-log-timestamps", "--log-colors", "off"]
+
+
+def run_fit(tool: Path, model: Path, case: Case, endpoints: list[str]) -> tuple[dict[str, Any], str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # no stray llama.cpp settings
+    env.setdefault("GGML_NO_BACKTRACE", "1")
+    cmd = fit_command(tool, model, case, endpoints)
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env, timeout=FIT_TIMEOUT_S)
+    stdout = _normalize(proc.stdout, endpoints)
+    stderr = _normalize(proc.stderr, endpoints)
+    log = [
+        TOOK_RE.sub("fitting params to free memory took <t> seconds", ln.rstrip())
+        for ln in stderr.splitlines()
+        if FIT_LOG_RE.match(ln)
+    ]
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    args = shlex.split(lines[-1]) if proc.returncode == 0 and lines else []
+    fit: dict[str, Any] = {
+        "args": args,
+        "status": "ok" if proc.returncode == 0 and args else "failed",
+        "log": log,
+        "projected_device_mib": projected_use(log, len(endpoints)),
+    }
+    if fit["status"] != "ok":
+        fit["exit_status"] = proc.returncode
+    return fit, stderr
+
+
+def projected_use(log: list[str], n_devices: int) -> list[int] | None:
+    """The fit's projected MiB per device (in device order) for the placement it settled on, as logged (floored).
+
+    The last "- DEV: … MiB used" line of each device wins; devices are ordered by their (normalized) endpoint.
+    """
+    per_dev: dict[int, int] = {}
+    for line in log:
+        m = USED_RE.match(line)
+        if m:
+            per_dev[_device_index(m.group("dev"))] = int(m.group("used"))
+    if len(per_dev) == n_devices:
+        return [per_dev[i] for i in sorted(per_dev)]
+    # "No changes needed": only the initial projection was logged (per device when there are several).
+    if n_devices == 1:
+        for line in log:
+            m = TOTAL_RE.search(line)
+            if m:
+                return [int(m.group("used"))]
+    initial = {_device_index(m.group("dev")): int(m.group("used")) for m in map(INITIAL_RE.match, log) if m}
+    return [initial[i] for i in sorted(initial)] if len(initial) == n_devices else None
+
+
+def _device_index(name: str) -> int:
+    """Which of the case's devices a logged name like `RPC1 (127.0.0.1:50053)` is (by its normalized port)."""
+    for i, port in enumerate(CANONICAL_PORTS):
+        if f"127.0.0.1:{port}" in name:
+            return i
+    raise ValueError(f"unexpected device in llama.cpp's fit log: {name!r}")
+
+
+def _load_skip_reason(fit: dict[str, Any]) -> str | None:
+    if fit["status"] != "ok":
+        return "llama.cpp's fit failed: nothing to load"
+    projected = fit["projected_device_mib"]
+    if projected is not None and sum(projected) * MIB > LOAD_LIMIT_BYTES:
+        return (
+            f"not loaded: the fit projects {sum(projected)} MiB on the device(s), over this script's "
+            f"{LOAD_LIMIT_BYTES // MIB} MiB limit for copying weights into the emulated GPU"
+        )
+    return None
+
+
+def run_case(tool: Path, case: Case, model: Path, folder: Path) -> dict[str, Any]:
+    gpus = [EmulatedGpu(cap) for cap in case.caps_mib]
+    try:
+        for gpu in gpus:
+            gpu.start()
+        endpoints = [gpu.endpoint for gpu in gpus]
+        t0 = time.perf_counter()
+        fit, _ = run_fit(tool, model, case, endpoints)
+        fit_s = time.perf_counter() - t0
+        record: dict[str, Any] = {
+            "id": case.id,
+            "model": case.model,
+            "cap_mib": case.caps_mib[0] if len(case.caps_mib) == 1 else list(case.caps_mib),
+            "fit_target_mib": case.fit_target_mib,
+            "fit_ctx_min": case.fit_ctx_min,
+            "flags": list(case.flags),
+            "llama_fit": fit,
+            "load": None,
+            "load_server": None,
+        }
+        # The fit's dry runs use no_alloc: nothing may have been allocated on the devices.
+        fit_peak = [gpu.stats().peak_bytes for gpu in gpus]
+        if any(fit_peak):
+            record["fit_device_peak_bytes"] = fit_peak
+        skip = _load_skip_reason(fit)
+        load_s = 0.0
+        if skip is not None:
+            record["load_skipped"] = skip
+        else:
+            canon = [f"127.0.0.1:{p}" for p in CANONICAL_PORTS[: len(endpoints)]]
+            args = [_denormalize(a, canon, endpoints) for a in fit["args"]]
+            config = parse_launch_flags([*case.flags, *args, "--rpc", ",".join(endpoints)])
+            t1 = time.perf_counter()
+            # "load": the context llama-fit-params projected (n_outputs_max 0 = n_batch); "load_server": the same
+            # placement under llama-server, which reserves logits for min(-b, slots) outputs only.
+            record["load"] = load_on(gpus, model, config, 0, case, folder, endpoints)
+            record["load_server"] = load_on(gpus, model, config, None, case, folder, endpoints)
+            load_s = time.perf_counter() - t1
+        print(
+            f"{case.id:<44} fit {fit_s:5.1f} s  load {load_s:5.1f} s  {fit['status']:<6} "
+            f"{' '.join(fit['args']) or '-'}  -> {_load_summary(record)}",
+            file=sys.stderr,
+        )
+        return record
+    finally:
+        for gpu in gpus:
+            gpu.stop()
+
+
+def load_on(
+    gpus: list[EmulatedGpu],
+    model: Path,
+    config: Any,
+    n_outputs_max: int | None,
+    case: Case,
+    folder: Path,
+    endpoints: list[str],
+) -> dict[str, Any]:
+    """Load `config` on the capped devices; the buffers llama.cpp logged and the device memory really used."""
+    for gpu in gpus:
+        gpu.reset_peak()
+    res = load_and_capture(model, config, n_outputs_max=n_outputs_max)
+    stats = [gpu.stats() for gpu in gpus]
+    error = None
+    if not res.ok:
+        error = _normalize((res.error or "unknown error").replace(str(folder), "<models>"), endpoints)
+    peaks = [s.peak_bytes for s in stats]
+    load: dict[str, Any] = {
+        "ok": res.ok,
+        "error": error,
+        "buffers": _sorted_buffers(
+            [{"buft": _normalize(str(b.buft), endpoints), "kind": b.kind, "mib": b.mib} for b in res.buffers]
+        ),
+        "device_peak_bytes": sum(peaks),
+        "device_unused_bytes": sum(case.caps_mib) * MIB - sum(peaks),
+        "refused_allocations": sum(s.refused for s in stats),
+    }
+    if len(gpus) > 1:
+        load["device_peak_bytes_per_device"] = peaks
+    return load
+
+
+def _sorted_buffers(buffers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """By kind (llama.cpp's log order), then buffer type; log order among equals (e.g. a KV cache and its SWA part).
+
+    llama.cpp logs buffer types of one kind in the order of their buffer-type pointers, which differs between runs
+    when there are two RPC devices.
+    """
+    order = {"model": 0, "output": 1, "kv": 2, "compute": 3}
+    return sorted(buffers, key=lambda b: (order.get(b["kind"], len(order)), b["buft"]))
+
+
+def _denormalize(arg: str, canonical: list[str], endpoints: list[str]) -> str:
+    for c, e in zip(canonical, endpoints, strict=True):
+        arg = arg.replace(c, e)
+    return arg
+
+
+def _load_summary(record: dict[str, Any]) -> str:
+    load = record["load"]
+    if load is None:
+        return str(record.get("load_skipped", "not loaded"))
+    out = []
+    for key in ("load", "load_server"):
+        load = record[key]
+        status = "ok" if load["ok"] else f"ERROR {str(load['error'])[:100]}"
+        out.append(
+            f"{key}: peak {load['device_peak_bytes'] / MIB:.2f} MiB, "
+            f"unused {load['device_unused_bytes'] / MIB:.2f} MiB, {status}"
+        )
+    return "; ".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--llama-src",
+        type=Path,
+        default=None,
+        help="build from this llama.cpp tree instead of llama-cpp-python's sdist",
+    )
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="run only the cases whose id contains this (no file is written unless --out is given explicitly)",
+    )
+    ap.add_argument("--rebuild", action="store_true", help="rebuild the cached llama-fit-params")
+    ap.add_argument("--build-only", action="store_true", help="build (or find) the tool and stop")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    tool = ensure_tool(args.llama_src, args.rebuild)
+    print(f"{TOOL}: {tool}", file=sys.stderr)
+    if args.build_only:
+        return 0
+    info = llama_cpp_info()
+    if info["version"] != LLAMA_CPP_PYTHON:
+        raise SystemExit(
+            f"llama-cpp-python {info['version']} is installed; this reference needs {LLAMA_CPP_PYTHON} "
+            "(the emulated GPU's RPC server and the tool must speak the same protocol)"
+        )
+    cases = build_cases()
+    if args.only:
+        cases = [c for c in cases if args.only in c.id]
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="fitter-fitref-") as tmp:
+        folder = Path(tmp)
+        paths, models = write_models(folder, {c.model for c in cases})
+        print(f"{len(cases)} cases", file=sys.stderr)
+        for case in cases:
+            records.append(run_case(tool, case, paths[case.model], folder))
+    golden: dict[str, Any] = {
+        "generated_by": "scripts/llama_fit_reference.py",
+        "llama_cpp": {
+            "version": info["version"],
+            "commit": LLAMA_CPP_COMMIT,
+            "system_info": info["system_info"],
+            "fit_tool": TOOL,
+            "fit_tool_source": f"llama-cpp-python {LLAMA_CPP_PYTHON} vendor/llama.cpp",
+            "fit_tool_cmake_args": CMAKE_ARGS,
+            "fit_command": "llama-fit-params --model MODEL --rpc ENDPOINT[,ENDPOINT] -fitt TARGET_MIB FLAGS "
+            "[-fitc MIN_CTX] -t 1 -lv 4 --no-log-prefix --no-log-timestamps --log-colors off",
+            "load": "load_and_capture(model, parse_launch_flags(flags + llama_fit.args + ['--rpc', ENDPOINTS]), "
+            "n_outputs_max=0)",
+            "load_server": "the same with n_outputs_max=None (llama-server: min(-b, slots) outputs)",
+        },
+        "device": {"kind": "rpc", "emulated": True, "endpoints": [f"127.0.0.1:{p}" for p in CANONICAL_PORTS]},
+        "models": dict(sorted(models.items())),
+        "cases": records,
+    }
+    if args.only and args.out == DEFAULT_OUT:
+        print(json.dumps(records, indent=1))
+        print(f"--only: {DEFAULT_OUT} left as it is", file=sys.stderr)
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    n_ok = sum(r["llama_fit"]["status"] == "ok" for r in records)
+    n_loaded = sum(r["load"] is not None and r["load"]["ok"] for r in records)
+    print(
+        f"{len(records)} cases ({n_ok} fitted, {n_loaded} loaded ok) in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
