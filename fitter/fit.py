@@ -1,12 +1,13 @@
 """`fitter fit`: the placement that puts the most useful bytes on the GPU(s) within free memory minus a target.
 
-Every candidate is judged by the estimator alone (no model is loaded). For a MoE model the search starts from the seeds'
-recipe, all layers on the GPU and the smallest `-ncmoe N` that fits, and also tries llama.cpp's `--fit` order (the
-experts of the last layers on the CPU), whichever expert tensors of the boundary layer still fit (`-ot`), and a
-few lower `-ngl` values once every expert on the CPU fits; of all placements that fit it keeps the one that uses
-the most device memory, then the most weights. A dense model gets the largest `-ngl`; an `-ngl` the user gives is kept, and then "nothing fits" is a real answer, with what would fit
-instead. With `-c 0` the placement is found at `--fit-ctx` (default 4096, as llama.cpp's `--fit-ctx`) and the
-context then grows to the largest that still fits, up to the model's training context.
+Every candidate is judged by the estimator alone (no model is loaded). For a MoE model the search starts from the
+seeds' recipe, all layers on the GPU and the smallest `-ncmoe N` that fits, and also tries llama.cpp's `--fit` order
+(the experts of the last layers on the CPU), whichever expert tensors of the boundary layer still fit (`-ot`), and a
+few lower `-ngl` values once every expert on the CPU fits; of all placements that fit it keeps the one that uses the
+most device memory, then the most weights. A dense model gets the largest `-ngl`; an `-ngl` the user gives is kept,
+and then "nothing fits" is a real answer, with what would fit instead. With `-c 0` the placement is found at
+`--fit-ctx` (default 4096, as llama.cpp's `--fit-ctx`) and the context then grows to the largest that still fits,
+up to the model's training context.
 
 llama.cpp's own `--fit` (common/fit.cpp) only ever moves the experts of the highest-numbered layers and whole layers;
 placements differ in their compute buffers (the graph splits differently), so fitter judges both orders.

@@ -9,9 +9,8 @@ import pytest
 
 from fitter.devices import CUDA, RPC, Device
 from fitter.estimator import estimate
-from fitter.export import server_flags
 from fitter.fit import fit, ncmoe_rules
-from fitter.launch_config import parse_launch_flags
+from fitter.launch_config import TensorOverride, parse_launch_flags
 from fitter.model_spec import load_model_spec
 from tests.models import model_file
 
@@ -26,21 +25,20 @@ def _used(plan, name: str) -> int:  # type: ignore[no-untyped-def]
     return plan.totals()[name].total
 
 
-def test_moe_gets_the_smallest_ncmoe_that_fits_then_whole_expert_tensors() -> None:
+def test_moe_fit_has_no_room_left_for_another_expert_tensor() -> None:
     spec = load_model_spec(str(model_file("demo")))
     base = parse_launch_flags(["-c", "4096"])
     dev = _device(80, RPC, "RPC0[127.0.0.1:50052]")
     result = fit(spec, base, (dev,), (4,))
-    assert result.fits
     budget = 76 * MIB
-    assert _used(result.plan, dev.name) <= budget
-    flags = server_flags(result.config, result.plan.context)
-    n = int(flags[flags.index("-ncmoe") + 1])
-    # one more layer's experts on the GPU would not fit; the partial layer n is what -ot moved back
-    worse = estimate(spec, replace(base, n_gpu_layers=-2, overrides=ncmoe_rules(n)), (dev,))
-    assert _used(worse, dev.name) > budget
-    assert "-ot" in flags and flags[flags.index("-ot") + 1].startswith(rf"blk\.{n}\.ffn_(")
-    assert result.expert_layers_on_device == spec.n_layer - n
+    assert result.fits and _used(result.plan, dev.name) <= budget
+    on_cpu = [p.tensor for p in result.plan.placements if p.tensor.role.value == "expert"
+              and p.tensor.name.endswith(".weight") and p.buft != dev.name]
+    assert on_cpu  # 80 MiB cannot hold every expert
+    for t in on_cpu:  # any one more expert tensor (with its bias) on the device would break the budget
+        pattern = t.name.removesuffix(".weight").replace(".", r"\.")
+        more = replace(result.config, overrides=(TensorOverride(pattern, dev.name), *result.config.overrides))
+        assert _used(estimate(spec, more, (dev,)), dev.name) > budget, t.name
 
 
 def test_dense_model_gets_the_most_layers_that_fit() -> None:
