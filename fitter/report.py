@@ -142,7 +142,10 @@ def fit_table(result: FitResult, command: str, emulated: bool, verify: dict[str,
         lines.append(command)
     else:
         assert result.shortfall is not None
-        lines.append(f"does not fit: {result.shortfall / MIB:.0f} MiB over budget even with nothing offloaded")
+        ngl = result.config.n_gpu_layers
+        ngl_text = "all" if ngl < 0 else str(ngl)
+        lightest = "with nothing offloaded" if ngl == 0 else f"at -ngl {ngl_text} with every expert on the CPU"
+        lines.append(f"does not fit: {result.shortfall / MIB:.0f} MiB over budget {lightest}")
         lines += [f"  try {s}" for s in result.suggestions]
     if verify is not None:
         state = "loaded" if verify["loaded"] else f"FAILED to load: {verify['error']}"
