@@ -195,6 +195,7 @@ def _suggestions(s: _Search, base: LaunchConfig, plan: MemoryPlan) -> tuple[str,
     variants: list[tuple[str, LaunchConfig]] = [
         (f"-c {max(256, ctx // 2 // 256 * 256)}", replace(base, ctx_size=max(256, ctx // 2 // 256 * 256))),
         ("-c 4096", replace(base, ctx_size=4096)),
+        ("-fa on", replace(base, flash_attn="on")),
         ("-ctk q8_0 -ctv q8_0 -fa on", replace(base, cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on")),
         ("-ub 256", replace(base, ubatch_size=256)),
         ("-ub 128", replace(base, ubatch_size=128)),
@@ -202,6 +203,8 @@ def _suggestions(s: _Search, base: LaunchConfig, plan: MemoryPlan) -> tuple[str,
     ]
     out = []
     for label, variant in variants:
+        if variant == base:
+            continue
         try:
             placed = _place(s, variant)
         except FitterError:
