@@ -254,6 +254,74 @@ class _LogSink:
         self.file.close()
 
 
+
+def build_model_params(config: LaunchConfig, ggml: _Ggml, keep_alive: list[Any]) -> Any:
+    """`llama_model_params` for `config` as llama-server sets them (common_model_params_to_llama).
+
+    The ctypes arrays the params point to (tensor split, override rules and their patterns) are appended to
+    `keep_alive`, which must outlive the params. RPC servers must already be registered (`_Ggml.add_rpc_servers`).
+    """
+    import llama_cpp
+
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = config.n_gpu_layers
+    mparams.main_gpu = config.main_gpu
+    mparams.load_mode = LOAD_MODE_AUTO if config.mmap else LOAD_MODE_NONE
+    mparams.use_extra_bufts = not config.no_repack
+    if config.tensor_split:
+        n_max = int(llama_cpp.llama_max_devices())
+        split = (ctypes.c_float * n_max)(*[float(x) for x in config.tensor_split[:n_max]])
+        keep_alive.append(split)
+        mparams.tensor_split = split
+    if config.overrides:
+        by_name = ggml.buffer_types()
+        by_name.setdefault("CPU", ggml.cpu_buffer_type())
+        rules = (_BuftOverride * (len(config.overrides) + 1))()  # zero-filled: the last one terminates
+        for i, rule in enumerate(config.overrides):
+            if rule.buft not in by_name:
+                raise RuntimeError(
+                    f"-ot {rule.pattern}={rule.buft}: unknown buffer type; available: {', '.join(sorted(by_name))}"
+                )
+            pattern = ctypes.create_string_buffer(rule.pattern.encode())
+            keep_alive.append(pattern)
+            rules[i].pattern = ctypes.cast(pattern, ctypes.c_char_p)
+            rules[i].buft = by_name[rule.buft]
+        keep_alive.append(rules)
+        mparams.tensor_buft_overrides = ctypes.cast(rules, ctypes.c_void_p)
+    return mparams
+
+
+def build_context_params(
+    config: LaunchConfig, n_outputs_max: int | None = None, threads: int = 1, threads_batch: int | None = None
+) -> Any:
+    """`llama_context_params` for `config` as llama-server sets them (common_context_params_to_llama).
+
+    `n_outputs_max` None follows llama-server (min(-b, slots), one output per sequence); 0 gives the C API default.
+    """
+    import llama_cpp
+
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = config.ctx_size
+    cparams.n_batch = config.batch_size
+    cparams.n_ubatch = config.ubatch_size
+    cparams.n_seq_max = config.n_seq_max
+    cparams.kv_unified = config.unified
+    cparams.swa_full = config.swa_full
+    cparams.flash_attn_type = FLASH_ATTN[config.flash_attn]
+    cparams.type_k = _ggml_type(config.cache_type_k)
+    cparams.type_v = _ggml_type(config.cache_type_v)
+    cparams.offload_kqv = not config.no_kv_offload
+    cparams.op_offload = not config.no_op_offload
+    cparams.n_threads = threads
+    cparams.n_threads_batch = threads if threads_batch is None else threads_batch
+    if n_outputs_max is None:  # llama-server: min(n_batch, n_parallel * (1 + n_draft)), at least 1; one per seq
+        cparams.n_outputs_max = max(1, min(config.batch_size, config.n_seq_max))
+        cparams.n_outputs_max_per_seq = 1
+    else:
+        cparams.n_outputs_max = int(n_outputs_max)
+    return cparams
+
+
 def _child_load(request: dict[str, Any], log_path: Path) -> dict[str, Any]:
     import llama_cpp
 
@@ -283,58 +351,15 @@ def _child_load(request: dict[str, Any], log_path: Path) -> dict[str, Any]:
         ggml = _Ggml(Path(llama_cpp.__file__).parent / "lib")
         if config.rpc:
             ggml.add_rpc_servers(config.rpc)
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = config.n_gpu_layers
-        mparams.main_gpu = config.main_gpu
-        mparams.load_mode = LOAD_MODE_AUTO if config.mmap else LOAD_MODE_NONE
-        mparams.use_extra_bufts = not config.no_repack
         keep_alive: list[Any] = []
-        if config.tensor_split:
-            n_max = int(llama_cpp.llama_max_devices())
-            split = (ctypes.c_float * n_max)(*[float(x) for x in config.tensor_split[:n_max]])
-            keep_alive.append(split)
-            mparams.tensor_split = split
-        if config.overrides:
-            by_name = ggml.buffer_types()
-            by_name.setdefault("CPU", ggml.cpu_buffer_type())
-            rules = (_BuftOverride * (len(config.overrides) + 1))()  # zero-filled: the last one terminates
-            for i, rule in enumerate(config.overrides):
-                if rule.buft not in by_name:
-                    raise RuntimeError(
-                        f"-ot {rule.pattern}={rule.buft}: unknown buffer type; available: {', '.join(sorted(by_name))}"
-                    )
-                pattern = ctypes.create_string_buffer(rule.pattern.encode())
-                keep_alive.append(pattern)
-                rules[i].pattern = ctypes.cast(pattern, ctypes.c_char_p)
-                rules[i].buft = by_name[rule.buft]
-            keep_alive.append(rules)
-            mparams.tensor_buft_overrides = ctypes.cast(rules, ctypes.c_void_p)
+        mparams = build_model_params(config, ggml, keep_alive)
 
         model = llama_cpp.llama_model_load_from_file(str(request["model"]).encode(), mparams)
         if not model:
             out["error"] = "llama_model_load_from_file failed: " + (sink.error_text() or "see the log")
             return out
 
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = config.ctx_size
-        cparams.n_batch = config.batch_size
-        cparams.n_ubatch = config.ubatch_size
-        cparams.n_seq_max = config.n_seq_max
-        cparams.kv_unified = config.unified
-        cparams.swa_full = config.swa_full
-        cparams.flash_attn_type = FLASH_ATTN[config.flash_attn]
-        cparams.type_k = _ggml_type(config.cache_type_k)
-        cparams.type_v = _ggml_type(config.cache_type_v)
-        cparams.offload_kqv = not config.no_kv_offload
-        cparams.op_offload = not config.no_op_offload
-        cparams.n_threads = 1
-        cparams.n_threads_batch = 1
-        n_out = request.get("n_outputs_max")
-        if n_out is None:  # llama-server: min(n_batch, n_parallel * (1 + n_draft)), at least 1; one per seq
-            cparams.n_outputs_max = max(1, min(config.batch_size, config.n_seq_max))
-            cparams.n_outputs_max_per_seq = 1
-        else:
-            cparams.n_outputs_max = int(n_out)
+        cparams = build_context_params(config, request.get("n_outputs_max"))
         ctx = llama_cpp.llama_init_from_model(model, cparams)
         if not ctx:
             out["error"] = "llama_init_from_model failed: " + (sink.error_text() or "see the log")

@@ -1,0 +1,648 @@
+"""Measure prefill and decode speed the way llama-bench does, in a persistent llama.cpp child process.
+
+`Worker` keeps one child (`python -m fitter.worker`) alive across trials. The parent sends one JSON request per
+line on the child's stdin and reads one JSON reply per line from a private copy of its stdout; everything llama.cpp
+and ggml log (and the child's stderr) goes to one log file, which the parent slices per trial.
+
+What a trial measures mirrors tools/llama-bench/llama-bench.cpp (llama.cpp 0c1e570, as vendored in
+llama-cpp-python 0.3.36), with one deliberate difference: the context is built at the *deployed* size from the
+LaunchConfig (`-c`, `-np`, `--kv-unified`, `--swa-full`, `-fa`, `-ctk/-ctv`, `-b/-ub`, `-nkvo`, llama-server's
+n_outputs_max), not llama-bench's `n_prompt + n_gen + n_depth` with one sequence, so the speed belongs to the
+memory plan that would be deployed.
+
+- Warm-up: one prefill of n_prompt tokens and one decoded token (llama-bench's warmup run).
+- Per repetition, prefill (pp) and decode (tg) are separate tests as in llama-bench (`-p N` and `-n N` give two
+  result rows there): the memory is cleared, `n_depth` tokens are prefilled untimed, then either n_prompt random
+  tokens are decoded in `-b` chunks and synchronized (pp) or n_gen single tokens are decoded one by one, each
+  synchronized, feeding a random token (tg, test_gen).
+- samples_ts = tokens / seconds per repetition; avg and (sample, n-1) stddev of those, as llama-bench.
+
+Model reuse follows llama-bench (`cmd_params_instance::equal_mparams`): the model stays loaded while only
+context-level flags change (-c -b -ub -ctk -ctv -fa -t -tb -np -kvu --swa-full -nkvo --no-op-offload); `-ngl`,
+`-ot`/`-cmoe`/`-ncmoe`, `-lm`, `-nr`, `-ts`, `-mg` or `--rpc` reload it. RPC devices cannot be unregistered from a
+process, so a change of `--rpc` starts a fresh child.
+
+Outcomes: `ok`, `oom` (an allocation refused: which buffer, which device, how many bytes, from the log), `crash`
+(the child died: signal or exit status and the log tail) or `timeout` (the parent killed the child). After a crash
+or timeout the next trial starts a fresh child. Failed outcomes carry no speeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import random
+import re
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from fitter import LLAMA_CPP_TARGET
+from fitter.errors import FitterError
+from fitter.launch_config import LaunchConfig
+from fitter.llama_cpp_loader import (
+    _config_from_json,
+    _config_to_json,
+    _Ggml,
+    _LogSink,
+    build_context_params,
+    build_model_params,
+)
+from fitter.llama_logs import LoggedBuffer, parse_buffer_lines
+
+__all__ = ["BenchSpec", "Measurement", "OomInfo", "SpeedStats", "Worker", "WorkerError", "measure"]
+
+MIB = 1024 * 1024
+OUTCOMES = ("ok", "oom", "crash", "timeout")
+_TAIL = 3000  # characters of log kept in a crash/timeout reason
+# Fields of LaunchConfig that llama-bench's equal_mparams compares (everything else is context-level).
+MODEL_LEVEL = ("n_gpu_layers", "overrides", "load_mode", "no_repack", "tensor_split", "main_gpu", "rpc")
+
+
+class WorkerError(FitterError):
+    """A trial llama.cpp rejected for a reason other than memory (an unknown buffer type, a test that does not fit
+    the context), or a worker that could not be started."""
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """llama-bench's -p -n -d -r -t (and llama-server's -tb) for one trial."""
+
+    n_prompt: int = 512
+    n_gen: int = 128
+    n_depth: int = 0
+    repetitions: int = 3
+    threads: int = 1
+    threads_batch: int | None = None  # None: = threads (llama-bench has one count)
+    warmup: bool = True
+    seed: int = 0  # random tokens (llama-bench uses std::rand() unseeded, i.e. seed 1)
+
+    def __post_init__(self) -> None:
+        if min(self.n_prompt, self.n_gen, self.n_depth) < 0 or self.repetitions < 1 or self.threads < 1:
+            raise WorkerError(f"bench spec {self}: counts must be >= 0, repetitions and threads >= 1")
+
+
+@dataclass(frozen=True)
+class SpeedStats:
+    """One test's repetitions, as llama-bench reports them."""
+
+    n: int  # tokens per repetition
+    depth: int
+    samples_ns: tuple[int, ...]
+    samples_ts: tuple[float, ...]
+    avg_ts: float
+    stddev_ts: float
+
+    @staticmethod
+    def from_ns(n: int, depth: int, samples_ns: list[int]) -> SpeedStats:
+        ts = tuple(n * 1e9 / max(ns, 1) for ns in samples_ns)
+        std = statistics.stdev(ts) if len(ts) > 1 else 0.0
+        return SpeedStats(n, depth, tuple(samples_ns), ts, statistics.fmean(ts), std)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"n": self.n, "depth": self.depth, "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts,
+                "samples_ts": list(self.samples_ts)}
+
+    def __str__(self) -> str:
+        return f"{self.avg_ts:.2f} ± {self.stddev_ts:.2f} t/s"
+
+
+@dataclass(frozen=True)
+class OomInfo:
+    """The allocation llama.cpp could not make."""
+
+    stage: str  # model | kv | compute | output | unknown
+    buft: str | None  # buffer (type) name: "RPC0[127.0.0.1:50052]", "CUDA0", "CPU"
+    requested_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    outcome: str  # ok | oom | crash | timeout
+    reason: str
+    spec: BenchSpec
+    flags: tuple[str, ...]
+    pp: SpeedStats | None = None  # None unless ok (or the test was not asked for)
+    tg: SpeedStats | None = None
+    oom: OomInfo | None = None
+    buffers: tuple[LoggedBuffer, ...] = ()
+    load_s: float | None = None  # model load of this trial; 0.0 when the loaded model was reused
+    context_s: float | None = None
+    wall_s: float = 0.0  # the whole trial as the parent saw it
+    reused_model: bool = False
+    peak_rss: int | None = None  # bytes: the worker's VmHWM during this trial
+    returncode: int | None = None  # crash: the child's status (negative: the signal)
+    llama_cpp: dict[str, str] = field(default_factory=dict)
+    log: str = field(default="", repr=False)  # llama.cpp's log of this trial
+
+    def to_json(self) -> dict[str, Any]:
+        """The `fitter bench --json` fields a worker knows (CONTRACTS.md); device totals and estimates come later."""
+        out: dict[str, Any] = {"outcome": self.outcome, "reason": self.reason, "flags": list(self.flags),
+                               "backend": "llama-cpp-python"}
+        if self.pp is not None:
+            out["pp"] = self.pp.to_json()
+        if self.tg is not None:
+            out["tg"] = self.tg.to_json()
+        out.update({
+            "load_s": self.load_s, "wall_s": self.wall_s, "reused_model": self.reused_model,
+            "buffers": [{"buft": b.buft, "kind": b.kind, "bytes": round(b.mib * MIB)} for b in self.buffers],
+            "peak_rss": self.peak_rss, "llama_cpp": dict(self.llama_cpp),
+        })
+        if self.oom is not None:
+            out["oom"] = {"stage": self.oom.stage, "buft": self.oom.buft, "bytes": self.oom.requested_bytes}
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Log reading
+
+
+_ALLOC_RE = re.compile(r"failed to allocate (\S+) buffer of size (\d+)")  # ggml-alloc.c (model, KV, compute)
+_CUDA_RE = re.compile(r"allocating ([\d.]+) MiB on device (\d+): cudaMalloc failed: (.*)")
+_CPU_RE = re.compile(r"ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size (\d+)")
+_OUTPUT_RE = re.compile(r"failed to allocate output buffer of size ([\d.]+) MiB")
+_MODEL_RE = re.compile(r"unable to allocate (\S+) buffer")
+_STAGES = (
+    ("kv", "failed to allocate buffer for kv cache"),
+    ("compute", "failed to allocate compute"),
+    ("model", "unable to allocate "),
+    ("output", "failed to allocate output buffer"),
+    ("compute", "failed to allocate compute buffers"),
+)
+
+
+def parse_oom(log: str) -> OomInfo | None:
+    """The refused allocation in a llama.cpp log, or None when the log shows no out-of-memory failure."""
+    stage = next((name for name, text in _STAGES if text in log), None)
+    buft: str | None = None
+    size: int | None = None
+    if m := _ALLOC_RE.search(log):
+        buft, size = m.group(1), int(m.group(2))
+    elif m := _CUDA_RE.search(log):
+        buft, size = f"CUDA{m.group(2)}", round(float(m.group(1)) * MIB)
+    elif m := _CPU_RE.search(log):
+        buft, size = "CPU", int(m.group(1))
+    elif m := _OUTPUT_RE.search(log):
+        buft, size = "CPU", round(float(m.group(1)) * MIB)
+    if "out of memory" in log.lower() and stage is None:
+        stage = "unknown"
+    if stage is None and buft is None:
+        return None
+    if buft is None and (m := _MODEL_RE.search(log)):
+        buft = m.group(1)
+    return OomInfo(stage or "unknown", buft, size)
+
+
+def _describe_oom(oom: OomInfo) -> str:
+    what = f"{oom.requested_bytes} bytes ({oom.requested_bytes / MIB:.2f} MiB)" if oom.requested_bytes else "memory"
+    return f"out of memory allocating the {oom.stage} buffer: {oom.buft or 'unknown device'} refused {what}"
+
+
+def _tail(text: str) -> str:
+    text = text.strip()
+    return text[-_TAIL:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parent side
+
+
+def default_timeout(model: str | Path, spec: BenchSpec) -> float:
+    """A generous limit from the work asked for: load at 100 MB/s, decode reading the whole file per token at
+    1 GB/s, prefill at half that per token, three times over, plus 30 s."""
+    try:
+        size = Path(model).stat().st_size
+    except OSError:
+        size = 0
+    gen_s = max(0.005, size / 1e9)
+    pp_s = gen_s / 2
+    reps = spec.repetitions + (1 if spec.warmup else 0)
+    work = reps * ((spec.n_prompt + 2 * spec.n_depth) * pp_s + spec.n_gen * gen_s)
+    return 30.0 + size / 1e8 + 3.0 * work
+
+
+class Worker:
+    """A persistent measuring child. Use as a context manager; `run` never raises for llama.cpp's failures."""
+
+    def __init__(self, log_path: str | Path | None = None, start_timeout: float = 120.0) -> None:
+        self._own_dir: tempfile.TemporaryDirectory[str] | None = None
+        if log_path is None:
+            self._own_dir = tempfile.TemporaryDirectory(prefix="fitter-worker-")
+            log_path = Path(self._own_dir.name) / "worker.log"
+        self.log_path = Path(log_path)
+        self.start_timeout = start_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buf = b""
+        self._rpc: tuple[str, ...] | None = None  # the RPC servers the child registered (fixed for its life)
+        self._model_key: tuple[Any, ...] | None = None
+        self._model_buffers: tuple[LoggedBuffer, ...] = ()
+        self._info: dict[str, str] = {}
+        self.starts = 0  # children started so far
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def start(self) -> Worker:
+        """Start the child if none is running, and read its build info."""
+        if self.pid is not None:
+            return self
+        self._reap()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("GGML_NO_BACKTRACE", "1")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "fitter.worker", str(self.log_path)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
+            )
+        self.starts += 1
+        self._buf = b""
+        self._rpc = None
+        self._model_key = None
+        self._model_buffers = ()
+        offset = self._log_size()
+        reply = self._exchange({"op": "info"}, time.monotonic() + self.start_timeout)
+        if isinstance(reply, str) or not reply.get("ok"):
+            log_text = self._log_since(offset)
+            self._kill()
+            raise WorkerError(f"the llama.cpp worker did not start: {_tail(log_text) or 'no output'}")
+        self._info = {
+            "version": str(reply.get("version")),
+            "system_info": str(reply.get("system_info")),
+            "commit": LLAMA_CPP_TARGET["commit"],
+            "source": f"llama.cpp {LLAMA_CPP_TARGET['commit']} as vendored in llama-cpp-python {reply.get('version')}",
+        }
+        return self
+
+    def close(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(b'{"op": "quit"}\n')
+                proc.stdin.flush()
+                proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self._kill()
+        self._reap()
+        if self._own_dir is not None:
+            self._own_dir.cleanup()
+            self._own_dir = None
+
+    def _kill(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own session
+            proc.wait()
+
+    def _reap(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self._kill()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        self._proc = None
+
+    # -- protocol ---------------------------------------------------------------------------------------------
+
+    def _exchange(self, request: dict[str, Any], deadline: float) -> dict[str, Any] | str:
+        """Send one request and wait for its reply; "eof" when the child died, "deadline" when the deadline passed
+        (then the child is still running: the caller kills it)."""
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:
+            return "eof"
+        fd = proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "deadline"
+            ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return "eof"
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    # -- trials -----------------------------------------------------------------------------------------------
+
+    def run(self, model: str | Path, config: LaunchConfig, spec: BenchSpec | None = None,
+            timeout: float | None = None) -> Measurement:
+        """Measure `config` on `model`. `timeout` (seconds, load included) defaults to `default_timeout`."""
+        spec = spec or BenchSpec()
+        model = str(Path(model).resolve())
+        if timeout is None:
+            timeout = default_timeout(model, spec)
+        t0 = time.monotonic()
+        if self.pid is not None and self._rpc is not None and self._rpc != config.rpc:
+            self.close_child()  # RPC devices stay registered for a process's life
+        self.start()
+        key = (model, *(getattr(config, k) for k in MODEL_LEVEL))
+        offset = self._log_size()
+        request = {"op": "run", "model": model, "config": _config_to_json(config),
+                   "spec": {k: getattr(spec, k) for k in BenchSpec.__dataclass_fields__}}
+        reply = self._exchange(request, t0 + timeout)
+        wall = time.monotonic() - t0
+        log = self._log_since(offset)
+        base = Measurement("ok", "", spec=spec, flags=config.flags, wall_s=round(wall, 3),
+                           llama_cpp=dict(self._info), log=log)
+        if isinstance(reply, str):
+            proc = self._proc
+            assert proc is not None
+            timed_out = reply == "deadline"
+            if timed_out:
+                self._kill()
+            rc = proc.wait()
+            self._reap()
+            base = replace(base, wall_s=round(time.monotonic() - t0, 3), returncode=rc)
+            if timed_out:
+                why = f"killed after {timeout:g} s (the limit); log tail: {_tail(log)}"
+                return replace(base, outcome="timeout", reason=why)
+            how = f"killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0 else f"exited with status {rc}"
+            oom = parse_oom(log)
+            if oom is not None and "out of memory" in log.lower():
+                return replace(base, outcome="oom", reason=f"worker {how}: {_describe_oom(oom)}", oom=oom)
+            return replace(base, outcome="crash", reason=f"llama.cpp worker {how}; log tail: {_tail(log)}")
+
+        self._rpc = config.rpc
+        reused = bool(reply.get("reused"))
+        buffers = parse_buffer_lines(log)
+        if reply.get("loaded"):
+            self._model_key = key
+            self._model_buffers = tuple(b for b in buffers if b.kind == "model")
+        elif reused:
+            buffers = [*self._model_buffers, *(b for b in buffers if b.kind != "model")]
+        load_s, context_s, rss = reply.get("load_s"), reply.get("context_s"), reply.get("peak_rss")
+        base = replace(base, buffers=tuple(buffers), reused_model=reused,
+                       load_s=None if load_s is None else float(load_s),
+                       context_s=None if context_s is None else float(context_s),
+                       peak_rss=None if rss is None else int(rss))
+        if reply.get("ok"):
+            pp = SpeedStats.from_ns(spec.n_prompt, spec.n_depth, reply["pp_ns"]) if spec.n_prompt else None
+            tg = SpeedStats.from_ns(spec.n_gen, spec.n_depth, reply["tg_ns"]) if spec.n_gen else None
+            return replace(base, pp=pp, tg=tg)
+        if not reply.get("loaded") and not reused:
+            self._model_key, self._model_buffers = None, ()
+        error = str(reply.get("error"))
+        oom = parse_oom(log)
+        if oom is not None:
+            return replace(base, outcome="oom", reason=f"{_describe_oom(oom)} ({error})", oom=oom)
+        raise WorkerError(f"llama.cpp rejected {' '.join(config.flags) or 'the config'}: {error}")
+
+    def close_child(self) -> None:
+        """End the current child (a fresh one starts on the next trial)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            self._kill()
+        self._reap()
+
+
+def measure(model: str | Path, config: LaunchConfig, spec: BenchSpec | None = None,
+            timeout: float | None = None) -> Measurement:
+    """One trial in a fresh worker."""
+    with Worker() as worker:
+        return worker.run(model, config, spec, timeout)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Child side: everything below runs only in `python -m fitter.worker LOG`.
+
+
+def _peak_rss_reset() -> None:
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux 4.0+)
+
+
+def _peak_rss() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class _ChildState:
+    def __init__(self, log_path: Path) -> None:
+        import llama_cpp
+
+        self.llama = llama_cpp
+        llama_cpp.llama_backend_init()
+        self.sink = _LogSink(log_path)
+        llama_cpp.llama_log_set(self.sink.callback, ctypes.c_void_p(0))
+        self.ggml = _Ggml(Path(llama_cpp.__file__).parent / "lib")
+        self.rpc: tuple[str, ...] | None = None
+        self.model: Any = None
+        self.model_key: tuple[Any, ...] | None = None
+        self.keep_alive: list[Any] = []
+
+    def info(self) -> dict[str, Any]:
+        return {"ok": True, "version": getattr(self.llama, "__version__", None),
+                "system_info": self.llama.llama_print_system_info().decode(errors="replace").strip(),
+                "supports_rpc": bool(self.llama.llama_supports_rpc())}
+
+    def free_model(self) -> None:
+        if self.model:
+            self.llama.llama_model_free(self.model)
+        self.model, self.model_key, self.keep_alive = None, None, []
+
+    def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        llama = self.llama
+        config = _config_from_json(request["config"])
+        spec = BenchSpec(**request["spec"])
+        out: dict[str, Any] = {"ok": False, "error": None, "loaded": False, "reused": False,
+                               "load_s": None, "context_s": None, "peak_rss": None}
+        _peak_rss_reset()
+        self.sink.errors.clear()
+        ctx = None
+        try:
+            if self.rpc is None:
+                self.rpc = config.rpc
+                if config.rpc:
+                    self.ggml.add_rpc_servers(config.rpc)
+            elif self.rpc != config.rpc:
+                out["error"] = "--rpc differs from this worker's registered servers"
+                return out
+            key = (request["model"], *(json.dumps(request["config"][k]) for k in MODEL_LEVEL))
+            if self.model and self.model_key == key:
+                out["reused"], out["load_s"] = True, 0.0
+            else:
+                self.free_model()
+                t0 = time.perf_counter()
+                keep: list[Any] = []
+                mparams = build_model_params(config, self.ggml, keep)
+                model = llama.llama_model_load_from_file(str(request["model"]).encode(), mparams)
+                out["load_s"] = round(time.perf_counter() - t0, 4)
+                if not model:
+                    out["error"] = "llama_model_load_from_file failed: " + (self.sink.error_text() or "see the log")
+                    return out
+                self.model, self.model_key, self.keep_alive = model, key, keep
+                out["loaded"] = True
+            t0 = time.perf_counter()
+            cparams = build_context_params(config, None, spec.threads, spec.threads_batch)
+            ctx = llama.llama_init_from_model(self.model, cparams)
+            out["context_s"] = round(time.perf_counter() - t0, 4)
+            if not ctx:
+                out["error"] = "llama_init_from_model failed: " + (self.sink.error_text() or "see the log")
+                return out
+            n_ctx_seq = int(llama.llama_n_ctx_seq(ctx))
+            need = spec.n_depth + max(spec.n_prompt, spec.n_gen)
+            if need > n_ctx_seq:
+                out["error"] = (f"the test needs {need} cells (depth {spec.n_depth} + max(-p, -n)) but a sequence of "
+                                f"this context holds {n_ctx_seq}")
+                return out
+            out.update(_bench(llama, ctx, self.model, spec, self.sink))
+            out["ok"] = out["error"] is None
+            return out
+        except Exception as e:  # a Python-side failure (bad buffer type name, …): report, don't crash
+            out["error"] = f"{type(e).__name__}: {e}"
+            return out
+        finally:
+            if ctx:
+                llama.llama_free(ctx)
+            out["peak_rss"] = _peak_rss()
+
+
+def _bench(llama: Any, ctx: Any, model: Any, spec: BenchSpec, sink: _LogSink) -> dict[str, Any]:
+    """llama-bench's warm-up and repetitions (tools/llama-bench/llama-bench.cpp test_prompt / test_gen)."""
+    vocab = llama.llama_model_get_vocab(model)
+    n_vocab = int(llama.llama_vocab_n_tokens(vocab))
+    add_bos = bool(llama.llama_vocab_get_add_bos(vocab))
+    bos = int(llama.llama_vocab_bos(vocab))
+    n_batch = int(llama.llama_n_batch(ctx))
+    rng = random.Random(spec.seed)
+    llama.llama_set_n_threads(ctx, spec.threads, spec.threads_batch or spec.threads)
+    mem = llama.llama_get_memory(ctx)
+    tokens = (llama.llama_token * max(n_batch, 1))()
+
+    def decode(n: int) -> None:
+        rc = int(llama.llama_decode(ctx, llama.llama_batch_get_one(tokens, n)))
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def prompt(n_prompt: int) -> None:
+        done = 0
+        while done < n_prompt:
+            n = min(n_prompt - done, n_batch)
+            tokens[0] = bos if done == 0 and add_bos else rng.randrange(n_vocab)
+            for i in range(1, n):
+                tokens[i] = rng.randrange(n_vocab)
+            decode(n)
+            done += n
+        llama.llama_synchronize(ctx)
+
+    def gen(n_gen: int) -> None:
+        tokens[0] = bos if add_bos else rng.randrange(n_vocab)
+        for _ in range(n_gen):
+            decode(1)
+            llama.llama_synchronize(ctx)
+            tokens[0] = rng.randrange(n_vocab)
+
+    def timed(fn: Any, n: int) -> int:
+        llama.llama_memory_clear(mem, True)
+        if spec.n_depth:
+            prompt(spec.n_depth)
+        t = time.perf_counter_ns()
+        fn(n)
+        return time.perf_counter_ns() - t
+
+    out: dict[str, Any] = {"error": None, "pp_ns": [], "tg_ns": []}
+    try:
+        if spec.warmup:
+            llama.llama_memory_clear(mem, True)
+            if spec.n_prompt:
+                prompt(spec.n_prompt)
+            if spec.n_gen:
+                gen(1)
+        for _ in range(spec.repetitions):
+            if spec.n_prompt:
+                out["pp_ns"].append(timed(prompt, spec.n_prompt))
+            if spec.n_gen:
+                out["tg_ns"].append(timed(gen, spec.n_gen))
+    except RuntimeError as e:
+        llama_err = sink.error_text()
+        out["error"] = f"{e}: {llama_err}" if llama_err else str(e)
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        sys.stderr.write("usage: python -m fitter.worker LOG\n")
+        return 2
+    # The protocol gets a private copy of stdout; fd 1 then points at stderr (the log), so nothing llama.cpp or
+    # ggml prints can corrupt a reply.
+    proto: IO[str] = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    state = _ChildState(Path(argv[0]))
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        op = request.get("op")
+        if op == "quit":
+            break
+        if op == "info":
+            reply = state.info()
+        elif op == "run":
+            reply = state.run(request)
+        else:
+            reply = {"ok": False, "error": f"unknown op {op!r}"}
+        proto.write(json.dumps(reply) + "\n")
+        proto.flush()
+    state.free_model()
+    state.sink.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
