@@ -142,6 +142,54 @@ def _verify(model: str, launch: list[str], gpu: Any) -> dict[str, Any]:
     }
 
 
+def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.bench import bench_json, bench_table
+    from fitter.devices import RPC, Device, detect_cpu_profile
+    from fitter.estimator import estimate
+    from fitter.launch_config import launch_config_from_args, parse_launch_flags
+    from fitter.model_spec import load_model_spec
+    from fitter.worker import BenchSpec, measure
+
+    config = launch_config_from_args(ns, flags)  # bad flags stop here, before any process starts
+    model = _model_path(ns.model)
+    spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
+                     threads=ns.threads)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        model_spec = load_model_spec(model)
+    gpu = None
+    try:
+        devices: tuple[Any, ...] = ()
+        if ns.emulated_gpu is not None:
+            from fitter.emulated_gpu import EmulatedGpu
+
+            gpu = EmulatedGpu(cap_mib=ns.emulated_gpu).start()
+            flags = [*flags, "--rpc", gpu.endpoint]
+            config = parse_launch_flags(flags)
+            cap = ns.emulated_gpu * MIB
+            devices = (Device(gpu.device_name, RPC, cap, cap),)
+        elif config.rpc:
+            devices = _target_devices(ns)
+        plan = estimate(model_spec, config, devices, detect_cpu_profile())
+        if ns.llama_server:
+            from fitter.server_backend import measure_server
+
+            server_flags = [*flags, "-t", str(ns.threads)] if "-t" not in flags else flags
+            m = measure_server(ns.llama_server, model, server_flags, spec, timeout=ns.timeout or 600.0,
+                               vocab_size=model_spec.n_vocab)
+            backend = "llama-server"
+        else:
+            m = measure(model, config, spec, timeout=ns.timeout)
+            backend = "llama-cpp-python"
+        peak = {gpu.device_name: {"bytes": gpu.stats().peak_bytes, "source": "emulator"}} if gpu else {}
+    finally:
+        if gpu is not None:
+            gpu.stop()
+    result = bench_json(m, backend, plan, emulated=gpu is not None, peak_vram=peak)
+    print(json.dumps(result, indent=1) if ns.json else bench_table(result))
+    return 0 if m.outcome == "ok" else 1
+
+
 def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.demo_models import SHAPES, demo_model_path, write_model
 
@@ -214,6 +262,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(fit)
     fit.set_defaults(func=cmd_fit)
 
+    bench = sub.add_parser(
+        "bench",
+        help="measure prefill and decode speed of one llama.cpp configuration at its deployed context",
+        description="A warm-up, then -r repetitions of a prefill of -p tokens and a decode of -n tokens after -d "
+        "tokens of context, like llama-bench, but in a context allocated at the deployed size, so a passing run "
+        "proves the configuration fits. Buffers are shown beside fitter's estimate. Exit code 1 on oom, crash or "
+        "timeout (a state, never a zero speed).",
+        epilog=SERVER_DEFAULTS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
+    bench.add_argument("-p", "--n-prompt", dest="n_prompt", type=int, default=512, metavar="N")
+    bench.add_argument("-n", "--n-gen", dest="n_gen", type=int, default=128, metavar="N")
+    bench.add_argument("-d", "--n-depth", dest="n_depth", type=int, default=0, metavar="N")
+    bench.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
+    bench.add_argument("-t", "--threads", dest="threads", type=int, default=1, metavar="N")
+    bench.add_argument("--timeout", type=float, default=None, metavar="S",
+                       help="seconds before a trial counts as hung (default: from the predicted work)")
+    bench.add_argument("--emulated-gpu", type=int, metavar="MiB", help="run on a capped emulated GPU")
+    bench.add_argument("--llama-server", metavar="PATH", help="measure this llama-server binary instead")
+    bench.add_argument("--devices", default="", help=argparse.SUPPRESS)
+    bench.add_argument("--json", action="store_true")
+    add_launch_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
+
     demo = sub.add_parser("demo-model", help="write the demo model (or a test shape) and print its path")
     demo.add_argument("--out", help="where to write it (default: fitter's cache)")
     demo.add_argument("--shape", default="demo", help="demo (default) or a test shape, e.g. gpt-oss-120b")
@@ -247,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
 def _llama_flags(argv: list[str], model: str | None) -> list[str]:
     """The llama.cpp flags as given: the command, the model path and fitter's own options dropped."""
     own = {"--devices": 1, "--json": 0, "--tensors": 0, "--fit-target": 1, "--fit-ctx": 1, "--emulated-gpu": 1,
-           "--verify": 0}
+           "--verify": 0, "-p": 1, "--n-prompt": 1, "-n": 1, "--n-gen": 1, "-d": 1, "--n-depth": 1, "-r": 1,
+           "--repetitions": 1, "-t": 1, "--threads": 1, "--timeout": 1, "--llama-server": 1}
     out, i = [], 1  # argv[0] is the command
     while i < len(argv):
         a = argv[i]

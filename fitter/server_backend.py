@@ -1,0 +1,136 @@
+"""Measure the binary a user deploys: start their llama-server with the flags on 127.0.0.1, measure, stop it.
+
+Prefill and decode speeds come from llama-server's own `/completion` timings (`prompt_per_second`,
+`predicted_per_second`, tools/server/server-common.cpp). For a depth d the context is first filled with d tokens
+(cached by the slot), then each repetition sends those d tokens plus p new ones, so only the p new tokens are
+prefilled, at depth d, and n tokens are decoded after them. The buffers come from the server's log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from fitter.llama_logs import parse_buffer_lines
+from fitter.worker import BenchSpec, Measurement, SpeedStats
+
+OOM_MARKERS = ("failed to allocate", "unable to allocate", "out of memory")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def server_argv(binary: str, model: str, flags: list[str], port: int) -> list[str]:
+    """The command line (pure): the user's flags, on loopback, with a port of fitter's choosing. Log verbosity 4 makes
+    llama-server print llama.cpp's buffer lines (its default of 3 hides them)."""
+    verbosity = [] if any(f in ("-lv", "--verbosity", "--log-verbosity") for f in flags) else ["-lv", "4"]
+    return [binary, "-m", model, *flags, *verbosity, "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+
+
+def completion_request(tokens: list[int], n_predict: int) -> dict[str, Any]:
+    return {"prompt": tokens, "n_predict": n_predict, "cache_prompt": True, "ignore_eos": True,
+            "temperature": 0.0, "samplers": ["top_k"], "top_k": 1, "stream": False}
+
+
+def _post(port: int, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+        return out
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def classify_exit(returncode: int | None, log: str) -> tuple[str, str]:
+    """oom when llama.cpp said it could not allocate (the line is the reason), else crash with the status."""
+    for line in log.splitlines():
+        if any(m in line.lower() for m in OOM_MARKERS):
+            return "oom", line.strip()
+    if returncode is not None and returncode < 0:
+        return "crash", f"killed by signal {signal.Signals(-returncode).name}"
+    return "crash", f"exit status {returncode}"
+
+
+def _stats(n: int, depth: int, samples_ts: list[float]) -> SpeedStats:
+    return SpeedStats.from_ns(n, depth, [round(n * 1e9 / ts) for ts in samples_ts])
+
+
+def measure_server(
+    binary: str, model: str, flags: list[str], spec: BenchSpec, timeout: float = 600.0, vocab_size: int = 256,
+) -> Measurement:
+    """Run the user's llama-server once and measure; the server is always stopped."""
+    n_prompt, n_gen, n_depth, repetitions = spec.n_prompt, spec.n_gen, spec.n_depth, spec.repetitions
+    port = free_port()
+    t0 = time.perf_counter()
+    with tempfile.NamedTemporaryFile("w+", prefix="fitter-llama-server-", suffix=".log", delete=False) as logf:
+        log_path = Path(logf.name)
+        proc = subprocess.Popen(server_argv(binary, model, flags, port), stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        while not _healthy(port):
+            if proc.poll() is not None:
+                log = log_path.read_text(errors="replace")
+                outcome, reason = classify_exit(proc.returncode, log)
+                return _failed(outcome, reason, log, t0, spec, flags)
+            if time.perf_counter() - t0 > timeout:
+                return _failed("timeout", f"llama-server not healthy after {timeout:.0f} s",
+                               log_path.read_text(errors="replace"), t0, spec, flags)
+            time.sleep(0.2)
+        load_s = time.perf_counter() - t0
+        # token ids from the byte range every generated vocabulary has; deterministic
+        depth_tokens = [(7 * i) % (vocab_size - 10) + 10 for i in range(n_depth)]
+        prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(n_prompt)]
+        if n_depth:
+            _post(port, "/completion", completion_request(depth_tokens, 0), timeout)
+        _post(port, "/completion", completion_request(depth_tokens + prompt, n_gen), timeout)  # warm-up
+        pp, tg = [], []
+        for r in range(repetitions):
+            # a different first new token each time: the slot reuses the depth prefix but prefills all p tokens
+            new = [(prompt[0] + r + 1) % (vocab_size - 10) + 10, *prompt[1:]]
+            out = _post(port, "/completion", completion_request(depth_tokens + new, n_gen), timeout)
+            t = out["timings"]
+            pp.append(float(t["prompt_per_second"]))
+            tg.append(float(t["predicted_per_second"]))
+        log = log_path.read_text(errors="replace")
+        return Measurement("ok", "", spec, tuple(flags), _stats(n_prompt, n_depth, pp),
+                           _stats(n_gen, n_depth + n_prompt, tg), buffers=tuple(parse_buffer_lines(log)),
+                           load_s=load_s, wall_s=time.perf_counter() - t0, log=log[-3000:])
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        proc.poll()
+        log = log_path.read_text(errors="replace")
+        outcome, reason = classify_exit(proc.returncode, log) if proc.returncode is not None else ("timeout", str(e))
+        return _failed(outcome, reason, log, t0, spec, flags)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log_path.unlink(missing_ok=True)
+
+
+def _failed(outcome: str, reason: str, log: str, t0: float, spec: BenchSpec, flags: list[str]) -> Measurement:
+    return Measurement(outcome, reason, spec, tuple(flags), buffers=tuple(parse_buffer_lines(log)),
+                       wall_s=time.perf_counter() - t0, log=log[-3000:])

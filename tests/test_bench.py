@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fitter.bench import bench_json
+from fitter.estimator import estimate
+from fitter.launch_config import parse_launch_flags
+from fitter.llama_logs import LoggedBuffer
+from fitter.llama_tools import tools_dir
+from fitter.model_spec import load_model_spec
+from fitter.server_backend import classify_exit, server_argv
+from fitter.worker import BenchSpec, Measurement, SpeedStats
+from tests.models import model_file
+
+MIB = 1024 * 1024
+LLAMA_SERVER = tools_dir() / "llama-server"
+
+
+def test_bench_json_puts_each_logged_buffer_beside_its_estimate() -> None:
+    spec = load_model_spec(str(model_file("gpt-oss-tiny")))
+    plan = estimate(spec, parse_launch_flags(["-c", "2048", "-np", "1"]))
+    logged = tuple(LoggedBuffer(b.buft, b.kind, round(b.bytes / MIB, 2)) for b in plan.buffers)
+    pp = SpeedStats.from_ns(100, 0, [10_000_000, 10_000_000])  # 100 tokens in 10 ms: 10000 t/s, no spread
+    tg = SpeedStats.from_ns(10, 0, [10_000_000, 20_000_000])  # 1000 and 500 t/s: noisy
+    m = Measurement("ok", "", BenchSpec(), ("-c", "2048"), pp, tg, buffers=logged)
+    out = bench_json(m, "llama-cpp-python", plan, emulated=False, peak_vram={})
+    assert [b["estimated_bytes"] for b in out["buffers"]] == [b.bytes for b in plan.buffers]
+    assert out["pp"]["avg_ts"] == 10000.0 and out["pp"]["noisy"] is False and out["tg"]["noisy"] is True
+    assert out["devices"]["CPU"]["estimated_total"] == plan.totals()["CPU"].total
+    failed = bench_json(Measurement("oom", "x", BenchSpec(), ()), "llama-cpp-python", plan, False, {})
+    assert "pp" not in failed and "tg" not in failed  # a failure has no speeds, never zeros
+
+
+def test_server_command_and_exit_classes() -> None:
+    argv = server_argv("/bin/llama-server", "m.gguf", ["-c", "512"], 8080)
+    assert argv == ["/bin/llama-server", "-m", "m.gguf", "-c", "512", "-lv", "4", "--host", "127.0.0.1", "--port",
+                    "8080", "--no-webui"]
+    assert "-lv" not in server_argv("s", "m", ["--verbosity", "3"], 1)[4:5]
+    assert classify_exit(1, "x\nggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 99\n") \
+        == ("oom", "ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 99")
+    assert classify_exit(-9, "nothing") == ("crash", "killed by signal SIGKILL")
+
+
+def _bench(*args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+    proc = subprocess.run([sys.executable, "-m", "fitter.cli", "bench", str(model_file("gpt-oss-tiny")), "--json",
+                           *args], capture_output=True, text=True, timeout=300)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def _exact(out: dict) -> None:  # type: ignore[type-arg]
+    for b in out["buffers"]:
+        if b["kind"] != "compute":
+            assert abs(b["bytes"] - b["estimated_bytes"]) <= 0.005 * MIB, b
+
+
+@pytest.mark.llama
+def test_bench_worker_on_the_emulated_gpu() -> None:
+    pytest.importorskip("llama_cpp")
+    code, out = _bench("-c", "2048", "-np", "1", "-p", "32", "-n", "8", "-r", "2", "-ngl", "all",
+                       "--emulated-gpu", "16")
+    assert code == 0 and out["outcome"] == "ok" and out["emulated"]
+    assert out["pp"]["avg_ts"] > 0 and len(out["tg"]["samples_ts"]) == 2
+    _exact(out)
+    (name, peak), = out["peak_vram"].items()
+    assert peak["source"] == "emulator" and peak["bytes"] == out["devices"][name]["estimated_total"]  # to the byte
+
+
+@pytest.mark.llama
+def test_bench_over_the_cap_is_an_oom_state_not_a_zero() -> None:
+    pytest.importorskip("llama_cpp")
+    code, out = _bench("-c", "65536", "-np", "1", "-ngl", "all", "-p", "32", "-n", "8", "--emulated-gpu", "2")
+    assert code == 1 and out["outcome"] == "oom" and "pp" not in out and "RPC0[" in out["reason"]
+
+
+@pytest.mark.llama
+@pytest.mark.skipif(not LLAMA_SERVER.is_file(), reason="llama-server not built (python -m fitter.llama_tools)")
+def test_bench_through_the_users_llama_server() -> None:
+    code, out = _bench("-c", "2048", "-np", "1", "-p", "64", "-n", "8", "-r", "2", "-ngl", "all", "--emulated-gpu",
+                       "16", "--llama-server", str(LLAMA_SERVER))
+    assert code == 0 and out["backend"] == "llama-server" and out["pp"]["avg_ts"] > 0 and out["tg"]["avg_ts"] > 0
+    _exact(out)
+    code, out = _bench("-c", "65536", "-np", "1", "-ngl", "all", "--emulated-gpu", "2", "--llama-server",
+                       str(LLAMA_SERVER))
+    assert code == 1 and out["outcome"] == "oom" and "pp" not in out
