@@ -170,8 +170,16 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
             devices = (Device(gpu.device_name, RPC, cap, cap),)
         elif config.rpc:
             devices = _target_devices(ns)
-        plan = estimate(model_spec, config, devices, detect_cpu_profile())
-        if ns.llama_server:
+        plan: Any = estimate(model_spec, config, devices, detect_cpu_profile())
+        if ns.llama_server and ns.llama_bench:
+            raise LaunchConfigError("--llama-server and --llama-bench: measure with one backend at a time")
+        if ns.llama_bench:
+            from fitter.llama_bench_backend import measure_llama_bench
+
+            m = measure_llama_bench(ns.llama_bench, model, config, spec, timeout=ns.timeout or 600.0)
+            backend = "llama-bench"
+            plan = None  # llama-bench allocates its own p+n+d context: the deployed estimate does not apply
+        elif ns.llama_server:
             from fitter.server_backend import measure_server
 
             server_flags = [*flags, "-t", str(ns.threads)] if "-t" not in flags else flags
@@ -282,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds before a trial counts as hung (default: from the predicted work)")
     bench.add_argument("--emulated-gpu", type=int, metavar="MiB", help="run on a capped emulated GPU")
     bench.add_argument("--llama-server", metavar="PATH", help="measure this llama-server binary instead")
+    bench.add_argument("--llama-bench", metavar="PATH",
+                       help="measure with this llama-bench binary instead (its context is p+n+d, not the deployed one)")
     bench.add_argument("--devices", default="", help=argparse.SUPPRESS)
     bench.add_argument("--json", action="store_true")
     add_launch_arguments(bench)
@@ -321,7 +331,7 @@ def _llama_flags(argv: list[str], model: str | None) -> list[str]:
     """The llama.cpp flags as given: the command, the model path and fitter's own options dropped."""
     own = {"--devices": 1, "--json": 0, "--tensors": 0, "--fit-target": 1, "--fit-ctx": 1, "--emulated-gpu": 1,
            "--verify": 0, "-p": 1, "--n-prompt": 1, "-n": 1, "--n-gen": 1, "-d": 1, "--n-depth": 1, "-r": 1,
-           "--repetitions": 1, "-t": 1, "--threads": 1, "--timeout": 1, "--llama-server": 1}
+           "--repetitions": 1, "-t": 1, "--threads": 1, "--timeout": 1, "--llama-server": 1, "--llama-bench": 1}
     out, i = [], 1  # argv[0] is the command
     while i < len(argv):
         a = argv[i]

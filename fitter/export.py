@@ -15,7 +15,7 @@ from fitter.launch_config import FFN_EXPS_REGEX, ContextParams, LaunchConfig, Te
 _NCMOE_RE = re.compile(r"^blk\\\.(\d+)" + re.escape(FFN_EXPS_REGEX) + "$")
 
 
-def _split_ncmoe(overrides: tuple[TensorOverride, ...]) -> tuple[int, list[TensorOverride]]:
+def split_ncmoe(overrides: tuple[TensorOverride, ...]) -> tuple[int, list[TensorOverride]]:
     """Recognise the rules `-ncmoe N` adds (layers 0…N-1, in order, first) so they print as `-ncmoe N` again."""
     n = 0
     while n < len(overrides):
@@ -33,7 +33,7 @@ def server_flags(config: LaunchConfig, ctx: ContextParams, rpc: tuple[str, ...] 
     flags += ["-np", str(ctx.n_seq_max), "--kv-unified" if ctx.n_stream == 1 else "--no-kv-unified"]
     ngl = config.n_gpu_layers
     flags += ["-ngl", "all" if ngl < 0 else str(ngl)]
-    n_cpu_moe, rules = _split_ncmoe(config.overrides)
+    n_cpu_moe, rules = split_ncmoe(config.overrides)
     if n_cpu_moe:
         flags += ["-ncmoe", str(n_cpu_moe)]
     if rules:

@@ -86,3 +86,30 @@ def test_bench_through_the_users_llama_server() -> None:
     code, out = _bench("-c", "65536", "-np", "1", "-ngl", "all", "--emulated-gpu", "2", "--llama-server",
                        str(LLAMA_SERVER))
     assert code == 1 and out["outcome"] == "oom" and "pp" not in out
+
+
+LLAMA_BENCH = tools_dir() / "llama-bench"
+
+
+def test_llama_bench_command_line_and_json() -> None:
+    from fitter.llama_bench_backend import llama_bench_argv, parse_llama_bench_json
+
+    config = parse_launch_flags(["-ncmoe", "2", "-ot", r"blk\.5\.=CPU,exps=CPU", "-nkvo", "-fa", "on", "-nr"])
+    argv = llama_bench_argv("lb", "m.gguf", config, BenchSpec(n_prompt=64, n_gen=16, repetitions=2, threads=2))
+    assert argv == ["lb", "-m", "m.gguf", "-p", "64", "-n", "16", "-d", "0", "-r", "2", "-t", "2", "-b", "2048",
+                    "-ub", "512", "-ctk", "f16", "-ctv", "f16", "-fa", "on", "-ngl", "999", "-ncmoe", "2",
+                    "-ot", r"blk\.5\.=CPU;exps=CPU", "-nkvo", "1", "--repack", "0", "-o", "json", "-v"]
+    rows = [{"n_prompt": 64, "n_gen": 0, "n_depth": 0, "samples_ns": [2_000_000, 4_000_000]},
+            {"n_prompt": 0, "n_gen": 16, "n_depth": 0, "samples_ns": [1_000_000, 1_000_000]}]
+    pp, tg = parse_llama_bench_json(json.dumps(rows))
+    assert pp is not None and pp.samples_ts == (32000.0, 16000.0) and pp.avg_ts == 24000.0
+    assert tg is not None and tg.avg_ts == 16000.0 and tg.stddev_ts == 0.0
+
+
+@pytest.mark.llama
+@pytest.mark.skipif(not LLAMA_BENCH.is_file(), reason="llama-bench not built (python -m fitter.llama_tools)")
+def test_bench_through_the_users_llama_bench() -> None:
+    code, out = _bench("-p", "32", "-n", "8", "-r", "2", "--llama-bench", str(LLAMA_BENCH))
+    assert code == 0 and out["backend"] == "llama-bench" and "p+n+d" in out["reason"]
+    assert out["pp"]["avg_ts"] > 0 and len(out["tg"]["samples_ts"]) == 2
+    assert {b["kind"] for b in out["buffers"]} == {"model", "kv", "compute", "output"}

@@ -1,0 +1,80 @@
+"""Measure with a user's llama-bench (`-o json`), in the same result shape as fitter's worker.
+
+llama-bench sizes its context at p+n+d for one sequence (tools/llama-bench/llama-bench.cpp), not at the deployed
+`-c`/`-np`, so a passing run does not prove the deployed configuration fits; the result says so in its reason.
+`-ot` rules go in one config separated by `;` (`,` separates configs in llama-bench).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from typing import Any
+
+from fitter.export import split_ncmoe
+from fitter.launch_config import LaunchConfig
+from fitter.llama_logs import parse_buffer_lines
+from fitter.server_backend import classify_exit
+from fitter.worker import BenchSpec, Measurement, SpeedStats
+
+CONTEXT_NOTE = "llama-bench sized the context at p+n+d for one sequence, not the deployed -c/-np"
+
+
+def llama_bench_argv(binary: str, model: str, config: LaunchConfig, spec: BenchSpec) -> list[str]:
+    """The llama-bench command line for one configuration (pure)."""
+    ngl = config.n_gpu_layers if config.n_gpu_layers >= 0 else 999  # llama-bench: a number; 999 = every layer
+    argv = [binary, "-m", model, "-p", str(spec.n_prompt), "-n", str(spec.n_gen), "-d", str(spec.n_depth),
+            "-r", str(spec.repetitions), "-t", str(spec.threads), "-b", str(config.batch_size),
+            "-ub", str(config.ubatch_size), "-ctk", config.cache_type_k, "-ctv", config.cache_type_v,
+            "-fa", config.flash_attn, "-ngl", str(ngl)]
+    n_cpu_moe, rules = split_ncmoe(config.overrides)
+    if n_cpu_moe:
+        argv += ["-ncmoe", str(n_cpu_moe)]
+    if rules:
+        argv += ["-ot", ";".join(f"{r.pattern}={r.buft}" for r in rules)]
+    if config.no_kv_offload:
+        argv += ["-nkvo", "1"]
+    if config.no_repack:
+        argv += ["--repack", "0"]
+    if config.load_mode != "auto":
+        argv += ["-lm", config.load_mode]
+    if config.rpc:
+        argv += ["-rpc", ",".join(config.rpc)]
+    return [*argv, "-o", "json", "-v"]  # -v: llama.cpp's log (with the buffer lines) on stderr
+
+
+def parse_llama_bench_json(text: str) -> tuple[SpeedStats | None, SpeedStats | None]:
+    """The prompt and generation rows of llama-bench's JSON output."""
+    pp = tg = None
+    rows: list[dict[str, Any]] = json.loads(text)
+    for row in rows:
+        stats = SpeedStats.from_ns(int(row["n_prompt"] or row["n_gen"]), int(row.get("n_depth", 0)),
+                                   [int(x) for x in row["samples_ns"]])
+        if row["n_prompt"] and not row["n_gen"]:
+            pp = stats
+        elif row["n_gen"] and not row["n_prompt"]:
+            tg = stats
+    return pp, tg
+
+
+def measure_llama_bench(
+    binary: str, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float = 600.0
+) -> Measurement:
+    argv = llama_bench_argv(binary, model, config, spec)
+    flags = tuple(argv[1:])
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        log = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return Measurement("timeout", f"llama-bench still running after {timeout:.0f} s", spec, flags,
+                           buffers=tuple(parse_buffer_lines(log)), wall_s=time.perf_counter() - t0, log=log[-3000:])
+    buffers = tuple(parse_buffer_lines(proc.stderr))
+    if proc.returncode != 0:
+        outcome, reason = classify_exit(proc.returncode, proc.stderr)
+        return Measurement(outcome, reason, spec, flags, buffers=buffers, wall_s=time.perf_counter() - t0,
+                           returncode=proc.returncode, log=proc.stderr[-3000:])
+    pp, tg = parse_llama_bench_json(proc.stdout)
+    return Measurement("ok", CONTEXT_NOTE, spec, flags, pp, tg, buffers=buffers, wall_s=time.perf_counter() - t0,
+                       log=proc.stderr[-3000:])
