@@ -79,3 +79,20 @@ def bench_table(result: dict[str, Any]) -> str:
     if result.get("peak_rss"):
         lines.append(f"peak RSS {result['peak_rss'] / MIB:.1f} MiB")
     return "\n".join(lines)
+
+
+def machine_record(cpu: Any, ram_total: int, gpus: list[str], driver: str | None) -> dict[str, Any]:
+    """What a measurement depends on in the machine, and a fingerprint over it (pure)."""
+    import hashlib
+    import json
+
+    freqs = sorted({c.max_freq_khz for c in cpu.cores if c.max_freq_khz})
+    record = {
+        "cpu": cpu.model, "arch": cpu.arch, "physical_cores": cpu.physical_cores, "logical_cpus": cpu.logical_cpus,
+        "performance_cores": cpu.performance_cores, "max_freq_khz": freqs[-1] if freqs else None,
+        "governor": cpu.governor, "ram_bytes": ram_total, "gpus": gpus, "nvidia_driver": driver,
+    }
+    stable = {k: record[k] for k in ("cpu", "arch", "physical_cores", "logical_cpus", "ram_bytes", "gpus",
+                                     "nvidia_driver")}
+    record["fingerprint"] = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+    return record

@@ -143,17 +143,23 @@ def _verify(model: str, launch: list[str], gpu: Any) -> dict[str, Any]:
 
 
 def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
-    from fitter.bench import bench_json, bench_table
+    from fitter.bench import bench_json, bench_table, machine_record
     from fitter.devices import RPC, Device, detect_cpu_profile
     from fitter.estimator import estimate
     from fitter.launch_config import launch_config_from_args, parse_launch_flags
     from fitter.model_spec import load_model_spec
+    from fitter.probe import build_cpu_info, detect_nvidia, detect_ram, read_cpu_snapshot
     from fitter.worker import BenchSpec, measure
 
     config = launch_config_from_args(ns, flags)  # bad flags stop here, before any process starts
     model = _model_path(ns.model)
+    cpu = build_cpu_info(read_cpu_snapshot())
+    gpus, nvidia = detect_nvidia()
+    machine = machine_record(cpu, detect_ram().total, [g.name for g in gpus], nvidia.driver)
+    # llama.cpp's advice for hybrid CPUs: one thread per physical performance core (fitter probe)
+    threads = ns.threads if ns.threads is not None else cpu.recommended_threads
     spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
-                     threads=ns.threads)
+                     threads=threads)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         model_spec = load_model_spec(model)
@@ -182,7 +188,7 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
         elif ns.llama_server:
             from fitter.server_backend import measure_server
 
-            server_flags = [*flags, "-t", str(ns.threads)] if "-t" not in flags else flags
+            server_flags = [*flags, "-t", str(threads)]
             m = measure_server(ns.llama_server, model, server_flags, spec, timeout=ns.timeout or 600.0,
                                vocab_size=model_spec.n_vocab)
             backend = "llama-server"
@@ -194,6 +200,8 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
         if gpu is not None:
             gpu.stop()
     result = bench_json(m, backend, plan, emulated=gpu is not None, peak_vram=peak)
+    result["threads"] = threads
+    result["machine"] = machine
     print(json.dumps(result, indent=1) if ns.json else bench_table(result))
     return 0 if m.outcome == "ok" else 1
 
@@ -285,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-n", "--n-gen", dest="n_gen", type=int, default=128, metavar="N")
     bench.add_argument("-d", "--n-depth", dest="n_depth", type=int, default=0, metavar="N")
     bench.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
-    bench.add_argument("-t", "--threads", dest="threads", type=int, default=1, metavar="N")
+    bench.add_argument("-t", "--threads", dest="threads", type=int, default=None, metavar="N",
+                       help="threads (default: the physical performance cores, as fitter probe counts them)")
     bench.add_argument("--timeout", type=float, default=None, metavar="S",
                        help="seconds before a trial counts as hung (default: from the predicted work)")
     bench.add_argument("--emulated-gpu", type=int, metavar="MiB", help="run on a capped emulated GPU")

@@ -47,7 +47,7 @@ def test_server_command_and_exit_classes() -> None:
 
 def _bench(*args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
     proc = subprocess.run([sys.executable, "-m", "fitter.cli", "bench", str(model_file("gpt-oss-tiny")), "--json",
-                           *args], capture_output=True, text=True, timeout=300)
+                           "-t", "1", *args], capture_output=True, text=True, timeout=300)
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -113,3 +113,15 @@ def test_bench_through_the_users_llama_bench() -> None:
     assert code == 0 and out["backend"] == "llama-bench" and "p+n+d" in out["reason"]
     assert out["pp"]["avg_ts"] > 0 and len(out["tg"]["samples_ts"]) == 2
     assert {b["kind"] for b in out["buffers"]} == {"model", "kv", "compute", "output"}
+
+
+def test_machine_record_fingerprints_what_does_not_change_between_runs() -> None:
+    from fitter.bench import machine_record
+    from fitter.probe import build_cpu_info, read_cpu_snapshot
+
+    cpu = build_cpu_info(read_cpu_snapshot())
+    a = machine_record(cpu, 24 << 30, ["NVIDIA H200"], "580.1")
+    b = machine_record(cpu, 24 << 30, ["NVIDIA H200"], "580.1")
+    assert a == b and len(a["fingerprint"]) == 16
+    assert machine_record(cpu, 32 << 30, ["NVIDIA H200"], "580.1")["fingerprint"] != a["fingerprint"]
+    assert a["physical_cores"] == cpu.physical_cores and a["gpus"] == ["NVIDIA H200"]
