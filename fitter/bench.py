@@ -96,3 +96,22 @@ def machine_record(cpu: Any, ram_total: int, gpus: list[str], driver: str | None
                                      "nvidia_driver")}
     record["fingerprint"] = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
     return record
+
+
+def parse_cpu_mask(mask: str | None, cpu_range: str | None) -> tuple[int, ...] | None:
+    """llama.cpp's --cpu-mask (arbitrarily long hex) and --cpu-range lo-hi, combined (common/common.cpp)."""
+    from fitter.errors import LaunchConfigError
+
+    cpus: set[int] = set()
+    if mask:
+        try:
+            bits = int(mask.removeprefix("0x").removeprefix("0X"), 16)
+        except ValueError:
+            raise LaunchConfigError(f"--cpu-mask {mask!r}: expected a hex mask such as 0x3") from None
+        cpus |= {i for i in range(bits.bit_length()) if bits >> i & 1}
+    if cpu_range:
+        lo, sep, hi = cpu_range.partition("-")
+        if not sep or not lo.isdigit() or not hi.isdigit() or int(lo) > int(hi):
+            raise LaunchConfigError(f"--cpu-range {cpu_range!r}: expected lo-hi, e.g. 0-3")
+        cpus |= set(range(int(lo), int(hi) + 1))
+    return tuple(sorted(cpus)) or None

@@ -143,7 +143,7 @@ def _verify(model: str, launch: list[str], gpu: Any) -> dict[str, Any]:
 
 
 def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
-    from fitter.bench import bench_json, bench_table, machine_record
+    from fitter.bench import bench_json, bench_table, machine_record, parse_cpu_mask
     from fitter.devices import RPC, Device, detect_cpu_profile
     from fitter.estimator import estimate
     from fitter.launch_config import launch_config_from_args, parse_launch_flags
@@ -158,6 +158,9 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     machine = machine_record(cpu, detect_ram().total, [g.name for g in gpus], nvidia.driver)
     # llama.cpp's advice for hybrid CPUs: one thread per physical performance core (fitter probe)
     threads = ns.threads if ns.threads is not None else cpu.recommended_threads
+    cpus = parse_cpu_mask(ns.cpu_mask, ns.cpu_range)
+    affinity_flags = [*(["-C", ns.cpu_mask] if ns.cpu_mask else []),
+                      *(["-Cr", ns.cpu_range] if ns.cpu_range else [])]
     spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
                      threads=threads)
     with warnings.catch_warnings(record=True):
@@ -182,18 +185,21 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
         if ns.llama_bench:
             from fitter.llama_bench_backend import measure_llama_bench
 
-            m = measure_llama_bench(ns.llama_bench, model, config, spec, timeout=ns.timeout or 600.0)
+            if ns.cpu_range:
+                raise LaunchConfigError("--cpu-range: llama-bench only takes --cpu-mask")
+            m = measure_llama_bench(ns.llama_bench, model, config, spec, timeout=ns.timeout or 600.0,
+                                    cpu_mask=ns.cpu_mask)
             backend = "llama-bench"
             plan = None  # llama-bench allocates its own p+n+d context: the deployed estimate does not apply
         elif ns.llama_server:
             from fitter.server_backend import measure_server
 
-            server_flags = [*flags, "-t", str(threads)]
+            server_flags = [*flags, "-t", str(threads), *affinity_flags]
             m = measure_server(ns.llama_server, model, server_flags, spec, timeout=ns.timeout or 600.0,
                                vocab_size=model_spec.n_vocab)
             backend = "llama-server"
         else:
-            m = measure(model, config, spec, timeout=ns.timeout)
+            m = measure(model, config, spec, timeout=ns.timeout, cpus=cpus)
             backend = "llama-cpp-python"
         peak = {gpu.device_name: {"bytes": gpu.stats().peak_bytes, "source": "emulator"}} if gpu else {}
     finally:
@@ -201,6 +207,7 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
             gpu.stop()
     result = bench_json(m, backend, plan, emulated=gpu is not None, peak_vram=peak)
     result["threads"] = threads
+    result["cpus"] = list(cpus) if cpus else None
     result["machine"] = machine
     print(json.dumps(result, indent=1) if ns.json else bench_table(result))
     return 0 if m.outcome == "ok" else 1
@@ -295,6 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
     bench.add_argument("-t", "--threads", dest="threads", type=int, default=None, metavar="N",
                        help="threads (default: the physical performance cores, as fitter probe counts them)")
+    bench.add_argument("-C", "--cpu-mask", dest="cpu_mask", metavar="M", help="CPU affinity mask (hex), as llama.cpp")
+    bench.add_argument("-Cr", "--cpu-range", dest="cpu_range", metavar="lo-hi", help="CPU range, as llama.cpp")
     bench.add_argument("--timeout", type=float, default=None, metavar="S",
                        help="seconds before a trial counts as hung (default: from the predicted work)")
     bench.add_argument("--emulated-gpu", type=int, metavar="MiB", help="run on a capped emulated GPU")
@@ -340,7 +349,8 @@ def _llama_flags(argv: list[str], model: str | None) -> list[str]:
     """The llama.cpp flags as given: the command, the model path and fitter's own options dropped."""
     own = {"--devices": 1, "--json": 0, "--tensors": 0, "--fit-target": 1, "--fit-ctx": 1, "--emulated-gpu": 1,
            "--verify": 0, "-p": 1, "--n-prompt": 1, "-n": 1, "--n-gen": 1, "-d": 1, "--n-depth": 1, "-r": 1,
-           "--repetitions": 1, "-t": 1, "--threads": 1, "--timeout": 1, "--llama-server": 1, "--llama-bench": 1}
+           "--repetitions": 1, "-t": 1, "--threads": 1, "--timeout": 1, "--llama-server": 1, "--llama-bench": 1,
+           "-C": 1, "--cpu-mask": 1, "-Cr": 1, "--cpu-range": 1}
     out, i = [], 1  # argv[0] is the command
     while i < len(argv):
         a = argv[i]

@@ -21,7 +21,8 @@ from fitter.worker import BenchSpec, Measurement, SpeedStats
 CONTEXT_NOTE = "llama-bench sized the context at p+n+d for one sequence, not the deployed -c/-np"
 
 
-def llama_bench_argv(binary: str, model: str, config: LaunchConfig, spec: BenchSpec) -> list[str]:
+def llama_bench_argv(binary: str, model: str, config: LaunchConfig, spec: BenchSpec,
+                     cpu_mask: str | None = None) -> list[str]:
     """The llama-bench command line for one configuration (pure)."""
     ngl = config.n_gpu_layers if config.n_gpu_layers >= 0 else 999  # llama-bench: a number; 999 = every layer
     argv = [binary, "-m", model, "-p", str(spec.n_prompt), "-n", str(spec.n_gen), "-d", str(spec.n_depth),
@@ -41,6 +42,8 @@ def llama_bench_argv(binary: str, model: str, config: LaunchConfig, spec: BenchS
         argv += ["-lm", config.load_mode]
     if config.rpc:
         argv += ["-rpc", ",".join(config.rpc)]
+    if cpu_mask:
+        argv += ["-C", cpu_mask]
     return [*argv, "-o", "json", "-v"]  # -v: llama.cpp's log (with the buffer lines) on stderr
 
 
@@ -59,9 +62,10 @@ def parse_llama_bench_json(text: str) -> tuple[SpeedStats | None, SpeedStats | N
 
 
 def measure_llama_bench(
-    binary: str, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float = 600.0
+    binary: str, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float = 600.0,
+    cpu_mask: str | None = None,
 ) -> Measurement:
-    argv = llama_bench_argv(binary, model, config, spec)
+    argv = llama_bench_argv(binary, model, config, spec, cpu_mask)
     flags = tuple(argv[1:])
     t0 = time.perf_counter()
     try:

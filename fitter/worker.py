@@ -234,13 +234,15 @@ def default_timeout(model: str | Path, spec: BenchSpec) -> float:
 class Worker:
     """A persistent measuring child. Use as a context manager; `run` never raises for llama.cpp's failures."""
 
-    def __init__(self, log_path: str | Path | None = None, start_timeout: float = 120.0) -> None:
+    def __init__(self, log_path: str | Path | None = None, start_timeout: float = 120.0,
+                 cpus: tuple[int, ...] | None = None) -> None:
         self._own_dir: tempfile.TemporaryDirectory[str] | None = None
         if log_path is None:
             self._own_dir = tempfile.TemporaryDirectory(prefix="fitter-worker-")
             log_path = Path(self._own_dir.name) / "worker.log"
         self.log_path = Path(log_path)
         self.start_timeout = start_timeout
+        self.cpus = cpus  # CPU affinity of the child (llama.cpp's --cpu-mask / --cpu-range)
         self._proc: subprocess.Popen[bytes] | None = None
         self._buf = b""
         self._rpc: tuple[str, ...] | None = None  # the RPC servers the child registered (fixed for its life)
@@ -276,6 +278,9 @@ class Worker:
                 [sys.executable, "-m", "fitter.worker", str(self.log_path)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
             )
+        if self.cpus:
+            # set before the child has loaded llama.cpp, so every thread it starts inherits the affinity
+            os.sched_setaffinity(self._proc.pid, self.cpus)
         self.starts += 1
         self._buf = b""
         self._rpc = None
@@ -445,9 +450,9 @@ class Worker:
 
 
 def measure(model: str | Path, config: LaunchConfig, spec: BenchSpec | None = None,
-            timeout: float | None = None) -> Measurement:
+            timeout: float | None = None, cpus: tuple[int, ...] | None = None) -> Measurement:
     """One trial in a fresh worker."""
-    with Worker() as worker:
+    with Worker(cpus=cpus) as worker:
         return worker.run(model, config, spec, timeout)
 
 

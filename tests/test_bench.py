@@ -125,3 +125,33 @@ def test_machine_record_fingerprints_what_does_not_change_between_runs() -> None
     assert a == b and len(a["fingerprint"]) == 16
     assert machine_record(cpu, 32 << 30, ["NVIDIA H200"], "580.1")["fingerprint"] != a["fingerprint"]
     assert a["physical_cores"] == cpu.physical_cores and a["gpus"] == ["NVIDIA H200"]
+
+
+def test_cpu_mask_and_range_like_llama_cpp() -> None:
+    from fitter.bench import parse_cpu_mask
+    from fitter.errors import LaunchConfigError
+
+    assert parse_cpu_mask("0x5", None) == (0, 2)
+    assert parse_cpu_mask("0x1", "2-3") == (0, 2, 3)
+    assert parse_cpu_mask(None, None) is None
+    with pytest.raises(LaunchConfigError, match=r"--cpu-range '3-1': expected lo-hi"):
+        parse_cpu_mask(None, "3-1")
+
+
+@pytest.mark.llama
+def test_bench_worker_runs_on_the_cpus_it_was_given() -> None:
+    pytest.importorskip("llama_cpp")
+    code, out = _bench("-c", "1024", "-np", "1", "-p", "16", "-n", "4", "-r", "1", "--cpu-mask", "0x1")
+    assert code == 0 and out["cpus"] == [0] and out["outcome"] == "ok"
+
+
+@pytest.mark.llama
+def test_worker_child_is_pinned_to_the_given_cpus() -> None:
+    pytest.importorskip("llama_cpp")
+    import os
+
+    from fitter.worker import Worker
+
+    with Worker(cpus=(0,)) as worker:
+        worker.start()
+        assert worker.pid is not None and os.sched_getaffinity(worker.pid) == {0}
