@@ -8,10 +8,9 @@ allocations past it), then loads llama.cpp's chosen placement on the same capped
 `fitter.llama_cpp_loader.load_and_capture` and records the buffers it logged and the device memory it really used
 (the cap's peak counter). `fitter fit` is compared against this file.
 
-The tool is built once from the llama.cpp source vendored in llama-cpp-python 0.3.36 (the version fitter pins):
-the sdist is fetched with `pip download` (or `--llama-src DIR` names a llama.cpp tree), configured with CMake and
-only the `llama-fit-params` target is built (~6 min on 2 cores). The binary is cached in
-`fitter_home()/tools/llama-fit-params-0.3.36/`, so later runs skip the build.
+The tool is built once by `fitter.llama_tools` from the llama.cpp source vendored in llama-cpp-python 0.3.36 (the
+version fitter pins; `--llama-src DIR` names a llama.cpp tree instead) and cached with llama-server and
+llama-bench in `fitter_home()/tools/llama.cpp-0.3.36/`, so later runs skip the build.
 
 A run takes ~3 minutes after the build, most of it copying two ~3.3 GiB placements of the real shapes into the
 emulated GPU; placements projected over 6 GiB are fitted but not loaded (`load_skipped` says so).
@@ -41,41 +40,24 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fitter.demo_models import SHAPES, fitter_home, write_model
+from fitter.demo_models import SHAPES, write_model
 from fitter.emulated_gpu import MIB, EmulatedGpu
 from fitter.launch_config import parse_launch_flags
 from fitter.llama_cpp_loader import llama_cpp_info, load_and_capture
+from fitter.llama_tools import CMAKE_ARGS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON, ensure_tools
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "tests" / "golden" / "fit_reference.json"
 
-LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release fitter pins
-LLAMA_CPP_COMMIT = "0c1e570"  # the llama.cpp it vendors (its sdist has no git metadata: the tool says "unknown")
-TOOL = "llama-fit-params"
-CMAKE_ARGS = [
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_RPC=ON",
-    "-DGGML_NATIVE=OFF",
-    "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary in the cache
-    "-DLLAMA_BUILD_COMMON=ON",
-    "-DLLAMA_BUILD_TOOLS=ON",  # tools/fit-params
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
-    "-DLLAMA_BUILD_APP=OFF",
-    "-DLLAMA_OPENSSL=OFF",  # this version has no LLAMA_CURL (deprecated, ignored); OpenSSL is its HTTPS option
-]
-BUILD_JOBS = 2
+TOOL = "llama-fit-params"  # built by fitter.llama_tools from the pinned llama.cpp source
 
 CANONICAL_PORTS = (50052, 50053)  # endpoint i of a case is written as 127.0.0.1:CANONICAL_PORTS[i]
 LOAD_LIMIT_BYTES = 6 * 1024 * MIB  # device-resident bytes above which a load is skipped (copied into the server)
@@ -90,90 +72,6 @@ TOOK_RE = re.compile(r"fitting params to free memory took [0-9.]+ seconds")
 USED_RE = re.compile(r"^\S+:\s+- (?P<dev>.+?): .* (?P<used>-?\d+) MiB used, +(?P<free>-?\d+) MiB free$")
 TOTAL_RE = re.compile(r"projected to use (?P<used>\d+) MiB of device memory vs\. (?P<free>\d+) MiB of free device")
 INITIAL_RE = re.compile(r"^\S+:\s+- (?P<dev>.+?): +\d+ total, +(?P<used>-?\d+) used, ")  # several devices
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The tool
-
-
-def tool_dir() -> Path:
-    return fitter_home() / "tools" / f"{TOOL}-{LLAMA_CPP_PYTHON}"
-
-
-def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
-    print(f"$ {shlex.join(cmd)}", file=sys.stderr)
-    with log.open("a") as f:
-        f.write(f"$ {shlex.join(cmd)}\n")
-        f.flush()
-        proc = subprocess.run(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise SystemExit(f"`{shlex.join(cmd)}` failed with status {proc.returncode}; log {log}:\n{tail}")
-
-
-def fetch_source(work: Path, log: Path) -> Path:
-    """llama-cpp-python's sdist (pip download), with only its vendor/llama.cpp extracted; returns that folder."""
-    dl = work / "sdist"
-    dl.mkdir()
-    pip = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
-    _run([*pip, f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(dl)], log)
-    archives = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
-    if not archives:
-        raise SystemExit(f"pip download left no llama_cpp_python-*.tar.gz in {dl}: {sorted(dl.iterdir())}")
-    marker = "/vendor/llama.cpp/"
-    out = work / "src"
-    with tarfile.open(archives[0]) as tar:
-        members = [m for m in tar.getmembers() if marker in m.name + "/" and "/.git/" not in m.name]
-        if not members:
-            raise SystemExit(f"{archives[0].name} has no vendor/llama.cpp")
-        kwargs: dict[str, Any] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(out, members=members, **kwargs)
-    roots = sorted({m.name.split(marker)[0] for m in members})
-    src = out / roots[0] / "vendor" / "llama.cpp"
-    if not (src / "tools" / "fit-params").is_dir():
-        raise SystemExit(f"{src}: no tools/fit-params (llama-cpp-python {LLAMA_CPP_PYTHON} should vendor it)")
-    return src
-
-
-def ensure_tool(llama_src: Path | None, rebuild: bool) -> Path:
-    """The cached llama-fit-params, built first if missing (or if `rebuild`)."""
-    home = tool_dir()
-    binary = home / TOOL
-    if binary.is_file() and not rebuild:
-        return binary
-    home.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=home, prefix=".build-") as tmp:
-        work = Path(tmp)
-        log = work / "build.log"
-        src = llama_src.resolve() if llama_src is not None else fetch_source(work, log)
-        origin = str(src) if llama_src is not None else f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist (pip download)"
-        build = work / "build"
-        gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-        cmake = shutil.which("cmake")
-        if cmake is None:
-            raise SystemExit("building llama-fit-params needs cmake on PATH (and a C/C++ compiler)")
-        _run([cmake, "-S", str(src), "-B", str(build), *gen, *CMAKE_ARGS], log)
-        _run([cmake, "--build", str(build), "--target", TOOL, f"-j{BUILD_JOBS}"], log)
-        built = build / "bin" / TOOL
-        if not built.is_file():
-            raise SystemExit(f"the build finished but {built} is missing; log {log}")
-        version = subprocess.run([str(built), "--version"], capture_output=True, text=True).stderr.strip()
-        tmp_bin = home / f".{TOOL}.part"
-        shutil.copy2(built, tmp_bin)
-        os.replace(tmp_bin, binary)  # atomic: a half-copied binary is never cached
-        info = {
-            "llama_cpp_python": LLAMA_CPP_PYTHON,
-            "source": origin,
-            "cmake_args": CMAKE_ARGS,
-            "target": TOOL,
-            "jobs": BUILD_JOBS,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "version": version,
-        }
-        (home / "build.json").write_text(json.dumps(info, indent=1) + "\n")
-    print(f"built {binary} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    return binary
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -466,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-only", action="store_true", help="build (or find) the tool and stop")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    tool = ensure_tool(args.llama_src, args.rebuild)
+    tool = ensure_tools([TOOL], args.llama_src, args.rebuild)[TOOL]
     print(f"{TOOL}: {tool}", file=sys.stderr)
     if args.build_only:
         return 0
