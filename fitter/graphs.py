@@ -19,6 +19,7 @@ from fitter import ggml_graph as g
 from fitter.ggml_graph import Graph, Tensor
 from fitter.launch_config import KV_CACHE_TYPES
 from fitter.model_spec import ModelSpec
+from fitter.sched import schedule
 
 # Architectures whose graph is rebuilt here; others get compute estimates from fitter.compute's phase model.
 GRAPH_ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "qwen3", "llama", "deepseek2")
@@ -445,8 +446,6 @@ def build_graph(spec: ModelSpec, p: GraphParams) -> Graph:
 def flash_attn_devices_match(spec: ModelSpec, p: GraphParams) -> int | None:
     """llama_context::resolve_fused_ops for `-fa auto`: schedule the one-token-per-sequence graph with flash
     attention and check every layer's FA op runs on the layer's device. Returns the first layer that does not."""
-    from fitter.sched import schedule
-
     graph = build_graph(spec, p)
     if p.backends.n_backends == 1:
         return None
@@ -461,8 +460,6 @@ def flash_attn_devices_match(spec: ModelSpec, p: GraphParams) -> int | None:
 
 def graph_compute_bytes(spec: ModelSpec, p: GraphParams, alignments: tuple[int, ...] = (32,)) -> list[int]:
     """The compute buffer llama.cpp reserves on each backend (devices first, the CPU last) for this graph."""
-    from fitter.sched import schedule
-
     graph = build_graph(spec, p)
     if p.backends.n_backends == 1:
         return [g.allocate(graph, alignments[0])]
