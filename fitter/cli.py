@@ -6,6 +6,7 @@ Imports stay light (no optuna, pandas or llama_cpp here): `fitter estimate` must
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import warnings
@@ -148,8 +149,9 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.estimator import estimate
     from fitter.launch_config import launch_config_from_args, parse_launch_flags
     from fitter.model_spec import load_model_spec
+    from fitter.nvml_peak import NvmlPeakSampler
     from fitter.probe import build_cpu_info, detect_nvidia, detect_ram, read_cpu_snapshot
-    from fitter.worker import BenchSpec, measure
+    from fitter.worker import BenchSpec
 
     config = launch_config_from_args(ns, flags)  # bad flags stop here, before any process starts
     model = _model_path(ns.model)
@@ -182,26 +184,13 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
         plan: Any = estimate(model_spec, config, devices, detect_cpu_profile())
         if ns.llama_server and ns.llama_bench:
             raise LaunchConfigError("--llama-server and --llama-bench: measure with one backend at a time")
-        if ns.llama_bench:
-            from fitter.llama_bench_backend import measure_llama_bench
-
-            if ns.cpu_range:
-                raise LaunchConfigError("--cpu-range: llama-bench only takes --cpu-mask")
-            m = measure_llama_bench(ns.llama_bench, model, config, spec, timeout=ns.timeout or 600.0,
-                                    cpu_mask=ns.cpu_mask)
-            backend = "llama-bench"
-            plan = None  # llama-bench allocates its own p+n+d context: the deployed estimate does not apply
-        elif ns.llama_server:
-            from fitter.server_backend import measure_server
-
-            server_flags = [*flags, "-t", str(threads), *affinity_flags]
-            m = measure_server(ns.llama_server, model, server_flags, spec, timeout=ns.timeout or 600.0,
-                               vocab_size=model_spec.n_vocab)
-            backend = "llama-server"
-        else:
-            m = measure(model, config, spec, timeout=ns.timeout, cpus=cpus)
-            backend = "llama-cpp-python"
+        sampler = NvmlPeakSampler() if gpus else contextlib.nullcontext(None)
+        with sampler:
+            m, backend, plan = _bench_backend(ns, model, model_spec, config, spec, plan, flags, threads,
+                                              affinity_flags, cpus)
         peak = {gpu.device_name: {"bytes": gpu.stats().peak_bytes, "source": "emulator"}} if gpu else {}
+        if isinstance(sampler, NvmlPeakSampler):
+            peak.update({name: {"bytes": b, "source": "nvml"} for name, b in sampler.peaks.items()})
     finally:
         if gpu is not None:
             gpu.stop()
@@ -211,6 +200,34 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     result["machine"] = machine
     print(json.dumps(result, indent=1) if ns.json else bench_table(result))
     return 0 if m.outcome == "ok" else 1
+
+
+def _bench_backend(ns: argparse.Namespace, model: str, model_spec: Any, config: Any, spec: Any, plan: Any,
+                   flags: list[str], threads: int, affinity_flags: list[str],
+                   cpus: tuple[int, ...] | None) -> tuple[Any, str, Any]:
+    """One measurement with the backend the user chose: (measurement, backend name, the plan that applies)."""
+    from fitter.worker import measure
+
+    if ns.llama_bench:
+        from fitter.llama_bench_backend import measure_llama_bench
+
+        if ns.cpu_range:
+            raise LaunchConfigError("--cpu-range: llama-bench only takes --cpu-mask")
+        m = measure_llama_bench(ns.llama_bench, model, config, spec, timeout=ns.timeout or 600.0,
+                                cpu_mask=ns.cpu_mask)
+        backend = "llama-bench"
+        plan = None  # llama-bench allocates its own p+n+d context: the deployed estimate does not apply
+    elif ns.llama_server:
+        from fitter.server_backend import measure_server
+
+        server_flags = [*flags, "-t", str(threads), *affinity_flags]
+        m = measure_server(ns.llama_server, model, server_flags, spec, timeout=ns.timeout or 600.0,
+                           vocab_size=model_spec.n_vocab)
+        backend = "llama-server"
+    else:
+        m = measure(model, config, spec, timeout=ns.timeout, cpus=cpus)
+        backend = "llama-cpp-python"
+    return m, backend, plan
 
 
 def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:

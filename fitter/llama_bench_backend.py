@@ -47,6 +47,15 @@ def llama_bench_argv(binary: str, model: str, config: LaunchConfig, spec: BenchS
     return [*argv, "-o", "json", "-v"]  # -v: llama.cpp's log (with the buffer lines) on stderr
 
 
+def llama_bench_build(text: str) -> dict[str, str]:
+    """The build llama-bench reports in each JSON row (`build_commit`, `build_number`)."""
+    rows: list[dict[str, Any]] = json.loads(text)
+    if not rows:
+        return {}
+    return {"commit": str(rows[0].get("build_commit", "unknown")),
+            "source": f"llama-bench -o json build_commit (build {rows[0].get('build_number', '?')})"}
+
+
 def parse_llama_bench_json(text: str) -> tuple[SpeedStats | None, SpeedStats | None]:
     """The prompt and generation rows of llama-bench's JSON output."""
     pp = tg = None
@@ -81,4 +90,4 @@ def measure_llama_bench(
                            returncode=proc.returncode, log=proc.stderr[-3000:])
     pp, tg = parse_llama_bench_json(proc.stdout)
     return Measurement("ok", CONTEXT_NOTE, spec, flags, pp, tg, buffers=buffers, wall_s=time.perf_counter() - t0,
-                       log=proc.stderr[-3000:])
+                       llama_cpp=llama_bench_build(proc.stdout), log=proc.stderr[-3000:])

@@ -183,6 +183,16 @@ class _Ggml:
         self._sig(self.base, "ggml_backend_cpu_buffer_type", [], vp)
         self._sig(self.base, "ggml_backend_reg_get_proc_address", [vp, cp], vp)
 
+    def build(self) -> dict[str, str]:
+        """The commit and version ggml was built from, as its own library reports them (ggml.c ggml_commit())."""
+        out: dict[str, str] = {}
+        for name in ("ggml_commit", "ggml_version"):
+            fn = getattr(self.base, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [], ctypes.c_char_p
+                out[name] = (fn() or b"").decode(errors="replace")
+        return out
+
     @staticmethod
     def _sig(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any) -> None:
         fn = getattr(lib, name)

@@ -1,15 +1,18 @@
 """Measure the binary a user deploys: start their llama-server with the flags on 127.0.0.1, measure, stop it.
 
 Prefill and decode speeds come from llama-server's own `/completion` timings (`prompt_per_second`,
-`predicted_per_second`, tools/server/server-common.cpp). For a depth d the context is first filled with d tokens
-(cached by the slot), then each repetition sends those d tokens plus p new ones, so only the p new tokens are
-prefilled, at depth d, and n tokens are decoded after them. The buffers come from the server's log.
+`predicted_per_second`, tools/server/server-common.cpp), measuring what llama-bench measures: for a depth d the
+context is first filled with d tokens (cached by the slot); a prefill repetition sends those d tokens plus p new ones,
+so only the p new tokens are prefilled, at depth d; a decode repetition sends the d tokens alone (the slot re-evaluates
+the last one) and decodes n tokens after them, at depth d, as llama-bench's tg test does. At d = 0 the decode prompt
+is one token. The buffers come from the server's log, the build from `llama-server --version`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -71,6 +74,27 @@ def classify_exit(returncode: int | None, log: str) -> tuple[str, str]:
     return "crash", f"exit status {returncode}"
 
 
+def process_peak_rss(pid: int) -> int | None:
+    """The process's resident-set high-water mark (VmHWM), read while it still runs."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def server_build(binary: str) -> dict[str, str]:
+    """The build the binary reports (`version: 0.5.0-dev (build 1, commit 0c1e570)`, common/build-info)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": "unknown", "source": f"{binary} --version failed"}
+    match = re.search(r"commit ([0-9a-f]+|unknown)", out.stdout + out.stderr)
+    return {"commit": match.group(1) if match else "unknown", "source": f"{Path(binary).name} --version"}
+
+
 def _stats(n: int, depth: int, samples_ts: list[float]) -> SpeedStats:
     return SpeedStats.from_ns(n, depth, [round(n * 1e9 / ts) for ts in samples_ts])
 
@@ -100,21 +124,27 @@ def measure_server(
         # token ids from the byte range every generated vocabulary has; deterministic
         depth_tokens = [(7 * i) % (vocab_size - 10) + 10 for i in range(n_depth)]
         prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(n_prompt)]
+        decode_prompt = depth_tokens or [10]
         if n_depth:
             _post(port, "/completion", completion_request(depth_tokens, 0), timeout)
-        _post(port, "/completion", completion_request(depth_tokens + prompt, n_gen), timeout)  # warm-up
-        pp, tg = [], []
-        for r in range(repetitions):
-            # a different first new token each time: the slot reuses the depth prefix but prefills all p tokens
-            new = [(prompt[0] + r + 1) % (vocab_size - 10) + 10, *prompt[1:]]
-            out = _post(port, "/completion", completion_request(depth_tokens + new, n_gen), timeout)
-            t = out["timings"]
-            pp.append(float(t["prompt_per_second"]))
-            tg.append(float(t["predicted_per_second"]))
+        pp: list[float] = []
+        tg: list[float] = []
+        for r in range(-1, repetitions):  # r = -1: the warm-up, not recorded
+            if n_prompt:
+                # a different first new token each time: the slot keeps the depth prefix but prefills all p tokens
+                new = [(prompt[0] + r + 2) % (vocab_size - 10) + 10, *prompt[1:]]
+                out = _post(port, "/completion", completion_request(depth_tokens + new, 1), timeout)
+                if r >= 0:
+                    pp.append(float(out["timings"]["prompt_per_second"]))
+            if n_gen:
+                out = _post(port, "/completion", completion_request(decode_prompt, n_gen), timeout)
+                if r >= 0:
+                    tg.append(float(out["timings"]["predicted_per_second"]))
         log = log_path.read_text(errors="replace")
-        return Measurement("ok", "", spec, tuple(flags), _stats(n_prompt, n_depth, pp),
-                           _stats(n_gen, n_depth + n_prompt, tg), buffers=tuple(parse_buffer_lines(log)),
-                           load_s=load_s, wall_s=time.perf_counter() - t0, log=log[-3000:])
+        return Measurement("ok", "", spec, tuple(flags), _stats(n_prompt, n_depth, pp) if pp else None,
+                           _stats(n_gen, n_depth, tg) if tg else None, buffers=tuple(parse_buffer_lines(log)),
+                           load_s=load_s, wall_s=time.perf_counter() - t0, llama_cpp=server_build(binary),
+                           peak_rss=process_peak_rss(proc.pid), log=log[-3000:])
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         proc.poll()
         log = log_path.read_text(errors="replace")

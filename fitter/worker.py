@@ -47,7 +47,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from fitter import LLAMA_CPP_TARGET
 from fitter.errors import FitterError
 from fitter.launch_config import LaunchConfig
 from fitter.llama_cpp_loader import (
@@ -295,8 +294,8 @@ class Worker:
         self._info = {
             "version": str(reply.get("version")),
             "system_info": str(reply.get("system_info")),
-            "commit": LLAMA_CPP_TARGET["commit"],
-            "source": f"llama.cpp {LLAMA_CPP_TARGET['commit']} as vendored in llama-cpp-python {reply.get('version')}",
+            "commit": str(reply.get("ggml_commit") or "unknown"),
+            "source": f"ggml_commit() of the libggml-base loaded by llama-cpp-python {reply.get('version')}",
         }
         return self
 
@@ -494,7 +493,7 @@ class _ChildState:
     def info(self) -> dict[str, Any]:
         return {"ok": True, "version": getattr(self.llama, "__version__", None),
                 "system_info": self.llama.llama_print_system_info().decode(errors="replace").strip(),
-                "supports_rpc": bool(self.llama.llama_supports_rpc())}
+                "supports_rpc": bool(self.llama.llama_supports_rpc()), **self.ggml.build()}
 
     def free_model(self) -> None:
         if self.model:

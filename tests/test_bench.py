@@ -88,6 +88,30 @@ def test_bench_through_the_users_llama_server() -> None:
     assert code == 1 and out["outcome"] == "oom" and "pp" not in out
 
 
+def _agree(a: dict, b: dict) -> bool:  # type: ignore[type-arg]
+    """Same speed within noise: the gap is under three combined standard deviations plus 10 %."""
+    gap = abs(a["avg_ts"] - b["avg_ts"])
+    return bool(gap <= 3 * (a["stddev_ts"] ** 2 + b["stddev_ts"] ** 2) ** 0.5 + 0.10 * b["avg_ts"])
+
+
+@pytest.mark.llama
+@pytest.mark.skipif(not LLAMA_SERVER.is_file(), reason="llama-server not built (python -m fitter.llama_tools)")
+def test_llama_server_and_the_worker_measure_the_same_speeds() -> None:
+    demo = subprocess.run([sys.executable, "-m", "fitter.cli", "demo-model"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    args = [demo, "--json", "-t", "1", "-p", "128", "-n", "32", "-d", "64", "-r", "5"]
+    server = json.loads(subprocess.run([sys.executable, "-m", "fitter.cli", "bench", *args, "--llama-server",
+                                        str(LLAMA_SERVER)], capture_output=True, text=True, timeout=300).stdout)
+    worker = json.loads(subprocess.run([sys.executable, "-m", "fitter.cli", "bench", *args], capture_output=True,
+                                       text=True, timeout=300).stdout)
+    assert server["peak_rss"] > 50 * MIB and worker["peak_rss"] > 50 * MIB
+    assert server["tg"]["depth"] == worker["tg"]["depth"] == 64  # the same quantity: decode after -d tokens
+    assert _agree(server["pp"], worker["pp"]), (server["pp"], worker["pp"])
+    assert _agree(server["tg"], worker["tg"]), (server["tg"], worker["tg"])
+    assert server["llama_cpp"]["commit"] == worker["llama_cpp"]["commit"].removesuffix("-dirty")  # one source
+    assert "--version" in server["llama_cpp"]["source"] and "ggml_commit()" in worker["llama_cpp"]["source"]
+
+
 LLAMA_BENCH = tools_dir() / "llama-bench"
 
 
@@ -111,6 +135,7 @@ def test_llama_bench_command_line_and_json() -> None:
 def test_bench_through_the_users_llama_bench() -> None:
     code, out = _bench("-p", "32", "-n", "8", "-r", "2", "--llama-bench", str(LLAMA_BENCH))
     assert code == 0 and out["backend"] == "llama-bench" and "p+n+d" in out["reason"]
+    assert out["llama_cpp"]["commit"] not in ("", "unknown") and "build_commit" in out["llama_cpp"]["source"]
     assert out["pp"]["avg_ts"] > 0 and len(out["tg"]["samples_ts"]) == 2
     assert {b["kind"] for b in out["buffers"]} == {"model", "kv", "compute", "output"}
 
