@@ -230,6 +230,30 @@ def _bench_backend(ns: argparse.Namespace, model: str, model_spec: Any, config: 
     return m, backend, plan
 
 
+def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.tune_command import run_tune
+
+    if ns.trials < 1:
+        raise FitterError(f"--trials {ns.trials}: give at least 1")
+    return run_tune(ns, flags)
+
+
+def cmd_export(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.launcher_export import render
+
+    path = Path(ns.result)
+    if path.is_dir():
+        path = path / "pareto.json"
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise FitterError(f"{path}: cannot read the tuning result: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise FitterError(f"{path}: not valid JSON ({e})") from None
+    print(render(doc, ns.policy, ns.format, str(path)))
+    return 0
+
+
 def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.demo_models import SHAPES, demo_model_path, write_model
 
@@ -332,6 +356,61 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
+    tune = sub.add_parser(
+        "tune",
+        help="find the fastest llama.cpp settings this machine can hold (Optuna over real measured trials)",
+        description="A constrained multi-objective Optuna study: decode t/s, prefill t/s and peak VRAM over the search "
+        "space (-ncmoe/-ngl, -b/-ub, -ctk/-ctv, -fa, -t/-tb), under the free-VRAM target and host RAM. Every config "
+        "is screened by the estimator first (predicted over budget: never launched); every launched trial is "
+        "measured like `fitter bench` at the deployed context. Trial 0 is llama.cpp's own --fit choice, the "
+        "baseline. The Pareto-optimal configs are re-measured and written with the picks to "
+        "results/<model>/<machine>/<llama.cpp build>/pareto.json; a killed tune resumes from study.db.",
+        epilog=SERVER_DEFAULTS_HELP + "\n\nThe context (-c), slots (-np) and other llama.cpp flags you give are "
+        "fixed; a searched flag you give (e.g. -ub 512) is removed from the search.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tune.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
+    tune.add_argument("--space", metavar="FILE", help="search space TOML (default: shipped moe, dense or cpu)")
+    tune.add_argument("--objectives", default="tg,pp,vram", metavar="LIST",
+                      help="any of tg (decode t/s), pp (prefill t/s), vram (peak VRAM) (default: tg,pp,vram)")
+    tune.add_argument("--fit-target", default=None, metavar="MiB[,MiB...]",
+                      help="memory to leave free per device (default 1024, as llama.cpp's --fit-target)")
+    tune.add_argument("--trials", type=int, default=12, metavar="N",
+                      help="launched trials in the study, the baseline included (default 12)")
+    tune.add_argument("--timeout", type=float, default=None, metavar="S", help="stop launching after S seconds")
+    tune.add_argument("--trial-timeout", type=float, default=None, metavar="S",
+                      help="seconds before a trial counts as hung (default: from the predicted work)")
+    tune.add_argument("--dry-run", action="store_true",
+                      help="show the space, the feasible region and the planned first trials; launch nothing")
+    tune.add_argument("--storage", metavar="URL", help="any Optuna storage URL (default: the results folder's "
+                      "study.db); e.g. postgresql://… for a fleet of identical machines")
+    tune.add_argument("--results", default="results", metavar="DIR", help="results root (default ./results)")
+    tune.add_argument("--emulated-gpu", type=int, metavar="MiB", help="tune on a capped emulated GPU")
+    tune.add_argument("--llama-fit-params", metavar="PATH", help="llama.cpp's llama-fit-params for the baseline")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("-p", "--n-prompt", dest="n_prompt", type=int, default=512, metavar="N")
+    tune.add_argument("-n", "--n-gen", dest="n_gen", type=int, default=128, metavar="N")
+    tune.add_argument("-d", "--n-depth", dest="n_depth", type=int, default=0, metavar="N")
+    tune.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
+    tune.add_argument("-C", "--cpu-mask", dest="cpu_mask", metavar="M", help="CPU affinity mask (hex), as llama.cpp")
+    tune.add_argument("-Cr", "--cpu-range", dest="cpu_range", metavar="lo-hi", help="CPU range, as llama.cpp")
+    tune.add_argument("-t", "--threads", dest="threads", type=int, default=None, metavar="N",
+                      help="fix the threads (removes threads from the search)")
+    tune.add_argument("-tb", "--threads-batch", dest="threads_batch", type=int, default=None, metavar="N",
+                      help="fix the batch threads (removes threads-batch from the search)")
+    tune.add_argument("--json", action="store_true", help="print pareto.json instead of the table")
+    add_launch_arguments(tune)
+    tune.set_defaults(func=cmd_tune)
+
+    export = sub.add_parser("export", help="a tuned config for a launcher (llama-server, llama-swap, python, ...)",
+                            description="Render the picked config of a tuning result (the folder with pareto.json) "
+                            "for a launcher, pinning everything llama-server would otherwise decide itself.")
+    export.add_argument("result", help="a results folder (or its pareto.json)")
+    export.add_argument("--policy", default="balanced",
+                        choices=("max-decode", "max-prefill", "balanced", "min-vram"))
+    export.add_argument("--format", default="server", choices=("server", "preset-ini", "llama-swap", "python", "json"))
+    export.set_defaults(func=cmd_export)
+
     demo = sub.add_parser("demo-model", help="write the demo model (or a test shape) and print its path")
     demo.add_argument("--out", help="where to write it (default: fitter's cache)")
     demo.add_argument("--shape", default="demo", help="demo (default) or a test shape, e.g. gpt-oss-120b")
@@ -367,7 +446,9 @@ def _llama_flags(argv: list[str], model: str | None) -> list[str]:
     own = {"--devices": 1, "--json": 0, "--tensors": 0, "--fit-target": 1, "--fit-ctx": 1, "--emulated-gpu": 1,
            "--verify": 0, "-p": 1, "--n-prompt": 1, "-n": 1, "--n-gen": 1, "-d": 1, "--n-depth": 1, "-r": 1,
            "--repetitions": 1, "-t": 1, "--threads": 1, "--timeout": 1, "--llama-server": 1, "--llama-bench": 1,
-           "-C": 1, "--cpu-mask": 1, "-Cr": 1, "--cpu-range": 1}
+           "-C": 1, "--cpu-mask": 1, "-Cr": 1, "--cpu-range": 1, "--space": 1, "--objectives": 1, "--trials": 1,
+           "--trial-timeout": 1, "--dry-run": 0, "--storage": 1, "--results": 1, "--llama-fit-params": 1,
+           "--seed": 1, "--policy": 1, "--format": 1, "-tb": 1, "--threads-batch": 1}
     out, i = [], 1  # argv[0] is the command
     while i < len(argv):
         a = argv[i]

@@ -13,3 +13,7 @@ class GGUFError(FitterError):
 
 class LaunchConfigError(FitterError):
     """A llama.cpp flag or flag combination that llama.cpp would reject."""
+
+
+class SearchSpaceError(FitterError):
+    """A search-space file (or a value in it) that fitter cannot turn into optuna distributions."""

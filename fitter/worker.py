@@ -259,6 +259,11 @@ class Worker:
         self.close()
 
     @property
+    def build_info(self) -> dict[str, str]:
+        """The llama.cpp build of the running child (start() reads it)."""
+        return dict(self._info)
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 

@@ -2,8 +2,9 @@
 """Write tests/golden/fit_reference.json: what llama.cpp's own `--fit` chooses on a capped (emulated) GPU.
 
 For a matrix of (model, device cap, fit target, context/flags), this runs llama.cpp's `llama-fit-params` (the tool
-form of `--fit`: common/fit.cpp `common_fit_params`, which prints the fitted CLI args) against fitter's emulated
-GPU (`fitter.emulated_gpu.EmulatedGpu`: an RPC device whose advertised free memory is the cap and which refuses
+form of `--fit`: common/fit.cpp `common_fit_params`, which prints the fitted CLI args; run through
+`fitter.llama_fit.run_llama_fit`, as `fitter tune` runs it for its baseline) against fitter's emulated GPU
+(`fitter.emulated_gpu.EmulatedGpu`: an RPC device whose advertised free memory is the cap and which refuses
 allocations past it), then loads llama.cpp's chosen placement on the same capped device through
 `fitter.llama_cpp_loader.load_and_capture` and records the buffers it logged and the device memory it really used
 (the cap's peak counter). `fitter fit` is compared against this file.
@@ -37,10 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,26 +50,16 @@ from fitter.demo_models import SHAPES, write_model
 from fitter.emulated_gpu import MIB, EmulatedGpu
 from fitter.launch_config import parse_launch_flags
 from fitter.llama_cpp_loader import llama_cpp_info, load_and_capture
+from fitter.llama_fit import TOOL, LlamaFitError, parse_projected_mib, run_llama_fit
 from fitter.llama_tools import CMAKE_ARGS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON, ensure_tools
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "tests" / "golden" / "fit_reference.json"
 
-TOOL = "llama-fit-params"  # built by fitter.llama_tools from the pinned llama.cpp source
-
 CANONICAL_PORTS = (50052, 50053)  # endpoint i of a case is written as 127.0.0.1:CANONICAL_PORTS[i]
 LOAD_LIMIT_BYTES = 6 * 1024 * MIB  # device-resident bytes above which a load is skipped (copied into the server)
 FIT_TIMEOUT_S = 600.0
-# The lines of the fit's own log (LOG_TRC at -lv 4) and the tool's verdict; `llama_params_fit*` in older builds.
-FIT_LOG_RE = re.compile(
-    r"^(?:common_params_fit_impl|common_fit_params|llama_params_fit_impl|llama_params_fit|"
-    r"llama_fit_params|common_get_device_memory_data_impl): "
-)
 TOOK_RE = re.compile(r"fitting params to free memory took [0-9.]+ seconds")
-# The fit's projection for the placement it settled on (MiB, floored as logged).
-USED_RE = re.compile(r"^\S+:\s+- (?P<dev>.+?): .* (?P<used>-?\d+) MiB used, +(?P<free>-?\d+) MiB free$")
-TOTAL_RE = re.compile(r"projected to use (?P<used>\d+) MiB of device memory vs\. (?P<free>\d+) MiB of free device")
-INITIAL_RE = re.compile(r"^\S+:\s+- (?P<dev>.+?): +\d+ total, +(?P<used>-?\d+) used, ")  # several devices
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -154,68 +142,28 @@ def _normalize(text: str, endpoints: list[str]) -> str:
     return text
 
 
-def fit_command(tool: Path, model: Path, case: Case, endpoints: list[str]) -> list[str]:
-    cmd = [str(tool), "--model", str(model), "--rpc", ",".join(endpoints), "-fitt", str(case.fit_target_mib)]
-    cmd += list(case.flags)
-    if case.fit_ctx_min is not None:
-        cmd += ["-fitc", str(case.fit_ctx_min)]
-    # -lv 4: the fit's LOG_TRC lines (its projections) on stderr, without timestamps, level prefixes or colours
-    return [*cmd, "-t", "1", "-lv", "4", "--no-log-prefix", "--no-log-timestamps", "--log-colors", "off"]
-
-
-def run_fit(tool: Path, model: Path, case: Case, endpoints: list[str]) -> tuple[dict[str, Any], str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}  # no stray llama.cpp settings
-    env.setdefault("GGML_NO_BACKTRACE", "1")
-    cmd = fit_command(tool, model, case, endpoints)
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=env, timeout=FIT_TIMEOUT_S)
-    stdout = _normalize(proc.stdout, endpoints)
-    stderr = _normalize(proc.stderr, endpoints)
-    log = [
-        TOOK_RE.sub("fitting params to free memory took <t> seconds", ln.rstrip())
-        for ln in stderr.splitlines()
-        if FIT_LOG_RE.match(ln)
-    ]
-    lines = [ln for ln in stdout.splitlines() if ln.strip()]
-    args = shlex.split(lines[-1]) if proc.returncode == 0 and lines else []
-    fit: dict[str, Any] = {
-        "args": args,
-        "status": "ok" if proc.returncode == 0 and args else "failed",
+def run_fit(tool: Path, model: Path, case: Case, endpoints: list[str]) -> dict[str, Any]:
+    """llama.cpp's fit for the case (fitter.llama_fit), with endpoints normalized and the fit's timing blanked."""
+    exit_status = None
+    try:
+        fit = run_llama_fit(
+            tool, model, case.flags, tuple(endpoints), (case.fit_target_mib,), 1, FIT_TIMEOUT_S, case.fit_ctx_min
+        )
+        args, raw_log, projected = list(fit.flags), fit.log, fit.projected_mib
+    except LlamaFitError as e:
+        if e.exit_status is None:  # it did not run to the end: no case to record
+            raise
+        args, raw_log, projected, exit_status = [], e.log, parse_projected_mib(e.log), e.exit_status
+    log = [TOOK_RE.sub("fitting params to free memory took <t> seconds", _normalize(ln, endpoints)) for ln in raw_log]
+    record: dict[str, Any] = {
+        "args": [_normalize(a, endpoints) for a in args],
+        "status": "ok" if exit_status is None else "failed",
         "log": log,
-        "projected_device_mib": projected_use(log, len(endpoints)),
+        "projected_device_mib": list(projected) if projected is not None else None,
     }
-    if fit["status"] != "ok":
-        fit["exit_status"] = proc.returncode
-    return fit, stderr
-
-
-def projected_use(log: list[str], n_devices: int) -> list[int] | None:
-    """The fit's projected MiB per device (in device order) for the placement it settled on, as logged (floored).
-
-    The last "- DEV: … MiB used" line of each device wins; devices are ordered by their (normalized) endpoint.
-    """
-    per_dev: dict[int, int] = {}
-    for line in log:
-        m = USED_RE.match(line)
-        if m:
-            per_dev[_device_index(m.group("dev"))] = int(m.group("used"))
-    if len(per_dev) == n_devices:
-        return [per_dev[i] for i in sorted(per_dev)]
-    # "No changes needed": only the initial projection was logged (per device when there are several).
-    if n_devices == 1:
-        for line in log:
-            m = TOTAL_RE.search(line)
-            if m:
-                return [int(m.group("used"))]
-    initial = {_device_index(m.group("dev")): int(m.group("used")) for m in map(INITIAL_RE.match, log) if m}
-    return [initial[i] for i in sorted(initial)] if len(initial) == n_devices else None
-
-
-def _device_index(name: str) -> int:
-    """Which of the case's devices a logged name like `RPC1 (127.0.0.1:50053)` is (by its normalized port)."""
-    for i, port in enumerate(CANONICAL_PORTS):
-        if f"127.0.0.1:{port}" in name:
-            return i
-    raise ValueError(f"unexpected device in llama.cpp's fit log: {name!r}")
+    if exit_status is not None:
+        record["exit_status"] = exit_status
+    return record
 
 
 def _load_skip_reason(fit: dict[str, Any]) -> str | None:
@@ -237,7 +185,7 @@ def run_case(tool: Path, case: Case, model: Path, folder: Path) -> dict[str, Any
             gpu.start()
         endpoints = [gpu.endpoint for gpu in gpus]
         t0 = time.perf_counter()
-        fit, _ = run_fit(tool, model, case, endpoints)
+        fit = run_fit(tool, model, case, endpoints)
         fit_s = time.perf_counter() - t0
         record: dict[str, Any] = {
             "id": case.id,
