@@ -286,6 +286,8 @@ def neighbours(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> 
             base[key] = value
             if key == "batch-size" and "ubatch-size" in base and base["ubatch-size"] > value:
                 continue
+            if key == "batch-size" and min(value, params.get(key, value)) >= req.bench.n_prompt:
+                continue  # both batches take the whole prompt at once: the measurement cannot tell them apart
             if key in THREAD_KEYS:
                 placed = {**params, key: value}
             else:

@@ -176,6 +176,7 @@ def run_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         print("", file=sys.stderr)
         entries, dropped = confirm_pareto(req, tuner, runner)
         baseline = confirm_baseline(req, runner, baseline)
+        entries, dropped = final_front(req, entries, dropped, baseline)
     doc = pareto_doc(req, spec, model, machine, build, targets, emulated_mib is not None, baseline, entries, dropped,
                      tuner, time.monotonic() - t_start, url)
     write_pareto(folder, doc)
@@ -368,6 +369,8 @@ def confirm_pareto(req: TuneRequest, tuner: Tuner,
     front = sorted(tuner.study.best_trials, key=lambda t: t.number)
     seen: set[str] = set()
     for t in front:
+        if t.user_attrs.get("phase") == "baseline":
+            continue  # confirmed by confirm_baseline, which every tune runs
         key = t.user_attrs.get("key", "")
         if key in seen:  # a trial answered from storage repeats an earlier one
             continue
@@ -389,6 +392,36 @@ def confirm_pareto(req: TuneRequest, tuner: Tuner,
         entries.append({"trial": t.number, "phase": t.user_attrs.get("phase"), "flags": pinned_flags(req, cand),
                         "measurement": m, "vram_bytes": vram, "study_values": list(t.values)})
     return entries, dropped
+
+
+def final_front(req: TuneRequest, entries: list[dict[str, Any]], dropped: list[dict[str, Any]],
+                baseline: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The Pareto front of the confirm runs: the study's front was chosen from single noisy trials, so what its
+    confirm runs show dominated is dropped (and reported). llama.cpp's own choice competes too: when its confirm run
+    is not dominated, it is on the front and may be a pick."""
+    pool = list(entries)
+    bm = baseline.get("measurement") or {}
+    if bm.get("outcome") == "ok" and baseline.get("flags") and "trial" in baseline:
+        vram = sum(p["bytes"] for p in bm.get("peak_vram", {}).values())
+        cand = _from_flags(req, list(baseline["flags"]))
+        pool.append({"trial": baseline["trial"], "phase": "baseline", "flags": pinned_flags(req, cand),
+                     "measurement": bm, "vram_bytes": vram})
+
+    def vector(e: dict[str, Any]) -> tuple[float, ...]:  # larger is better in every coordinate
+        m = e["measurement"]
+        out = {"tg": m["tg"]["avg_ts"], "pp": m["pp"]["avg_ts"], "vram": -float(e["vram_bytes"])}
+        return tuple(out[o] for o in req.objectives)
+
+    front, out_dropped = [], list(dropped)
+    for e in pool:
+        by = next((o for o in pool if o is not e and all(a >= b for a, b in zip(vector(o), vector(e), strict=True))
+                   and vector(o) != vector(e)), None)
+        if by is None:
+            front.append(e)
+        elif e["phase"] != "baseline":
+            out_dropped.append({"trial": e["trial"], "flags": e["flags"], "outcome": "dominated",
+                                "reason": f"its confirm run is dominated by trial {by['trial']}'s"})
+    return sorted(front, key=lambda e: e["trial"]), out_dropped
 
 
 def confirm_baseline(req: TuneRequest, runner: TrialRunner, baseline: dict[str, Any]) -> dict[str, Any]:
@@ -454,9 +487,14 @@ def pareto_table(doc: dict[str, Any]) -> str:
         m, r = e["measurement"], e["ratios"]
         lines.append(f"{e['trial']:>5}  {m['pp']['avg_ts']:9.1f} {m['tg']['avg_ts']:8.1f} "
                      f"{e['vram_bytes'] / MIB:9.1f} {_ratio(r['pp'])} {_ratio(r['tg'])}  "
-                     f"{','.join(picks_by_trial.get(e['trial'], [])) or '-'}: {' '.join(_short(e['flags']))}")
+                     f"{','.join(picks_by_trial.get(e['trial'], [])) or '-'}: "
+                     + ("llama.cpp --fit (the baseline) " if e.get("phase") == "baseline" else "")
+                     + " ".join(_short(e["flags"])))
     for d in doc["dropped"]:
-        lines.append(f"{d['trial']:>5}  dropped: its confirm run ended {d['outcome']}: {d['reason']}")
+        if d["outcome"] == "dominated":
+            lines.append(f"{d['trial']:>5}  dropped: {d['reason']}")
+        else:
+            lines.append(f"{d['trial']:>5}  dropped: its confirm run ended {d['outcome']}: {d['reason']}")
     s = doc["study"]
     lines.append(f"\n{s['trials']} trials: {s['launched']} launched, {s['screened_out']} screened out by the "
                  f"estimator, {s['answered_from_storage']} answered from storage; {s['model_loads_this_run']} model "
