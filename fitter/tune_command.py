@@ -362,6 +362,12 @@ def pinned_flags(req: TuneRequest, cand: Candidate) -> list[str]:
             str(cand.spec.threads_batch or cand.spec.threads)]
 
 
+def confirm_spec(spec: BenchSpec) -> BenchSpec:
+    """Confirm runs take twice the repetitions (at least 5): they decide the picks and the ratios, and a trial's
+    spread on a busy or emulated machine is 10-20 % per sample."""
+    return replace(spec, repetitions=max(5, 2 * spec.repetitions))
+
+
 def confirm_pareto(req: TuneRequest, tuner: Tuner,
                    runner: TrialRunner) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Re-measure every Pareto-optimal trial; a pick that fails its confirm run is dropped and reported."""
@@ -378,7 +384,7 @@ def confirm_pareto(req: TuneRequest, tuner: Tuner,
         flags = list(t.user_attrs["flags"])
         cand = candidate(req, dict(t.params)) if t.params else _from_flags(req, flags)
         _log(f"fitter: confirm run of trial {t.number}: {' '.join(flags)}")
-        result = runner.run(req.model, cand.config, cand.spec, req.trial_timeout_s)
+        result = runner.run(req.model, cand.config, confirm_spec(cand.spec), req.trial_timeout_s)
         from fitter.tune import measurement_json
 
         plan = estimate(req.spec, cand.config, req.devices, req.cpu)
@@ -431,7 +437,7 @@ def confirm_baseline(req: TuneRequest, runner: TrialRunner, baseline: dict[str, 
         return baseline
     cand = _from_flags(req, list(baseline["flags"]))
     _log(f"fitter: confirm run of the baseline: {' '.join(baseline['flags'])}")
-    result = runner.run(req.model, cand.config, cand.spec, req.trial_timeout_s)
+    result = runner.run(req.model, cand.config, confirm_spec(cand.spec), req.trial_timeout_s)
     from fitter.tune import measurement_json
 
     plan = estimate(req.spec, cand.config, req.devices, req.cpu)
