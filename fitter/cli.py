@@ -254,6 +254,12 @@ def cmd_export(ns: argparse.Namespace, flags: list[str]) -> int:
     return 0
 
 
+def cmd_check(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.check import cmd_check as run_check_command
+
+    return run_check_command(ns, flags)
+
+
 def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.demo_models import SHAPES, demo_model_path, write_model
 
@@ -411,6 +417,23 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", default="server", choices=("server", "preset-ini", "llama-swap", "python", "json"))
     export.set_defaults(func=cmd_export)
 
+    check = sub.add_parser(
+        "check", help="re-measure a tuned config; exit 1 when it got slower or no longer fits (a CI step)",
+        description="Re-measure the picked config of a tuning result (the folder with pareto.json) on this machine "
+        "with "
+        "its recorded flags, threads and -p/-n/-d/-r, and compare it with the recorded confirm run. Exit 1 with a diff "
+        "when pp or tg fell below old·(1 − tolerance) − 2·√(σ_old² + σ_new²), or when the config no longer fits (the "
+        "run ends out of memory, or the estimator puts it over free memory less the recorded fit target); else 0.")
+    check.add_argument("result", help="a results folder (or its pareto.json)")
+    check.add_argument("--policy", default="balanced", choices=("max-decode", "max-prefill", "balanced", "min-vram"))
+    check.add_argument("--tolerance", default="5%", metavar="PCT",
+                       help="slowdown allowed beyond noise, as 5%% or 0.05 (default 5%%)")
+    check.add_argument("--model", metavar="PATH", help="the tuned GGUF at another path (its header must match)")
+    check.add_argument("--timeout", type=float, default=None, metavar="S",
+                       help="seconds before the run counts as hung (default: from the predicted work)")
+    check.add_argument("--json", action="store_true", help="the verdict, each check and the new measurement as JSON")
+    check.set_defaults(func=cmd_check)
+
     demo = sub.add_parser("demo-model", help="write the demo model (or a test shape) and print its path")
     demo.add_argument("--out", help="where to write it (default: fitter's cache)")
     demo.add_argument("--shape", default="demo", help="demo (default) or a test shape, e.g. gpt-oss-120b")
@@ -448,7 +471,7 @@ def _llama_flags(argv: list[str], model: str | None) -> list[str]:
            "--repetitions": 1, "-t": 1, "--threads": 1, "--timeout": 1, "--llama-server": 1, "--llama-bench": 1,
            "-C": 1, "--cpu-mask": 1, "-Cr": 1, "--cpu-range": 1, "--space": 1, "--objectives": 1, "--trials": 1,
            "--trial-timeout": 1, "--dry-run": 0, "--storage": 1, "--results": 1, "--llama-fit-params": 1,
-           "--seed": 1, "--policy": 1, "--format": 1, "-tb": 1, "--threads-batch": 1}
+           "--seed": 1, "--policy": 1, "--format": 1, "--tolerance": 1, "-tb": 1, "--threads-batch": 1}
     out, i = [], 1  # argv[0] is the command
     while i < len(argv):
         a = argv[i]
