@@ -155,6 +155,8 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
 
     config = launch_config_from_args(ns, flags)  # bad flags stop here, before any process starts
     model = _model_path(ns.model)
+    if ns.backend == "sim":
+        return _bench_sim(ns, model, config, flags)
     cpu = build_cpu_info(read_cpu_snapshot())
     gpus, nvidia = detect_nvidia()
     machine = machine_record(cpu, detect_ram().total, [g.name for g in gpus], nvidia.driver)
@@ -200,6 +202,35 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     result["machine"] = machine
     print(json.dumps(result, indent=1) if ns.json else bench_table(result))
     return 0 if m.outcome == "ok" else 1
+
+
+def _bench_sim(ns: argparse.Namespace, model: str, config: Any, flags: list[str]) -> int:
+    """One measurement on a simulated machine (fitter/sim.py): same result shape, backend "sim"."""
+    from fitter.bench import bench_json, bench_table
+    from fitter.model_spec import load_model_spec
+    from fitter.sim import SimRunner, load_machine
+    from fitter.worker import BenchSpec
+
+    if not ns.machine:
+        raise FitterError("--backend sim: give --machine NAME|FILE (fitter machines lists the shipped ones)")
+    if ns.emulated_gpu is not None or ns.llama_server or ns.llama_bench:
+        raise FitterError("--backend sim measures the simulated machine: drop --emulated-gpu/--llama-server/"
+                          "--llama-bench")
+    machine = load_machine(ns.machine)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        spec = load_model_spec(model)
+    runner = SimRunner(machine, spec, seed=ns.seed)
+    bench = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
+                      threads=ns.threads or machine.cpu.p_cores)
+    result = runner.run(model, config, bench, ns.timeout)
+    plan = runner.plan(config)
+    out = bench_json(result.measurement, "sim", plan, emulated=False, peak_vram=result.peak_vram)
+    out["threads"] = bench.threads
+    out["machine"] = {"sim": machine.name, "description": machine.description, "profile": machine.path}
+    print(json.dumps(out, indent=1) if ns.json else f"simulated machine {machine.name}: {machine.description}\n"
+          + bench_table(out))
+    return 0 if result.measurement.outcome == "ok" else 1
 
 
 def _bench_backend(ns: argparse.Namespace, model: str, model_spec: Any, config: Any, spec: Any, plan: Any,
@@ -260,6 +291,13 @@ def cmd_check(ns: argparse.Namespace, flags: list[str]) -> int:
     return run_check_command(ns, flags)
 
 
+def cmd_machines(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.sim import machines_table
+
+    print(machines_table())
+    return 0
+
+
 def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.demo_models import SHAPES, demo_model_path, write_model
 
@@ -271,6 +309,7 @@ def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:
         return 0
     if not ns.out:
         raise FitterError(f"demo-model --shape {ns.shape}: give --out PATH for shapes other than the demo")
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     for p in write_model(SHAPES[ns.shape], Path(ns.out), sparse=ns.sparse, n_shards=ns.shards):
         print(p)
     return 0
@@ -358,6 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-bench", metavar="PATH",
                        help="measure with this llama-bench binary instead (its context is p+n+d, not the deployed one)")
     bench.add_argument("--devices", default="", help=argparse.SUPPRESS)
+    bench.add_argument("--backend", choices=("llama-cpp-python", "sim"), default="llama-cpp-python",
+                       help="measure with llama.cpp (default) or on a simulated machine (--machine)")
+    bench.add_argument("--machine", metavar="NAME|FILE", help="the simulated machine (fitter machines lists them)")
+    bench.add_argument("--seed", type=int, default=None, help="the simulated machine's noise seed")
     bench.add_argument("--json", action="store_true")
     add_launch_arguments(bench)
     bench.set_defaults(func=cmd_bench)
@@ -404,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fix the threads (removes threads from the search)")
     tune.add_argument("-tb", "--threads-batch", dest="threads_batch", type=int, default=None, metavar="N",
                       help="fix the batch threads (removes threads-batch from the search)")
+    tune.add_argument("--backend", choices=("llama-cpp-python", "sim"), default="llama-cpp-python",
+                      help="measure with llama.cpp (default) or on a simulated machine (--machine)")
+    tune.add_argument("--machine", metavar="NAME|FILE", help="the simulated machine (fitter machines lists them)")
     tune.add_argument("--json", action="store_true", help="print pareto.json instead of the table")
     add_launch_arguments(tune)
     tune.set_defaults(func=cmd_tune)
@@ -433,6 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds before the run counts as hung (default: from the predicted work)")
     check.add_argument("--json", action="store_true", help="the verdict, each check and the new measurement as JSON")
     check.set_defaults(func=cmd_check)
+
+    machines = sub.add_parser("machines", help="the shipped simulated machines (--backend sim --machine NAME)",
+                              description="The simulated machines fitter ships (fitter/machines/*.toml): physical "
+                              "parameters only; `--backend sim --machine NAME|FILE` runs bench and tune on them.")
+    machines.set_defaults(func=cmd_machines)
 
     demo = sub.add_parser("demo-model", help="write the demo model (or a test shape) and print its path")
     demo.add_argument("--out", help="where to write it (default: fitter's cache)")
@@ -471,7 +522,8 @@ def _llama_flags(argv: list[str], model: str | None) -> list[str]:
            "--repetitions": 1, "-t": 1, "--threads": 1, "--timeout": 1, "--llama-server": 1, "--llama-bench": 1,
            "-C": 1, "--cpu-mask": 1, "-Cr": 1, "--cpu-range": 1, "--space": 1, "--objectives": 1, "--trials": 1,
            "--trial-timeout": 1, "--dry-run": 0, "--storage": 1, "--results": 1, "--llama-fit-params": 1,
-           "--seed": 1, "--policy": 1, "--format": 1, "--tolerance": 1, "-tb": 1, "--threads-batch": 1}
+           "--seed": 1, "--policy": 1, "--format": 1, "--tolerance": 1, "--backend": 1, "--machine": 1,
+           "-tb": 1, "--threads-batch": 1}
     out, i = [], 1  # argv[0] is the command
     while i < len(argv):
         a = argv[i]

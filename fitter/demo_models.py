@@ -678,6 +678,12 @@ SHAPES: dict[str, ModelShape] = {
             head_dim=128, n_ff=6144, n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936,
             n_ctx_train=40960, rope_freq_base=1e6, rms_eps=1e-6, weight_type="Q4_K", expert_type="Q4_K",
         ),
+        # Qwen3-14B (dense; untied output) in Q8_0, 15.7 GB: partially fits a 16 GB GPU.
+        ModelShape(
+            name="qwen3-14b", arch="qwen3", n_layer=40, n_embd=5120, n_head=40, n_head_kv=8, head_dim=128,
+            n_ff=17408, n_vocab=151936, n_ctx_train=40960, rope_freq_base=1e6, rms_eps=1e-6,
+            weight_type="Q8_0", expert_type="Q8_0",
+        ),
         ModelShape(
             name="mixtral-8x7b", arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,
             n_expert=8, n_expert_used=2, n_ff_exp=14336, n_vocab=32000, n_ctx_train=32768, rope_freq_base=1e6,

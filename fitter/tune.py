@@ -37,7 +37,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 from optuna.trial import FrozenTrial, TrialState
 
 from fitter.devices import CpuProfile, Device
-from fitter.errors import FitterError
+from fitter.errors import FitterError, LaunchConfigError
 from fitter.launch_config import LaunchConfig, parse_launch_flags
 from fitter.model_spec import ModelSpec
 from fitter.screen import Budgets, Screen, cpu_bytes_per_token, device_totals, screen
@@ -84,6 +84,7 @@ class Candidate:
     config: LaunchConfig
     spec: BenchSpec
     flags: tuple[str, ...]  # the llama.cpp flags of this trial (fixed flags, then the searched ones)
+    error: str | None = None  # llama.cpp refuses these flags (e.g. a quantized V cache without flash attention)
 
     @property
     def key(self) -> str:
@@ -115,8 +116,11 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
     threads = int(params.get("threads", req.default_threads))
     threads_batch = int(params.get("threads-batch", req.bench.threads_batch or threads))
     flags += ["-t", str(threads), "-tb", str(threads_batch)]
-    config = parse_launch_flags([f for f in _without_threads(flags)])
     spec = replace(req.bench, threads=threads, threads_batch=threads_batch)
+    try:
+        config = parse_launch_flags(_without_threads(flags))
+    except LaunchConfigError as e:  # llama.cpp would refuse it: screened out like a config that does not fit
+        return Candidate(dict(params), LaunchConfig(), spec, tuple(flags), error=str(e))
     return Candidate(dict(params), config, spec, tuple(flags))
 
 
@@ -173,7 +177,7 @@ class Screener:
     def __call__(self, cand: Candidate) -> Screen:
         key = " ".join(_without_threads(list(cand.flags)))
         if key not in self._cache:
-            reason = is_valid_combination(cand.params)
+            reason = cand.error or is_valid_combination(cand.params)
             if reason is not None:
                 self._cache[key] = Screen(None, {}, reason)
             else:

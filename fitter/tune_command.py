@@ -4,18 +4,21 @@ runs and the files. The search itself is fitter/tune.py; this module does the I/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 import warnings
-from dataclasses import replace
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from fitter.devices import RPC, Device, detect_cpu_profile
+from fitter.devices import RPC, CpuProfile, Device, detect_cpu_profile
 from fitter.errors import FitterError
 from fitter.estimator import estimate
 from fitter.export import server_flags
@@ -81,8 +84,6 @@ def parse_targets(text: str) -> tuple[int, ...]:
 def run_tune(ns: argparse.Namespace, flags: list[str]) -> int:
     t_start = time.monotonic()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # fitter prints its own progress
-    from fitter.bench import machine_record, parse_cpu_mask
-    from fitter.probe import build_cpu_info, detect_nvidia, detect_ram, read_cpu_snapshot
 
     parse_launch_flags(flags)  # bad flags stop here, before anything starts
     demo = ns.model is None
@@ -96,26 +97,15 @@ def run_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         warnings.simplefilter("always")
         spec = load_model_spec(model)
     objectives = parse_objectives(ns.objectives)
-    cpu_info = build_cpu_info(read_cpu_snapshot())
-    gpus, nvidia = detect_nvidia()
-    rpc_flag = _flag_value(flags, ("--rpc", "-rpc"))
-    emulated_mib = ns.emulated_gpu
-    fit_target_text = ns.fit_target
-    if emulated_mib is None and not gpus and not rpc_flag and demo:
-        emulated_mib = DEMO_EMULATED_GPU_MIB
-        fit_target_text = fit_target_text or str(DEMO_FIT_TARGET_MIB)
-        _log(f"fitter: no GPU found: tuning the demo model on fitter's emulated GPU ({emulated_mib} MiB, fit target "
-             f"{fit_target_text} MiB; its speed is CPU speed)")
+    target = sim_target(ns, spec) if ns.backend == "sim" else local_target(ns, flags, demo)
+    fit_target_text = ns.fit_target or target.default_fit_target
     targets = parse_targets(fit_target_text or str(DEFAULT_FIT_TARGET_MIB))
-    has_gpu = bool(gpus or rpc_flag or emulated_mib is not None)
-    if "vram" in objectives and not has_gpu:
+    if "vram" in objectives and not target.has_gpu:
         objectives = tuple(o for o in objectives if o != "vram")
         _log("fitter: no GPU: the vram objective is dropped")
-    space = load_space(ns.space) if ns.space else shipped_space(default_space_name(spec.n_expert, has_gpu))
-    # the emulated GPU's RPC server computes on the CPU too: its core is not the trials' to use
-    reserved = 1 if emulated_mib is not None and cpu_info.physical_cores > 1 else 0
-    distributions = resolve(space, n_layer=spec.n_layer, physical_cores=cpu_info.physical_cores - reserved,
-                            performance_cores=max(1, cpu_info.performance_cores - reserved))
+    space = load_space(ns.space) if ns.space else shipped_space(default_space_name(spec.n_expert, target.has_gpu))
+    distributions = resolve(space, n_layer=spec.n_layer, physical_cores=target.physical_cores,
+                            performance_cores=target.performance_cores)
     distributions = {k: d for k, d in distributions.items() if not _fixed(flags, k)}
     if ns.threads is not None:
         distributions.pop("threads", None)
@@ -123,19 +113,11 @@ def run_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         distributions.pop("threads-batch", None)
     if ns.threads_batch is not None and ns.threads is None:
         raise FitterError("-tb without -t: give both, or neither to search them")
-    machine = machine_record(cpu_info, detect_ram().total, [g.name for g in gpus], nvidia.driver)
-    if emulated_mib is not None:
-        machine["emulated_gpu_mib"] = emulated_mib
-    default_threads = ns.threads or max(1, cpu_info.recommended_threads - reserved)
-    if reserved and ns.threads is None:
-        _log(f"fitter: one core left to the emulated GPU's server: trials use up to "
-             f"{cpu_info.physical_cores - reserved} threads")
+    machine = target.machine
+    emulated_mib = target.emulated_mib
+    default_threads = ns.threads or target.default_threads
     bench = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
                       threads=default_threads, threads_batch=ns.threads_batch)
-    cpus = parse_cpu_mask(ns.cpu_mask, ns.cpu_range)
-    import psutil
-
-    host_budget = psutil.virtual_memory().available - HOST_RESERVE
 
     def request(devices: tuple[Device, ...], rpc: tuple[str, ...]) -> TuneRequest:
         budgets = {}
@@ -143,24 +125,23 @@ def run_tune(ns: argparse.Namespace, flags: list[str]) -> int:
             free = d.free_bytes if d.free_bytes is not None else d.total_bytes or 0
             budgets[d.name] = free - targets[i if len(targets) > 1 else 0] * MIB
         return TuneRequest(model=model, spec=spec, fixed_flags=tuple(flags), distributions=distributions,
-                           devices=devices, budgets=Budgets(budgets, host_budget, {}), cpu=detect_cpu_profile(),
+                           devices=devices, budgets=Budgets(budgets, target.host_budget, {}), cpu=target.cpu_profile,
                            objectives=objectives, bench=bench, n_trials=ns.trials, timeout_s=ns.timeout,
                            trial_timeout_s=ns.trial_timeout, seed=ns.seed, rpc=rpc,
                            default_threads=default_threads)
 
     if ns.dry_run:
-        devices = _dry_devices(gpus, rpc_flag, emulated_mib)
-        req = request(devices, ("127.0.0.1:50052",) if emulated_mib is not None else ())
+        req = request(target.dry_devices, target.dry_rpc)
         _check_something_fits(req, targets)
         print(dry_run_text(req, space.source))
         return 0
 
-    with WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=bool(gpus)) as runner:
-        devices = runner.devices() or _real_devices(gpus, rpc_flag)
-        req = request(devices, runner.rpc)
+    with target.runner() as runner:
+        devices = target.devices(runner)
+        req = request(devices, getattr(runner, "rpc", ()))
         _check_something_fits(req, targets)
         build = runner.build()
-        folder = _folder(ns, model, machine, emulated_mib, build["commit"])
+        folder = _folder(ns, model, target.machine_dir, build["commit"])
         url = ns.storage or storage_url(folder)
         settings = {"objectives": list(objectives), "space": space.source, "fixed_flags": flags,
                     "fit_target_mib": list(targets), "bench": {"p": bench.n_prompt, "n": bench.n_gen,
@@ -171,7 +152,7 @@ def run_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         _log(f"fitter: study {url} ({len(study.trials)} trials so far); space {space.source}; "
              f"{req.n_trials} launched trials")
         tuner = Tuner(req, study, runner, on_event=_progress_printer(req), heartbeat_s=5)
-        baseline = _run_baseline(ns, req, tuner, runner, targets, flags)
+        baseline = _run_baseline(ns, req, tuner, runner, targets, flags, target)
         tuner.run()
         print("", file=sys.stderr)
         entries, dropped = confirm_pareto(req, tuner, runner)
@@ -217,13 +198,6 @@ def _fixed(flags: list[str], key: str) -> bool:
     return any(f in names for f in flags)
 
 
-def _dry_devices(gpus: Any, rpc_flag: str | None, emulated_mib: int | None) -> tuple[Device, ...]:
-    if emulated_mib is not None:
-        cap = emulated_mib * MIB
-        return (Device("RPC0[127.0.0.1:50052]", RPC, cap, cap),)
-    return _real_devices(gpus, rpc_flag)
-
-
 def _real_devices(gpus: Any, rpc_flag: str | None) -> tuple[Device, ...]:
     from fitter.devices import detect_gpus, rpc_devices
 
@@ -232,9 +206,8 @@ def _real_devices(gpus: Any, rpc_flag: str | None) -> tuple[Device, ...]:
     return tuple(detect_gpus()) if gpus else ()
 
 
-def _folder(ns: argparse.Namespace, model: str, machine: dict[str, Any], emulated_mib: int | None,
-            commit: str) -> Path:
-    folder = result_dir(Path(ns.results), model, machine_dir_name(machine, emulated_mib), commit)
+def _folder(ns: argparse.Namespace, model: str, machine_dir: str, commit: str) -> Path:
+    folder = result_dir(Path(ns.results), model, machine_dir, commit)
     ensure_writable(folder)
     return folder
 
@@ -302,18 +275,108 @@ def _progress_printer(req: TuneRequest) -> Any:
     return show
 
 
+# -- targets: this machine (its GPUs, --rpc devices or the emulated GPU) or a simulated one ------------------
+
+
+@dataclass
+class Target:
+    runner: Callable[[], AbstractContextManager[Any]]  # a fresh TrialRunner, as a context manager
+    devices: Callable[[Any], tuple[Device, ...]]  # the devices the estimator plans for, given the running runner
+    dry_devices: tuple[Device, ...]  # the same, for --dry-run, without starting anything
+    dry_rpc: tuple[str, ...]
+    machine: dict[str, Any]
+    machine_dir: str
+    physical_cores: int
+    performance_cores: int
+    default_threads: int
+    host_budget: int
+    cpu_profile: CpuProfile
+    has_gpu: bool
+    emulated_mib: int | None = None
+    default_fit_target: str | None = None
+    sim: Any = None  # the simulated Machine
+
+
+def local_target(ns: argparse.Namespace, flags: list[str], demo: bool) -> Target:
+    import psutil
+
+    from fitter.bench import machine_record, parse_cpu_mask
+    from fitter.probe import build_cpu_info, detect_nvidia, detect_ram, read_cpu_snapshot
+
+    cpu_info = build_cpu_info(read_cpu_snapshot())
+    gpus, nvidia = detect_nvidia()
+    rpc_flag = _flag_value(flags, ("--rpc", "-rpc"))
+    emulated_mib = ns.emulated_gpu
+    default_fit_target = None
+    if emulated_mib is None and not gpus and not rpc_flag and demo:
+        emulated_mib = DEMO_EMULATED_GPU_MIB
+        default_fit_target = str(DEMO_FIT_TARGET_MIB)
+        _log(f"fitter: no GPU found: tuning the demo model on fitter's emulated GPU ({emulated_mib} MiB, fit target "
+             f"{ns.fit_target or default_fit_target} MiB; its speed is CPU speed)")
+    # the emulated GPU's RPC server computes on the CPU too: its core is not the trials' to use
+    reserved = 1 if emulated_mib is not None and cpu_info.physical_cores > 1 else 0
+    if reserved and ns.threads is None:
+        _log(f"fitter: one core left to the emulated GPU's server: trials use up to "
+             f"{cpu_info.physical_cores - reserved} threads")
+    machine = machine_record(cpu_info, detect_ram().total, [g.name for g in gpus], nvidia.driver)
+    if emulated_mib is not None:
+        machine["emulated_gpu_mib"] = emulated_mib
+        cap = emulated_mib * MIB
+        dry: tuple[Device, ...] = (Device("RPC0[127.0.0.1:50052]", RPC, cap, cap),)
+    else:
+        dry = _real_devices(gpus, rpc_flag)
+    cpus = parse_cpu_mask(ns.cpu_mask, ns.cpu_range)
+    return Target(
+        runner=lambda: WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=bool(gpus)),
+        devices=lambda r: r.devices() or _real_devices(gpus, rpc_flag),
+        dry_devices=dry, dry_rpc=("127.0.0.1:50052",) if emulated_mib is not None else (),
+        machine=machine, machine_dir=machine_dir_name(machine, emulated_mib),
+        physical_cores=cpu_info.physical_cores - reserved,
+        performance_cores=max(1, cpu_info.performance_cores - reserved),
+        default_threads=max(1, cpu_info.recommended_threads - reserved),
+        host_budget=psutil.virtual_memory().available - HOST_RESERVE, cpu_profile=detect_cpu_profile(),
+        has_gpu=bool(gpus or rpc_flag or emulated_mib is not None), emulated_mib=emulated_mib,
+        default_fit_target=default_fit_target)
+
+
+def sim_target(ns: argparse.Namespace, spec: ModelSpec) -> Target:
+    """A simulated machine (fitter/sim.py): its GPUs, cores and RAM stand in for this machine's."""
+    import hashlib
+
+    from fitter.sim import SimRunner, load_machine
+
+    if not ns.machine:
+        raise FitterError("--backend sim: give --machine NAME|FILE (fitter machines lists the shipped ones)")
+    if ns.emulated_gpu is not None:
+        raise FitterError("--backend sim and --emulated-gpu: the simulated machine has its own GPUs")
+    m = load_machine(ns.machine)
+    fingerprint = hashlib.sha256(Path(m.path).read_bytes() if m.path else m.name.encode()).hexdigest()[:16]
+    machine = {"sim": m.name, "description": m.description, "profile": m.path, "fingerprint": fingerprint,
+               "physical_cores": m.cpu.p_cores + m.cpu.e_cores, "performance_cores": m.cpu.p_cores,
+               "ram_bytes": int(m.ram.gib * 2**30), "gpus": [f"sim GPU {m.gpu.memory_gib:g} GiB"] * m.gpu.count
+               if m.gpu else []}
+    probe_runner = SimRunner(m, spec, seed=ns.seed)
+    return Target(
+        runner=lambda: contextlib.nullcontext(SimRunner(m, spec, seed=ns.seed)),
+        devices=lambda r: r.devices(), dry_devices=probe_runner.devices(), dry_rpc=(),
+        machine=machine, machine_dir=f"sim-{m.name}-{fingerprint[:8]}",
+        physical_cores=m.cpu.p_cores + m.cpu.e_cores, performance_cores=m.cpu.p_cores,
+        default_threads=m.cpu.p_cores, host_budget=int(m.ram.gib * 2**30) - HOST_RESERVE,
+        cpu_profile=probe_runner.cpu_profile(), has_gpu=m.gpu is not None, sim=m)
+
+
 # -- baseline ---------------------------------------------------------------------------------------------------
 
 
 def _run_baseline(ns: argparse.Namespace, req: TuneRequest, tuner: Tuner, runner: TrialRunner,
-                  targets: tuple[int, ...], flags: list[str]) -> dict[str, Any]:
+                  targets: tuple[int, ...], flags: list[str], target: Target) -> dict[str, Any]:
     """Trial 0: what llama.cpp does on its own. With a GPU: its `--fit` placement (llama-fit-params) with default
     batch, KV and threads; without one: llama-server's defaults. A resumed study keeps its baseline."""
     for t in tuner.study.get_trials(deepcopy=False):
         if t.user_attrs.get("phase") == "baseline":
             return _baseline_json(t)
     if req.devices:
-        from fitter.llama_fit import LlamaFitError, baseline_flags, find_llama_fit_params, run_llama_fit
+        from fitter.llama_fit import LlamaFitError, baseline_flags, find_llama_fit_params
 
         tool = find_llama_fit_params(ns.llama_fit_params)
         if tool is None:
@@ -326,7 +389,7 @@ def _run_baseline(ns: argparse.Namespace, req: TuneRequest, tuner: Tuner, runner
         n_ctx = estimate(req.spec, parse_launch_flags(flags), (), req.cpu).context.n_ctx
         flags = [*_without(flags, ("-c", "--ctx-size")), "-c", str(n_ctx)]
         try:
-            fitted = run_llama_fit(tool, req.model, flags, req.rpc, targets, threads=req.default_threads)
+            fitted = _llama_fit(tool, req, flags, targets, target)
         except LlamaFitError as e:
             _log(f"fitter: llama.cpp's --fit failed, no baseline: {e}")
             return {"name": "llama.cpp --fit", "flags": None, "measurement": None, "reason": str(e)}
@@ -345,6 +408,24 @@ def _run_baseline(ns: argparse.Namespace, req: TuneRequest, tuner: Tuner, runner
     # Measured even when fitter predicts it over the fit target: it is llama.cpp's choice, the reference point.
     tuner.launch(trial, cand, s, "baseline")
     return _baseline_json(tuner.study._storage.get_trial(trial._trial_id))
+
+
+def _llama_fit(tool: Path, req: TuneRequest, flags: list[str], targets: tuple[int, ...], target: Target) -> Any:
+    """llama.cpp's fit on the devices the trials use. A simulated GPU is stood in for by an emulated one with the
+    same free memory: the fit only queries memory and projects (no_alloc), so a header-only model is enough."""
+    from fitter.llama_fit import run_llama_fit
+
+    if target.sim is None:
+        return run_llama_fit(tool, req.model, flags, req.rpc, targets, threads=req.default_threads)
+    if len(req.devices) != 1:
+        from fitter.llama_fit import LlamaFitError
+
+        raise LlamaFitError(f"the simulated machine has {len(req.devices)} GPUs; the baseline fit emulates one")
+    from fitter.emulated_gpu import EmulatedGpu
+
+    free = req.devices[0].free_bytes or req.devices[0].total_bytes or 0
+    with EmulatedGpu(cap_mib=free // MIB) as gpu:
+        return run_llama_fit(tool, req.model, flags, (gpu.endpoint,), targets, threads=req.default_threads)
 
 
 def _baseline_json(t: FrozenTrial) -> dict[str, Any]:
