@@ -100,10 +100,15 @@ def test_llama_server_and_the_worker_measure_the_same_speeds() -> None:
     demo = subprocess.run([sys.executable, "-m", "fitter.cli", "demo-model"], capture_output=True, text=True,
                           check=True).stdout.strip()
     args = [demo, "--json", "-t", "1", "-p", "128", "-n", "32", "-d", "64", "-r", "5"]
-    server = json.loads(subprocess.run([sys.executable, "-m", "fitter.cli", "bench", *args, "--llama-server",
-                                        str(LLAMA_SERVER)], capture_output=True, text=True, timeout=300).stdout)
-    worker = json.loads(subprocess.run([sys.executable, "-m", "fitter.cli", "bench", *args], capture_output=True,
-                                       text=True, timeout=300).stdout)
+
+    def run(*extra: str) -> dict:  # type: ignore[type-arg]
+        return json.loads(subprocess.run([sys.executable, "-m", "fitter.cli", "bench", *args, *extra],
+                                         capture_output=True, text=True, timeout=300).stdout)
+
+    # interleaved, best of two each: a neighbour's load only ever slows a run down
+    runs = [run("--llama-server", str(LLAMA_SERVER)), run(), run("--llama-server", str(LLAMA_SERVER)), run()]
+    server = max(runs[0::2], key=lambda r: r["tg"]["avg_ts"] + r["pp"]["avg_ts"] / 4)
+    worker = max(runs[1::2], key=lambda r: r["tg"]["avg_ts"] + r["pp"]["avg_ts"] / 4)
     assert server["peak_rss"] > 50 * MIB and worker["peak_rss"] > 50 * MIB
     assert server["tg"]["depth"] == worker["tg"]["depth"] == 64  # the same quantity: decode after -d tokens
     assert _agree(server["pp"], worker["pp"]), (server["pp"], worker["pp"])
