@@ -288,7 +288,31 @@ def cmd_export(ns: argparse.Namespace, flags: list[str]) -> int:
 def cmd_check(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.check import cmd_check as run_check_command
 
-    return run_check_command(ns, flags)
+    return run_check_command(ns, flags, _sim_check_factory(ns))
+
+
+def _sim_check_factory(ns: argparse.Namespace) -> Any:
+    """A result tuned on a simulated machine is re-measured on that machine (its profile as recorded)."""
+    import contextlib
+
+    path = Path(ns.result)
+    path = path / "pareto.json" if path.is_dir() else path
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # run_check reports the unreadable result
+    machine_record = doc.get("machine") or {}
+    if not machine_record.get("sim"):
+        return None
+    from fitter.model_spec import load_model_spec
+    from fitter.sim import SimRunner, load_machine
+
+    profile = machine_record.get("profile") or machine_record["sim"]
+    machine = load_machine(profile if Path(profile).is_file() else machine_record["sim"])
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        spec = load_model_spec(ns.model or doc["model"]["path"])
+    return lambda **_: contextlib.nullcontext(SimRunner(machine, spec))
 
 
 def cmd_machines(ns: argparse.Namespace, flags: list[str]) -> int:

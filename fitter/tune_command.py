@@ -97,6 +97,10 @@ def run_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         warnings.simplefilter("always")
         spec = load_model_spec(model)
     objectives = parse_objectives(ns.objectives)
+    if ns.llama_fit_params:
+        from fitter.llama_fit import find_llama_fit_params
+
+        find_llama_fit_params(ns.llama_fit_params)  # a wrong path stops here, before any study is opened
     target = sim_target(ns, spec) if ns.backend == "sim" else local_target(ns, flags, demo)
     fit_target_text = ns.fit_target or target.default_fit_target
     targets = parse_targets(fit_target_text or str(DEFAULT_FIT_TARGET_MIB))
