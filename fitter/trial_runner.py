@@ -86,6 +86,8 @@ class WorkerRunner:
         from fitter.nvml_peak import NvmlPeakSampler
 
         if self._gpu is not None:
+            if self._worker.will_reload(model, config):
+                self._worker.unload()  # else the old model's bytes are still in use when the peak restarts
             self._gpu.reset_peak()
         sampler: Any = NvmlPeakSampler() if self._nvml else contextlib.nullcontext()
         with sampler:

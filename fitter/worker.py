@@ -382,6 +382,21 @@ class Worker:
 
     # -- trials -----------------------------------------------------------------------------------------------
 
+    def will_reload(self, model: str | Path, config: LaunchConfig) -> bool:
+        """Whether `run(model, config)` loads the model anew (a placement change, or no model loaded)."""
+        return self._model_key != (str(Path(model).resolve()), *(getattr(config, k) for k in MODEL_LEVEL))
+
+    def unload(self) -> None:
+        """Free the loaded model now (the next run would free it first thing): so a device's peak counter can be
+        reset before the next trial allocates anything."""
+        if self.pid is None or self._model_key is None:
+            return
+        reply = self._exchange({"op": "unload"}, time.monotonic() + self.start_timeout)
+        if isinstance(reply, str):
+            self._reap()
+        self._model_key = None
+        self._model_buffers = ()
+
     def run(self, model: str | Path, config: LaunchConfig, spec: BenchSpec | None = None,
             timeout: float | None = None) -> Measurement:
         """Measure `config` on `model`. `timeout` (seconds, load included) defaults to `default_timeout`."""
@@ -644,6 +659,9 @@ def _main(argv: list[str]) -> int:
             reply = state.info()
         elif op == "run":
             reply = state.run(request)
+        elif op == "unload":
+            state.free_model()
+            reply = {"ok": True}
         else:
             reply = {"ok": False, "error": f"unknown op {op!r}"}
         proto.write(json.dumps(reply) + "\n")
