@@ -315,6 +315,12 @@ def _sim_check_factory(ns: argparse.Namespace) -> Any:
     return lambda **_: contextlib.nullcontext(SimRunner(machine, spec))
 
 
+def cmd_report(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.report_study import cmd_report as run_report_command
+
+    return run_report_command(ns, flags)
+
+
 def cmd_machines(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.sim import machines_table
 
@@ -504,6 +510,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="the verdict, each check and the new measurement as JSON")
     check.set_defaults(func=cmd_check)
 
+    report = sub.add_parser(
+        "report", help="tables and figures of a tuning result, finished or still running",
+        description="The trials table, the Pareto front with ratios over llama.cpp's own choice, and figures (PNG and "
+        "an offline report.html): decode vs VRAM, optimisation history, parameter importances, predicted vs "
+        "measured device memory. Reads the study without changing it.")
+    report.add_argument("result", help="a results folder with study.db (or its pareto.json)")
+    report.add_argument("--out", metavar="DIR",
+                        help="where to write the CSVs, PNGs and report.html (default: RESULT/report)")
+    report.add_argument("--json", action="store_true", help="the tables, warnings and file paths as JSON")
+    report.set_defaults(func=cmd_report)
+
     machines = sub.add_parser("machines", help="the shipped simulated machines (--backend sim --machine NAME)",
                               description="The simulated machines fitter ships (fitter/machines/*.toml): physical "
                               "parameters only; `--backend sim --machine NAME|FILE` runs bench and tune on them.")
@@ -547,7 +564,7 @@ def _llama_flags(argv: list[str], model: str | None) -> list[str]:
            "-C": 1, "--cpu-mask": 1, "-Cr": 1, "--cpu-range": 1, "--space": 1, "--objectives": 1, "--trials": 1,
            "--trial-timeout": 1, "--dry-run": 0, "--storage": 1, "--results": 1, "--llama-fit-params": 1,
            "--seed": 1, "--policy": 1, "--format": 1, "--tolerance": 1, "--backend": 1, "--machine": 1,
-           "-tb": 1, "--threads-batch": 1}
+           "-tb": 1, "--threads-batch": 1, "--out": 1}
     out, i = [], 1  # argv[0] is the command
     while i < len(argv):
         a = argv[i]
