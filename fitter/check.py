@@ -37,7 +37,7 @@ from fitter.devices import Device, detect_cpu_profile
 from fitter.errors import FitterError
 from fitter.estimator import estimate
 from fitter.fit import DEFAULT_FIT_TARGET_MIB
-from fitter.launch_config import LaunchConfig, parse_launch_flags
+from fitter.launch_config import LaunchConfig, parse_launch_flags, split_process_flags
 from fitter.launcher_export import POLICIES, picked_entry
 from fitter.screen import device_totals
 from fitter.trial_runner import TrialResult
@@ -45,9 +45,6 @@ from fitter.worker import BenchSpec
 
 MIB = 1024 * 1024
 METRICS = (("pp", "prefill"), ("tg", "decode"))
-# Flags fitter's flag parser leaves to the process: spelling → canonical (as fitter/launcher_export.py)
-_PROCESS_FLAGS = {"-t": "-t", "--threads": "-t", "-tb": "-tb", "--threads-batch": "-tb",
-                  "-C": "-C", "--cpu-mask": "-C", "-Cr": "-Cr", "--cpu-range": "-Cr"}
 
 
 class CheckRunner(Protocol):
@@ -212,22 +209,6 @@ def verdict_json(v: CheckVerdict) -> dict[str, Any]:
 # -- the result, its pick and its bench spec (pure) ---------------------------------------------------------------
 
 
-def split_process_flags(flags: list[str], where: str) -> tuple[list[str], dict[str, str]]:
-    """(llama.cpp flags for parse_launch_flags, {-t|-tb|-C|-Cr: value})."""
-    launch: list[str] = []
-    process: dict[str, str] = {}
-    i = 0
-    while i < len(flags):
-        canonical = _PROCESS_FLAGS.get(flags[i])
-        if canonical is None:
-            launch.append(flags[i])
-            i += 1
-            continue
-        if i + 1 >= len(flags):
-            raise FitterError(f"{where}: {flags[i]} without a value")
-        process[canonical] = flags[i + 1]
-        i += 2
-    return launch, process
 
 
 def recorded_spec(measurement: dict[str, Any], threads: int, threads_batch: int, where: str) -> BenchSpec:

@@ -31,28 +31,30 @@ def server_flags(config: LaunchConfig, ctx: ContextParams, rpc: tuple[str, ...] 
     flags = ["-c", str(ctx.n_ctx), "-b", str(ctx.n_batch), "-ub", str(ctx.n_ubatch)]
     flags += ["-ctk", config.cache_type_k, "-ctv", config.cache_type_v, "-fa", "on" if ctx.flash_attn else "off"]
     flags += ["-np", str(ctx.n_seq_max), "--kv-unified" if ctx.n_stream == 1 else "--no-kv-unified"]
-    ngl = config.n_gpu_layers
-    flags += ["-ngl", "all" if ngl < 0 else str(ngl)]
+    flags += placement_flags(config)
+    if rpc:
+        flags += ["--rpc", ",".join(rpc)]
+    flags += ["-fit", "off"]  # the placement is explicit: llama-server's --fit must not second-guess it
+    return flags
+
+
+def placement_flags(config: LaunchConfig) -> list[str]:
+    """-ngl, -ncmoe/-ot and the switches that change where buffers go or how they load, as llama-server spells them."""
+    flags = ["-ngl", "all" if config.n_gpu_layers < 0 else str(config.n_gpu_layers)]
     n_cpu_moe, rules = split_ncmoe(config.overrides)
     if n_cpu_moe:
         flags += ["-ncmoe", str(n_cpu_moe)]
     if rules:
         flags += ["-ot", ",".join(f"{r.pattern}={r.buft}" for r in rules)]
-    if config.swa_full:
-        flags.append("--swa-full")
-    if config.no_kv_offload:
-        flags.append("-nkvo")
-    if config.no_op_offload:
-        flags.append("--no-op-offload")
-    if config.no_repack:
-        flags.append("-nr")
+    switches = [(config.swa_full, "--swa-full"), (config.no_kv_offload, "-nkvo"),
+                (config.no_op_offload, "--no-op-offload"), (config.no_repack, "-nr")]
+    flags += [flag for on, flag in switches if on]
     if config.load_mode != "auto":
         flags += ["-lm", config.load_mode]
     if config.tensor_split:
         flags += ["-ts", ",".join(f"{x:g}" for x in config.tensor_split)]
-    if rpc:
-        flags += ["--rpc", ",".join(rpc)]
-    flags += ["-fit", "off"]  # the placement is explicit: llama-server's --fit must not second-guess it
+    if config.main_gpu:
+        flags += ["-mg", str(config.main_gpu)]
     return flags
 
 

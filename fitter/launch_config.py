@@ -332,3 +332,26 @@ def parse_launch_flags(flags: list[str]) -> LaunchConfig:
     add_launch_arguments(parser)
     ns = parser.parse_args(flags)
     return launch_config_from_args(ns, flags)
+
+
+# Flags fitter's launch config leaves to the process (threads and affinity): spelling → canonical
+PROCESS_FLAGS = {"-t": "-t", "--threads": "-t", "-tb": "-tb", "--threads-batch": "-tb",
+                 "-C": "-C", "--cpu-mask": "-C", "-Cr": "-Cr", "--cpu-range": "-Cr"}
+
+
+def split_process_flags(flags: list[str], where: str) -> tuple[list[str], dict[str, str]]:
+    """(llama.cpp flags for parse_launch_flags, {-t|-tb|-C|-Cr: value})."""
+    launch: list[str] = []
+    process: dict[str, str] = {}
+    i = 0
+    while i < len(flags):
+        canonical = PROCESS_FLAGS.get(flags[i])
+        if canonical is None:
+            launch.append(flags[i])
+            i += 1
+            continue
+        if i + 1 >= len(flags):
+            raise LaunchConfigError(f"{where}: {flags[i]} without a value")
+        process[canonical] = flags[i + 1]
+        i += 2
+    return launch, process

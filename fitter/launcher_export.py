@@ -19,16 +19,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fitter.errors import FitterError, LaunchConfigError
-from fitter.export import split_ncmoe
-from fitter.launch_config import LaunchConfig, parse_launch_flags
+from fitter.export import placement_flags
+from fitter.launch_config import LaunchConfig, parse_launch_flags, split_process_flags
 
 FORMATS = ("server", "preset-ini", "llama-swap", "python", "json")
 POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram")
 LLAMA_CPP_PYTHON = "0.3.36"  # the Llama.__init__ the python format is mapped against (pyproject's `llama` extra)
 
 # Flags fitter's flag parser leaves to the process (tune adds -t/-tb, bench -C/-Cr): spelling → canonical flag.
-_PROCESS_FLAGS = {"-t": "-t", "--threads": "-t", "-tb": "-tb", "--threads-batch": "-tb",
-                  "-C": "-C", "--cpu-mask": "-C", "-Cr": "-Cr", "--cpu-range": "-Cr"}
 
 # --models-preset keys: common_preset::to_ini (common/preset.cpp) writes each option under its last spelling in
 # common/arg.cpp without the leading dashes; load_from_ini accepts any spelling without dashes (or the env name).
@@ -106,7 +104,7 @@ def pick(result: dict[str, Any], policy: str, source: str = "pareto.json") -> Pi
     flags = entry.get("flags")
     if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
         raise FitterError(f"{where}: \"flags\" must be a list of strings, got {flags!r}")
-    launch, process = _split_process_flags(flags, where)
+    launch, process = split_process_flags(flags, where)
     try:
         config = parse_launch_flags(launch)
     except LaunchConfigError as e:
@@ -147,22 +145,6 @@ def _stem(path: str) -> str:
     return re.sub(r"\.gguf$", "", path.replace("\\", "/").rsplit("/", 1)[-1])
 
 
-def _split_process_flags(flags: list[str], where: str) -> tuple[list[str], dict[str, str]]:
-    """(llama.cpp flags for parse_launch_flags, {-t|-tb|-C|-Cr: value})."""
-    launch: list[str] = []
-    process: dict[str, str] = {}
-    i = 0
-    while i < len(flags):
-        canonical = _PROCESS_FLAGS.get(flags[i])
-        if canonical is None:
-            launch.append(flags[i])
-            i += 1
-            continue
-        if i + 1 >= len(flags):
-            raise FitterError(f"{where}: {flags[i]} without a value")
-        process[canonical] = flags[i + 1]
-        i += 2
-    return launch, process
 
 
 def _positive(value: str, flag: str, where: str) -> int:
@@ -198,26 +180,7 @@ def pinned_flags(config: LaunchConfig, threads: int, threads_batch: int, cpu_mas
     flags = ["-c", str(config.ctx_size), "-b", str(config.batch_size), "-ub", str(config.ubatch_size)]
     flags += ["-ctk", config.cache_type_k, "-ctv", config.cache_type_v, "-fa", config.flash_attn]
     flags += ["-np", str(config.n_seq_max), "--kv-unified" if config.unified else "--no-kv-unified"]
-    flags += ["-ngl", "all" if config.n_gpu_layers < 0 else str(config.n_gpu_layers)]
-    n_cpu_moe, rules = split_ncmoe(config.overrides)
-    if n_cpu_moe:
-        flags += ["-ncmoe", str(n_cpu_moe)]
-    if rules:
-        flags += ["-ot", ",".join(f"{r.pattern}={r.buft}" for r in rules)]
-    if config.swa_full:
-        flags.append("--swa-full")
-    if config.no_kv_offload:
-        flags.append("-nkvo")
-    if config.no_op_offload:
-        flags.append("--no-op-offload")
-    if config.no_repack:
-        flags.append("-nr")
-    if config.load_mode != "auto":
-        flags += ["-lm", config.load_mode]
-    if config.tensor_split:
-        flags += ["-ts", ",".join(f"{x:g}" for x in config.tensor_split)]
-    if config.main_gpu:
-        flags += ["-mg", str(config.main_gpu)]
+    flags += placement_flags(config)
     if config.rpc:
         flags += ["--rpc", ",".join(config.rpc)]
     flags += ["-fit", "off"]  # the placement is explicit: llama-server's --fit must not second-guess it

@@ -38,7 +38,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from fitter.devices import CpuProfile, Device
 from fitter.errors import FitterError, LaunchConfigError
-from fitter.launch_config import LaunchConfig, parse_launch_flags
+from fitter.launch_config import LaunchConfig, parse_launch_flags, split_process_flags
 from fitter.model_spec import ModelSpec
 from fitter.screen import Budgets, Screen, cpu_bytes_per_token, device_totals, screen
 from fitter.search_space import is_valid_combination, params_to_flags
@@ -118,7 +118,7 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
     flags += ["-t", str(threads), "-tb", str(threads_batch)]
     spec = replace(req.bench, threads=threads, threads_batch=threads_batch)
     try:
-        config = parse_launch_flags(_without_threads(flags))
+        config = parse_launch_flags(split_process_flags(flags, 'the trial')[0])
     except LaunchConfigError as e:  # llama.cpp would refuse it: screened out like a config that does not fit
         return Candidate(dict(params), LaunchConfig(), spec, tuple(flags), error=str(e))
     return Candidate(dict(params), config, spec, tuple(flags))
@@ -127,19 +127,6 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
 def _has_flag(flags: tuple[str, ...], name: str) -> bool:
     aliases = {"-ngl": ("-ngl", "--gpu-layers", "--n-gpu-layers"), "--rpc": ("--rpc", "-rpc")}[name]
     return any(f in aliases for f in flags)
-
-
-def _without_threads(flags: list[str]) -> list[str]:
-    out, skip = [], False
-    for f in flags:
-        if skip:
-            skip = False
-            continue
-        if f in ("-t", "--threads", "-tb", "--threads-batch"):
-            skip = True
-            continue
-        out.append(f)
-    return out
 
 
 def combos(req: TuneRequest) -> list[dict[str, Any]]:
@@ -175,7 +162,7 @@ class Screener:
         self._cache.clear()
 
     def __call__(self, cand: Candidate) -> Screen:
-        key = " ".join(_without_threads(list(cand.flags)))
+        key = " ".join(split_process_flags(list(cand.flags), "the trial")[0])
         if key not in self._cache:
             reason = cand.error or is_valid_combination(cand.params)
             if reason is not None:

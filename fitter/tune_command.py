@@ -23,7 +23,7 @@ from fitter.errors import FitterError
 from fitter.estimator import estimate
 from fitter.export import server_flags
 from fitter.fit import DEFAULT_FIT_TARGET_MIB, fit
-from fitter.launch_config import parse_launch_flags
+from fitter.launch_config import parse_launch_flags, split_process_flags
 from fitter.model_spec import ModelSpec, load_model_spec
 from fitter.results import (
     StudyKey,
@@ -531,9 +531,9 @@ def confirm_baseline(req: TuneRequest, runner: TrialRunner, baseline: dict[str, 
 
 
 def _from_flags(req: TuneRequest, flags: list[str]) -> Candidate:
-    threads = int(_flag_value(flags, ("-t",)) or req.default_threads)
-    tb = int(_flag_value(flags, ("-tb",)) or threads)
-    plain = [f for i, f in enumerate(flags) if f not in ("-t", "-tb") and (i == 0 or flags[i - 1] not in ("-t", "-tb"))]
+    plain, process = split_process_flags(flags, "the baseline's flags")
+    threads = int(process.get("-t", req.default_threads))
+    tb = int(process.get("-tb", threads))
     return Candidate({}, parse_launch_flags(plain), replace(req.bench, threads=threads, threads_batch=tb),
                      tuple(flags))
 
