@@ -166,7 +166,7 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     affinity_flags = [*(["-C", ns.cpu_mask] if ns.cpu_mask else []),
                       *(["-Cr", ns.cpu_range] if ns.cpu_range else [])]
     spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
-                     threads=threads)
+                     threads=threads, threads_batch=ns.threads_batch)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         model_spec = load_model_spec(model)
@@ -198,6 +198,7 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
             gpu.stop()
     result = bench_json(m, backend, plan, emulated=gpu is not None, peak_vram=peak)
     result["threads"] = threads
+    result["threads_batch"] = ns.threads_batch or threads
     result["cpus"] = list(cpus) if cpus else None
     result["machine"] = machine
     print(json.dumps(result, indent=1) if ns.json else bench_table(result))
@@ -222,7 +223,7 @@ def _bench_sim(ns: argparse.Namespace, model: str, config: Any, flags: list[str]
         spec = load_model_spec(model)
     runner = SimRunner(machine, spec, seed=ns.seed)
     bench = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
-                      threads=ns.threads or machine.cpu.p_cores)
+                      threads=ns.threads or machine.cpu.p_cores, threads_batch=ns.threads_batch)
     result = runner.run(model, config, bench, ns.timeout)
     plan = runner.plan(config)
     out = bench_json(result.measurement, "sim", plan, emulated=False, peak_vram=result.peak_vram)
@@ -242,6 +243,9 @@ def _bench_backend(ns: argparse.Namespace, model: str, model_spec: Any, config: 
     if ns.llama_bench:
         from fitter.llama_bench_backend import measure_llama_bench
 
+        if ns.threads_batch is not None:
+            raise LaunchConfigError("-tb: llama-bench has one thread count (-t) for prefill and decode")
+
         if ns.cpu_range:
             raise LaunchConfigError("--cpu-range: llama-bench only takes --cpu-mask")
         m = measure_llama_bench(ns.llama_bench, model, config, spec, timeout=ns.timeout or 600.0,
@@ -251,7 +255,7 @@ def _bench_backend(ns: argparse.Namespace, model: str, model_spec: Any, config: 
     elif ns.llama_server:
         from fitter.server_backend import measure_server
 
-        server_flags = [*flags, "-t", str(threads), *affinity_flags]
+        server_flags = [*flags, "-t", str(threads), "-tb", str(ns.threads_batch or threads), *affinity_flags]
         m = measure_server(ns.llama_server, model, server_flags, spec, timeout=ns.timeout or 600.0,
                            vocab_size=model_spec.n_vocab)
         backend = "llama-server"
@@ -418,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
     bench.add_argument("-t", "--threads", dest="threads", type=int, default=None, metavar="N",
                        help="threads (default: the physical performance cores, as fitter probe counts them)")
+    bench.add_argument("-tb", "--threads-batch", dest="threads_batch", type=int, default=None, metavar="N",
+                       help="threads for prefill (default: -t)")
     bench.add_argument("-C", "--cpu-mask", dest="cpu_mask", metavar="M", help="CPU affinity mask (hex), as llama.cpp")
     bench.add_argument("-Cr", "--cpu-range", dest="cpu_range", metavar="lo-hi", help="CPU range, as llama.cpp")
     bench.add_argument("--timeout", type=float, default=None, metavar="S",

@@ -18,7 +18,8 @@ choice (`--fit`, the baseline), then the combo with the fewest CPU bytes per tok
 (decode first), the largest `-ub` that fits at its own placement (prefill first) and the lightest placement
 (least VRAM); then it walks one-parameter neighbours of the best decode and best prefill trials, each placed at its
 own smallest fitting `-ncmoe`; what budget is left goes to Optuna's multi-objective TPE sampler over the whole space.
-Trials that share a model-level placement run back to back so the worker keeps the model loaded.
+Neighbours that keep the placement (threads, a KV or batch change that fits at the same `-ncmoe`) read the same
+bytes per token, so they sort next to each other and the worker keeps the model loaded between them.
 """
 
 from __future__ import annotations

@@ -185,3 +185,13 @@ def test_worker_child_is_pinned_to_the_given_cpus() -> None:
     with Worker(cpus=(0,)) as worker:
         worker.start()
         assert worker.pid is not None and os.sched_getaffinity(worker.pid) == {0}
+
+
+@pytest.mark.llama
+def test_bench_takes_a_separate_prefill_thread_count() -> None:
+    pytest.importorskip("llama_cpp")
+    code, out = _bench("-c", "2048", "-np", "1", "-p", "32", "-n", "8", "-r", "1", "-tb", "2")
+    assert code == 0 and out["threads"] == 1 and out["threads_batch"] == 2
+    proc = subprocess.run([sys.executable, "-m", "fitter.cli", "bench", "-tb", "2", "--llama-bench", "/bin/true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "llama-bench has one thread count" in proc.stderr
