@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sqlite3
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from fitter.errors import FitterError
-from fitter.results import KEY_ATTRS, STUDY_NAME, picks, ratios
+from fitter.results import KEY_ATTRS, STUDY_NAME, check_study_db, picks, ratios
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -87,7 +86,7 @@ def result_paths(path: Path) -> tuple[Path, Path]:
 def load_result(path: Path) -> StudyResult:
     """Open a results folder's study (whether or not the tune still runs) and its pareto.json when there is one."""
     folder, db = result_paths(path)
-    _check_optuna_db(db)
+    check_study_db(db, "not a fitter study", require_tables=True)
     url = f"sqlite:///{db.resolve()}"
     try:
         names = optuna.get_all_study_names(storage=url)
@@ -109,26 +108,6 @@ def load_result(path: Path) -> StudyResult:
         raise ReportError(f"{db}: the study records objectives {list(objectives)} but optimizes "
                           f"{len(study.directions)} values")
     return StudyResult(folder, db, study, objectives, _read_pareto(folder / "pareto.json"))
-
-
-def _check_optuna_db(db: Path) -> None:
-    """Refuse anything but an Optuna SQLite database before Optuna opens it (it would add its tables to any
-    SQLite file). Read-only: the running tune may be writing to it."""
-    with db.open("rb") as f:
-        head = f.read(16)
-    if head != b"SQLite format 3\x00":
-        raise ReportError(f"{db}: not an SQLite database (it starts with {head[:8]!r}); not a fitter study")
-    try:
-        con = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
-        try:
-            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        finally:
-            con.close()
-    except sqlite3.Error as e:
-        raise ReportError(f"{db}: cannot read the SQLite database ({e})") from None
-    if not {"studies", "trials", "version_info"} <= tables:
-        raise ReportError(f"{db}: an SQLite database without Optuna's tables (it has: "
-                          f"{', '.join(sorted(tables)) or 'none'}); not a fitter study")
 
 
 def _read_pareto(path: Path) -> dict[str, Any] | None:

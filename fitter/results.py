@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sqlite3
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,9 @@ def open_study(url: str, key: StudyKey, directions: list[Any], sampler: optuna.s
     name = STUDY_NAME if url.startswith("sqlite:") else f"{STUDY_NAME}-{key.model_identity[:12]}-" \
         f"{key.machine_fingerprint[:8]}-{slug(key.llama_cpp_commit)}"
     if url.startswith("sqlite:///"):
-        _check_sqlite(Path(url.removeprefix("sqlite:///")))
+        db = Path(url.removeprefix("sqlite:///"))
+        if db.exists():
+            check_study_db(db, "move it away or give --results DIR; nothing was changed", require_tables=False)
     try:
         with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9; fitter relies on them
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -111,13 +114,27 @@ def open_study(url: str, key: StudyKey, directions: list[Any], sampler: optuna.s
     return study
 
 
-def _check_sqlite(path: Path) -> None:
-    if path.exists() and path.stat().st_size:
-        with path.open("rb") as f:
-            head = f.read(16)
-        if head != b"SQLite format 3\x00":
-            raise ResultsError(f"{path}: not an SQLite database (it starts with {head[:8]!r}); move it away or give "
-                               f"--results DIR; nothing was changed")
+def check_study_db(path: Path, advice: str, require_tables: bool) -> None:
+    """Refuse anything but an Optuna SQLite database before Optuna opens it: Optuna would add its tables to any
+    SQLite file. Read-only (a running tune may be writing to it). An empty SQLite file, or one without tables, is a
+    new study unless `require_tables`."""
+    with path.open("rb") as f:
+        head = f.read(16)
+    if not head and not require_tables:
+        return
+    if head != b"SQLite format 3\x00":
+        raise ResultsError(f"{path}: not an SQLite database (it starts with {head[:8]!r}); {advice}")
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        raise ResultsError(f"{path}: cannot read the SQLite database ({e}); {advice}") from None
+    if (tables or require_tables) and not {"studies", "trials", "version_info"} <= tables:
+        raise ResultsError(f"{path}: an SQLite database without Optuna's tables (it has: "
+                           f"{', '.join(sorted(tables)) or 'none'}); {advice}")
 
 
 # -- picks -------------------------------------------------------------------------------------------------------

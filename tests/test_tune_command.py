@@ -149,3 +149,19 @@ def test_bad_objectives_and_space_are_refused_before_anything_starts(tmp_path: P
     space.write_text('[params]\nubatch-size = [0]\n')
     proc = tune("--space", str(space), "--dry-run", cwd=tmp_path)
     assert proc.returncode == 2 and "my.toml" in proc.stderr and "ubatch-size" in proc.stderr
+
+
+def test_a_foreign_sqlite_file_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    import optuna
+
+    from fitter.errors import FitterError
+    from fitter.results import StudyKey, open_study
+
+    db = tmp_path / "study.db"
+    with sqlite3.connect(db) as con:
+        con.execute("create table notes (text)")
+    before = db.read_bytes()
+    with pytest.raises(FitterError, match=r"without Optuna's tables \(it has: notes\); move it away or give "
+                                          r"--results DIR; nothing was changed"):
+        open_study(f"sqlite:///{db}", StudyKey("id", "fp", "b"), ["maximize"], optuna.samplers.RandomSampler(), {})
+    assert db.read_bytes() == before
