@@ -357,6 +357,20 @@ def cmd_probe(ns: argparse.Namespace, flags: list[str]) -> int:
     return 0
 
 
+def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
+    """What bench and tune measure (llama-bench's -p -n -d -r), where (-C/-Cr) and on what (--backend/--machine)."""
+    g = parser.add_argument_group("measurement")
+    g.add_argument("-p", "--n-prompt", dest="n_prompt", type=int, default=512, metavar="N")
+    g.add_argument("-n", "--n-gen", dest="n_gen", type=int, default=128, metavar="N")
+    g.add_argument("-d", "--n-depth", dest="n_depth", type=int, default=0, metavar="N")
+    g.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
+    g.add_argument("-C", "--cpu-mask", dest="cpu_mask", metavar="M", help="CPU affinity mask (hex), as llama.cpp")
+    g.add_argument("-Cr", "--cpu-range", dest="cpu_range", metavar="lo-hi", help="CPU range, as llama.cpp")
+    g.add_argument("--backend", choices=("llama-cpp-python", "sim"), default="llama-cpp-python",
+                   help="measure with llama.cpp (default) or on a simulated machine (--machine)")
+    g.add_argument("--machine", metavar="NAME|FILE", help="the simulated machine (fitter machines lists them)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fitter.launch_config import SERVER_DEFAULTS_HELP, add_launch_arguments
 
@@ -416,16 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
-    bench.add_argument("-p", "--n-prompt", dest="n_prompt", type=int, default=512, metavar="N")
-    bench.add_argument("-n", "--n-gen", dest="n_gen", type=int, default=128, metavar="N")
-    bench.add_argument("-d", "--n-depth", dest="n_depth", type=int, default=0, metavar="N")
-    bench.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
     bench.add_argument("-t", "--threads", dest="threads", type=int, default=None, metavar="N",
                        help="threads (default: the physical performance cores, as fitter probe counts them)")
     bench.add_argument("-tb", "--threads-batch", dest="threads_batch", type=int, default=None, metavar="N",
                        help="threads for prefill (default: -t)")
-    bench.add_argument("-C", "--cpu-mask", dest="cpu_mask", metavar="M", help="CPU affinity mask (hex), as llama.cpp")
-    bench.add_argument("-Cr", "--cpu-range", dest="cpu_range", metavar="lo-hi", help="CPU range, as llama.cpp")
     bench.add_argument("--timeout", type=float, default=None, metavar="S",
                        help="seconds before a trial counts as hung (default: from the predicted work)")
     bench.add_argument("--emulated-gpu", type=int, metavar="MiB", help="run on a capped emulated GPU")
@@ -433,11 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-bench", metavar="PATH",
                        help="measure with this llama-bench binary instead (its context is p+n+d, not the deployed one)")
     bench.add_argument("--devices", default="", help=argparse.SUPPRESS)
-    bench.add_argument("--backend", choices=("llama-cpp-python", "sim"), default="llama-cpp-python",
-                       help="measure with llama.cpp (default) or on a simulated machine (--machine)")
-    bench.add_argument("--machine", metavar="NAME|FILE", help="the simulated machine (fitter machines lists them)")
     bench.add_argument("--seed", type=int, default=None, help="the simulated machine's noise seed")
     bench.add_argument("--json", action="store_true")
+    add_measure_arguments(bench)
     add_launch_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -473,20 +479,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--emulated-gpu", type=int, metavar="MiB", help="tune on a capped emulated GPU")
     tune.add_argument("--llama-fit-params", metavar="PATH", help="llama.cpp's llama-fit-params for the baseline")
     tune.add_argument("--seed", type=int, default=0)
-    tune.add_argument("-p", "--n-prompt", dest="n_prompt", type=int, default=512, metavar="N")
-    tune.add_argument("-n", "--n-gen", dest="n_gen", type=int, default=128, metavar="N")
-    tune.add_argument("-d", "--n-depth", dest="n_depth", type=int, default=0, metavar="N")
-    tune.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
-    tune.add_argument("-C", "--cpu-mask", dest="cpu_mask", metavar="M", help="CPU affinity mask (hex), as llama.cpp")
-    tune.add_argument("-Cr", "--cpu-range", dest="cpu_range", metavar="lo-hi", help="CPU range, as llama.cpp")
     tune.add_argument("-t", "--threads", dest="threads", type=int, default=None, metavar="N",
                       help="fix the threads (removes threads from the search)")
     tune.add_argument("-tb", "--threads-batch", dest="threads_batch", type=int, default=None, metavar="N",
                       help="fix the batch threads (removes threads-batch from the search)")
-    tune.add_argument("--backend", choices=("llama-cpp-python", "sim"), default="llama-cpp-python",
-                      help="measure with llama.cpp (default) or on a simulated machine (--machine)")
-    tune.add_argument("--machine", metavar="NAME|FILE", help="the simulated machine (fitter machines lists them)")
     tune.add_argument("--json", action="store_true", help="print pareto.json instead of the table")
+    add_measure_arguments(tune)
     add_launch_arguments(tune)
     tune.set_defaults(func=cmd_tune)
 

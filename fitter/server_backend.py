@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.llama_logs import parse_buffer_lines
-from fitter.worker import BenchSpec, Measurement, SpeedStats
+from fitter.worker import BenchSpec, Measurement, SpeedStats, peak_rss
 
 OOM_MARKERS = ("failed to allocate", "unable to allocate", "out of memory")
 
@@ -72,17 +72,6 @@ def classify_exit(returncode: int | None, log: str) -> tuple[str, str]:
     if returncode is not None and returncode < 0:
         return "crash", f"killed by signal {signal.Signals(-returncode).name}"
     return "crash", f"exit status {returncode}"
-
-
-def process_peak_rss(pid: int) -> int | None:
-    """The process's resident-set high-water mark (VmHWM), read while it still runs."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def server_build(binary: str) -> dict[str, str]:
@@ -144,7 +133,7 @@ def measure_server(
         return Measurement("ok", "", spec, tuple(flags), _stats(n_prompt, n_depth, pp) if pp else None,
                            _stats(n_gen, n_depth, tg) if tg else None, buffers=tuple(parse_buffer_lines(log)),
                            load_s=load_s, wall_s=time.perf_counter() - t0, llama_cpp=server_build(binary),
-                           peak_rss=process_peak_rss(proc.pid), log=log[-3000:])
+                           peak_rss=peak_rss(proc.pid), log=log[-3000:])
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         proc.poll()
         log = log_path.read_text(errors="replace")

@@ -100,5 +100,4 @@ def sim_request(machine: Any, spec: Any, model: str, fixed_flags: tuple[str, ...
     objectives = objectives if devices else tuple(o for o in objectives if o != "vram")
     return TuneRequest(model=model, spec=spec, fixed_flags=fixed_flags, distributions=dists, devices=devices,
                        budgets=Budgets(budgets, host, {}), cpu=runner.cpu_profile(), objectives=objectives,
-                       bench=bench or BenchSpec(threads=machine.cpu.p_cores), n_trials=n_trials, seed=seed,
-                       default_threads=machine.cpu.p_cores)
+                       bench=bench or BenchSpec(threads=machine.cpu.p_cores), n_trials=n_trials, seed=seed)

@@ -25,7 +25,6 @@ bytes per token, so they sort next to each other and the worker keeps the model 
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 import warnings
@@ -76,7 +75,11 @@ class TuneRequest:
     trial_timeout_s: float | None = None
     seed: int = 0
     rpc: tuple[str, ...] = ()
-    default_threads: int = 1
+
+    @property
+    def default_threads(self) -> int:
+        """Threads of a trial whose params do not choose them: the bench spec's."""
+        return self.bench.threads
 
 
 @dataclass
@@ -552,11 +555,3 @@ def _oom_device(buft: str | None, devices: tuple[Device, ...]) -> str | None:
         if buft == d.name or buft.startswith(d.name):
             return d.name
     return None
-
-
-def feasible(t: FrozenTrial) -> bool:
-    return t.state == TrialState.COMPLETE and all(v <= 0 for v in t.constraints.values())
-
-
-def is_finite(x: float) -> bool:
-    return not (math.isnan(x) or math.isinf(x))

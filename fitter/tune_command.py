@@ -21,7 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 from fitter.devices import RPC, CpuProfile, Device, detect_cpu_profile
 from fitter.errors import FitterError
 from fitter.estimator import estimate
-from fitter.export import server_flags
+from fitter.export import placement_flags, server_flags
 from fitter.fit import DEFAULT_FIT_TARGET_MIB, fit
 from fitter.launch_config import parse_launch_flags, split_process_flags
 from fitter.model_spec import ModelSpec, load_model_spec
@@ -39,8 +39,18 @@ from fitter.results import (
 )
 from fitter.screen import Budgets, device_totals
 from fitter.search_space import default_space_name, load_space, params_to_flags, resolve, shipped_space
-from fitter.trial_runner import TrialRunner, WorkerRunner
-from fitter.tune import OBJECTIVES, Candidate, Screener, TuneProgress, Tuner, TuneRequest, candidate, combos
+from fitter.trial_runner import TrialResult, TrialRunner, WorkerRunner
+from fitter.tune import (
+    OBJECTIVES,
+    Candidate,
+    Screener,
+    TuneProgress,
+    Tuner,
+    TuneRequest,
+    candidate,
+    combos,
+    measurement_json,
+)
 from fitter.worker import BenchSpec
 
 MIB = 1024 * 1024
@@ -131,8 +141,7 @@ def run_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         return TuneRequest(model=model, spec=spec, fixed_flags=tuple(flags), distributions=distributions,
                            devices=devices, budgets=Budgets(budgets, target.host_budget, {}), cpu=target.cpu_profile,
                            objectives=objectives, bench=bench, n_trials=ns.trials, timeout_s=ns.timeout,
-                           trial_timeout_s=ns.trial_timeout, seed=ns.seed, rpc=rpc,
-                           default_threads=default_threads)
+                           trial_timeout_s=ns.trial_timeout, seed=ns.seed, rpc=rpc)
 
     if ns.dry_run:
         req = request(target.dry_devices, target.dry_rpc)
@@ -160,8 +169,8 @@ def run_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         tuner.run()
         print("", file=sys.stderr)
         entries, dropped = confirm_pareto(req, tuner, runner)
-        baseline = confirm_baseline(req, runner, baseline)
-        entries, dropped = final_front(req, entries, dropped, baseline)
+        baseline = confirm_baseline(req, tuner.screener, runner, baseline)
+        entries, dropped = final_front(req, tuner.screener, entries, dropped, baseline)
     doc = pareto_doc(req, spec, model, machine, build, targets, emulated_mib is not None, baseline, entries, dropped,
                      tuner, time.monotonic() - t_start, url)
     write_pareto(folder, doc)
@@ -238,25 +247,12 @@ def _check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
     if req.devices:
         result = fit(req.spec, parse_launch_flags(list(req.fixed_flags)), req.devices, targets, cpu=req.cpu)
         if result.fits:
-            detail += f" fitter fit finds a placement outside the space: {' '.join(_fit_flags(result.config))}"
+            detail += f" fitter fit finds a placement outside the space: {' '.join(placement_flags(result.config))}"
         elif result.suggestions:
             detail += " would fit: " + "; ".join(result.suggestions)
     raise FitterError(f"{req.model}: no configuration of the search space fits ({req.spec.n_layer} layers; budgets "
                       + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in req.budgets.devices.items())
                       + f"; host RAM {(req.budgets.host or 0) / MIB:.0f} MiB);{detail}; nothing was launched")
-
-
-def _fit_flags(config: Any) -> list[str]:
-    from fitter.export import split_ncmoe
-
-    ngl = config.n_gpu_layers
-    out = ["-ngl", "all" if ngl < 0 else str(ngl)]
-    n, rules = split_ncmoe(config.overrides)
-    if n:
-        out += ["-ncmoe", str(n)]
-    if rules:
-        out += ["-ot", ",".join(f"{r.pattern}={r.buft}" for r in rules)]
-    return out
 
 
 def _progress_printer(req: TuneRequest) -> Any:
@@ -440,9 +436,8 @@ def _baseline_json(t: FrozenTrial) -> dict[str, Any]:
 # -- confirm runs and the result --------------------------------------------------------------------------------
 
 
-def pinned_flags(req: TuneRequest, cand: Candidate) -> list[str]:
+def pinned_flags(cand: Candidate, plan: Any) -> list[str]:
     """The flags a launcher passes: everything llama-server would decide itself pinned (fitter/export.py)."""
-    plan = estimate(req.spec, cand.config, req.devices, req.cpu)
     return [*server_flags(cand.config, plan.context, cand.config.rpc), "-t", str(cand.spec.threads), "-tb",
             str(cand.spec.threads_batch or cand.spec.threads)]
 
@@ -451,6 +446,14 @@ def confirm_spec(spec: BenchSpec) -> BenchSpec:
     """Confirm runs take twice the repetitions (at least 5): they decide the picks and the ratios, and a trial's
     spread on a busy or emulated machine is 10-20 % per sample."""
     return replace(spec, repetitions=max(5, 2 * spec.repetitions))
+
+
+def _confirm(req: TuneRequest, screener: Screener, runner: TrialRunner,
+             cand: Candidate) -> tuple[TrialResult, dict[str, Any], Any]:
+    """One confirm run: its result, its bench JSON and the config's memory plan (from the search's cache)."""
+    plan = screener(cand).plan
+    result = runner.run(req.model, cand.config, confirm_spec(cand.spec), req.trial_timeout_s)
+    return result, measurement_json(result, runner.backend, plan, runner.emulated), plan
 
 
 def confirm_pareto(req: TuneRequest, tuner: Tuner,
@@ -469,23 +472,19 @@ def confirm_pareto(req: TuneRequest, tuner: Tuner,
         flags = list(t.user_attrs["flags"])
         cand = candidate(req, dict(t.params)) if t.params else _from_flags(req, flags)
         _log(f"fitter: confirm run of trial {t.number}: {' '.join(flags)}")
-        result = runner.run(req.model, cand.config, confirm_spec(cand.spec), req.trial_timeout_s)
-        from fitter.tune import measurement_json
-
-        plan = estimate(req.spec, cand.config, req.devices, req.cpu)
-        m = measurement_json(result, runner.backend, plan, runner.emulated)
+        result, m, plan = _confirm(req, tuner.screener, runner, cand)
         if result.measurement.outcome != "ok":
             dropped.append({"trial": t.number, "flags": flags, "outcome": result.measurement.outcome,
                             "reason": result.measurement.reason})
             continue
         vram = sum(p["bytes"] for p in result.peak_vram.values()) if result.peak_vram else \
             sum(v for k, v in device_totals(plan).items() if k != "CPU")
-        entries.append({"trial": t.number, "phase": t.user_attrs.get("phase"), "flags": pinned_flags(req, cand),
+        entries.append({"trial": t.number, "phase": t.user_attrs.get("phase"), "flags": pinned_flags(cand, plan),
                         "measurement": m, "vram_bytes": vram, "study_values": list(t.values)})
     return entries, dropped
 
 
-def final_front(req: TuneRequest, entries: list[dict[str, Any]], dropped: list[dict[str, Any]],
+def final_front(req: TuneRequest, screener: Screener, entries: list[dict[str, Any]], dropped: list[dict[str, Any]],
                 baseline: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The Pareto front of the confirm runs: the study's front was chosen from single noisy trials, so what its
     confirm runs show dominated is dropped (and reported). llama.cpp's own choice competes too: when its confirm run
@@ -495,7 +494,7 @@ def final_front(req: TuneRequest, entries: list[dict[str, Any]], dropped: list[d
     if bm.get("outcome") == "ok" and baseline.get("flags") and "trial" in baseline:
         vram = sum(p["bytes"] for p in bm.get("peak_vram", {}).values())
         cand = _from_flags(req, list(baseline["flags"]))
-        pool.append({"trial": baseline["trial"], "phase": "baseline", "flags": pinned_flags(req, cand),
+        pool.append({"trial": baseline["trial"], "phase": "baseline", "flags": pinned_flags(cand, screener(cand).plan),
                      "measurement": bm, "vram_bytes": vram})
 
     def vector(e: dict[str, Any]) -> tuple[float, ...]:  # larger is better in every coordinate
@@ -515,19 +514,16 @@ def final_front(req: TuneRequest, entries: list[dict[str, Any]], dropped: list[d
     return sorted(front, key=lambda e: e["trial"]), out_dropped
 
 
-def confirm_baseline(req: TuneRequest, runner: TrialRunner, baseline: dict[str, Any]) -> dict[str, Any]:
+def confirm_baseline(req: TuneRequest, screener: Screener, runner: TrialRunner,
+                     baseline: dict[str, Any]) -> dict[str, Any]:
     """Re-measure the baseline beside the confirm runs, so every ratio compares runs made under the same conditions
     (the baseline's trial ran first, on a cold machine). Its trial measurement stays in the study."""
     if not baseline.get("flags") or (baseline.get("measurement") or {}).get("outcome") != "ok":
         return baseline
     cand = _from_flags(req, list(baseline["flags"]))
     _log(f"fitter: confirm run of the baseline: {' '.join(baseline['flags'])}")
-    result = runner.run(req.model, cand.config, confirm_spec(cand.spec), req.trial_timeout_s)
-    from fitter.tune import measurement_json
-
-    plan = estimate(req.spec, cand.config, req.devices, req.cpu)
-    return {**baseline, "trial_measurement": baseline["measurement"],
-            "measurement": measurement_json(result, runner.backend, plan, runner.emulated)}
+    _, m, _ = _confirm(req, screener, runner, cand)
+    return {**baseline, "trial_measurement": baseline["measurement"], "measurement": m}
 
 
 def _from_flags(req: TuneRequest, flags: list[str]) -> Candidate:

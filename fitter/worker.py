@@ -484,13 +484,17 @@ def _peak_rss_reset() -> None:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux 4.0+)
 
 
-def _peak_rss() -> int | None:
+def peak_rss(pid: int | str = "self") -> int | None:
+    """A process's resident-set high-water mark (VmHWM), read while it runs; for this process, getrusage where
+    /proc is missing."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    if pid != "self":
+        return None
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -574,7 +578,7 @@ class _ChildState:
         finally:
             if ctx:
                 llama.llama_free(ctx)
-            out["peak_rss"] = _peak_rss()
+            out["peak_rss"] = peak_rss()
 
 
 def _bench(llama: Any, ctx: Any, model: Any, spec: BenchSpec, sink: _LogSink) -> dict[str, Any]:

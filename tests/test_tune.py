@@ -80,7 +80,7 @@ def _request(spec: Any, n_trials: int = 12, objectives: tuple[str, ...] = ("tg",
     return TuneRequest(model="m.gguf", spec=spec, fixed_flags=("-c", "4096", "-np", "1"), distributions=dists,
                        devices=(DEVICE,), budgets=Budgets({DEVICE.name: 40 * MIB}, 64 * 1024 * MIB, {}),
                        cpu=CPU_AVX2, objectives=objectives, bench=BenchSpec(n_prompt=64, n_gen=16, threads=4),
-                       n_trials=n_trials, rpc=("127.0.0.1:50052",), default_threads=4)
+                       n_trials=n_trials, rpc=("127.0.0.1:50052",))
 
 
 def _study(tmp_path: Path, objectives: tuple[str, ...] = ("tg", "pp", "vram"), name: str = "s.db") -> optuna.Study:
