@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fitter.demo_models import SHAPES, write_model
+from fitter.gguf.demo_models import SHAPES, write_model
 
 
 def main() -> None:

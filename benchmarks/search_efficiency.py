@@ -4,7 +4,7 @@
     python benchmarks/search_efficiency.py [--seeds 3] [--cap 60] [--machines seeds,gpu-8gb]
 
 For each machine (with the first model shape it is meant for) the exhaustive grid of the shipped search space gives
-the optimum (noise-free decode t/s, fitter/sim_grid.py). Then each search runs on the noisy simulated machine until
+the optimum (noise-free decode t/s, fitter/tune/grid.py). Then each search runs on the noisy simulated machine until
 one of its launched configs is truly within 98 % of that optimum, or `--cap` launches:
 
 - fitter: `fitter tune`'s study (estimator screening, structured start, neighbours, constrained TPE);
@@ -33,12 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import optuna
 
-from fitter.launch_config import LaunchConfig
-from fitter.model_spec import load_model_spec
+from fitter.flags import LaunchConfig
+from fitter.gguf.model_spec import load_model_spec
 from fitter.sim import SimRunner, load_machine, shipped_machines
-from fitter.sim_grid import GridPoint, best, space_points, true_speeds
-from fitter.sim_grid import sim_request as make_request
-from fitter.tune import OBJECTIVES, Screener, Tuner, TuneRequest, candidate
+from fitter.tune.grid import GridPoint, best, space_points, true_speeds
+from fitter.tune.grid import sim_request as make_request
+from fitter.tune.plan import Screener
+from fitter.tune.request import OBJECTIVES, TuneRequest, candidate
+from fitter.tune.study import Tuner
 from tests.models import model_file
 
 BOUND = 0.98
@@ -101,8 +103,8 @@ def run_fitter(req: TuneRequest, runner: SimRunner, points: dict[str, GridPoint]
         def build(self) -> dict[str, str]:
             return runner.build()
 
-        def run(self, model: str, config: Any, spec: Any, timeout: Any) -> Any:
-            result = runner.run(model, config, spec, timeout)
+        def run(self, model: str, config: Any, spec: Any, timeout: Any, plan: Any = None) -> Any:
+            result = runner.run(model, config, spec, timeout, plan)
             out.launches += 1
             if result.measurement.outcome != "ok":
                 out.refused += 1

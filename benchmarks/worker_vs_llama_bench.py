@@ -14,10 +14,11 @@ import json
 import subprocess
 import time
 
-from fitter.demo_models import demo_model_path
-from fitter.launch_config import parse_launch_flags
-from fitter.llama_tools import ensure_tools
-from fitter.worker import BenchSpec, Worker
+from fitter.flags import parse_launch_flags
+from fitter.gguf.demo_models import demo_model_path
+from fitter.measure.tools import ensure_tools
+from fitter.measure.types import BenchSpec
+from fitter.measure.worker import Worker
 
 
 def main() -> None:

@@ -8,10 +8,10 @@ device on 127.0.0.1 whose cap is large enough never to refuse), so layers, KV an
 its buffers are recorded under the canonical name RPC0[127.0.0.1:50052] whatever port the run used, and `{rpc}` in a
 flag list stands for that device.
 
-Models come from fitter.demo_models: the tiny test shapes and "demo" as real files, and four real shapes as
+Models come from fitter.gguf.demo_models: the tiny test shapes and "demo" as real files, and four real shapes as
 header-only sparse files (mmap on, --no-repack: nothing is read or written but the headers). Each flag list is
-parsed as llama-server flags (fitter.launch_config.parse_launch_flags) and loaded through
-fitter.llama_cpp_loader in a child process; the buffers llama.cpp logged are recorded.
+parsed as llama-server flags (fitter.flags.config.parse_launch_flags) and loaded through
+fitter.measure.loader in a child process; the buffers llama.cpp logged are recorded.
 
 About a fifth of the cases are marked "held_out" (a fixed rule on the case id): they are for a held-out check
 of the estimator and must not be tuned against.
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fitter.demo_models import SHAPES, write_model
-from fitter.launch_config import parse_launch_flags
-from fitter.llama_cpp_loader import CaptureResult, llama_cpp_info, load_and_capture
+from fitter.flags import parse_launch_flags
+from fitter.gguf.demo_models import SHAPES, write_model
+from fitter.measure.loader import CaptureResult, llama_cpp_info, load_and_capture
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "tests" / "golden" / "cpu.json"
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = None
     if args.device == "cuda":
         from fitter.errors import FitterError
-        from fitter.probe import require_gpu_build
+        from fitter.machine.llama_cpp import require_gpu_build
 
         try:
             require_gpu_build()
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         device_name = "CUDA0"
         args.jobs = 1
     if args.device == "rpc":
-        from fitter.emulated_gpu import EmulatedGpu
+        from fitter.measure.emulated_gpu import EmulatedGpu
 
         gpu = EmulatedGpu(cap_mib=20000).start()  # big enough never to refuse: only sizes are recorded
         args.jobs = 1  # one server: loads go one after another
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "rpc":
         golden["device"] = {"kind": "rpc", "endpoint": CANONICAL_RPC, "emulated": True}
     if args.device == "cuda":
-        from fitter.devices import detect_gpus
+        from fitter.memory.devices import detect_gpus
 
         gpus = detect_gpus()
         golden["device"] = {"kind": "cuda", "name": "CUDA0", "free_mib": gpus[0].free_bytes // 2**20 if gpus else None}

@@ -1,15 +1,82 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures and the rules of the markers.
+
+- fitter's home: the session starts in a fresh folder (so module- and session-scoped fixtures never touch the user's
+  ~/.cache/fitter), and every test in a fresh folder of its own (`_fitter_home`).
+- The llama.cpp tools a set-up built (`python -m fitter.measure.tools`) are looked up once, in the home the session
+  started with ($FITTER_HOME, else ~/.cache/fitter), before that home is replaced: the `llama_tools` fixture.
+- Markers (pyproject.toml): `llama` skips where llama-cpp-python is not installed; `gpu` where NVML sees no NVIDIA
+  GPU; `tools(NAME…)` where those tools are not built, unless FITTER_REQUIRE_TOOLS=1 (.ci/run sets it, so a
+  missing build step fails there instead of skipping); `slow` marks the long matrices the default test command
+  deselects (.ci/run runs them as its second command).
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from fitter.machine.llama_cpp import llama_cpp_python_problem
+from fitter.measure.tools import TOOLS, tools_dir
+from fitter.paths import fitter_home
+
+pytest_plugins = ["pytester"]  # tests/test_markers.py runs the markers on a pytest of its own
+
+STARTING_HOME = fitter_home()  # the user's (or CI's) home, where the tools were built
+BUILT_TOOLS = tools_dir()  # resolved in STARTING_HOME, before the session home replaces it
+SESSION_HOME = Path(tempfile.mkdtemp(prefix="fitter-test-session-home-"))
+os.environ["FITTER_HOME"] = str(SESSION_HOME)  # before any test module is imported or any fixture runs
+
+
+def _gpu_problem() -> str | None:
+    from fitter.machine.nvidia import detect_nvidia
+
+    gpus, nvidia = detect_nvidia()
+    return None if gpus else f"needs an NVIDIA GPU: {nvidia.error or 'NVML sees none'}"
+
+
+def marker_skips(item: pytest.Item, llama_problem: str | None, gpu_problem: str | None,
+                 tools: Path, require_tools: bool) -> str | None:
+    """Why `item` cannot run here (its markers against what this machine has), or None."""
+    if item.get_closest_marker("llama") is not None and llama_problem is not None:
+        return f"needs llama-cpp-python: {llama_problem}"
+    if item.get_closest_marker("gpu") is not None and gpu_problem is not None:
+        return gpu_problem
+    marker = item.get_closest_marker("tools")
+    if marker is not None:
+        missing = [name for name in marker.args or TOOLS if not (tools / name).is_file()]
+        if missing and not require_tools:
+            return f"llama.cpp's {', '.join(missing)} not built in {tools} (python -m fitter.measure.tools)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    llama = llama_cpp_python_problem()
+    gpu = _gpu_problem() if any(i.get_closest_marker("gpu") for i in items) else None
+    require = os.environ.get("FITTER_REQUIRE_TOOLS") == "1"
+    for item in items:
+        why = marker_skips(item, llama, gpu, BUILT_TOOLS, require)
+        if why is not None:
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture
+def llama_tools(request: pytest.FixtureRequest) -> dict[str, Path]:
+    """The built llama.cpp tools by name; a tool the test's `tools` marker names that is missing fails the test
+    (it was not skipped: FITTER_REQUIRE_TOOLS=1)."""
+    marker = request.node.get_closest_marker("tools")
+    missing = [name for name in (marker.args if marker else ()) or TOOLS if not (BUILT_TOOLS / name).is_file()]
+    if marker is not None and missing:
+        pytest.fail(f"llama.cpp's {', '.join(missing)} not built in {BUILT_TOOLS}: the set-up must build them "
+                    "(python -m fitter.measure.tools)")
+    return {name: BUILT_TOOLS / name for name in TOOLS}
+
 
 @pytest.fixture(autouse=True)
 def _fitter_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Keep every test's cache (generated models, results) out of the user's ~/.cache/fitter."""
+    """Keep every test's cache (generated models, results) in a folder of its own."""
     home = tmp_path / "home"
     monkeypatch.setenv("FITTER_HOME", str(home))
     return home

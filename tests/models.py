@@ -6,7 +6,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from fitter.demo_models import SHAPES, write_model
+from fitter.gguf.demo_models import SHAPES, write_model
 
 _DIR = Path(tempfile.mkdtemp(prefix="fitter-test-models-"))
 
@@ -20,3 +20,17 @@ def model_files(shape: str, sparse: bool = False, n_shards: int = 1) -> tuple[Pa
 
 def model_file(shape: str, sparse: bool = False) -> Path:
     return model_files(shape, sparse)[0]
+
+
+def unknown_arch_model(folder: Path) -> Path:
+    """llama-tiny as an architecture fitter has not matched ('llamb'): every 'llama' in its header (the
+    general.architecture value and the `llama.` key prefix) renamed to a string of the same length."""
+    from fitter.gguf.header import read_header
+
+    src = model_file("llama-tiny")
+    data = bytearray(src.read_bytes())
+    end = read_header(src).shards[0].data_offset
+    data[:end] = bytes(data[:end]).replace(b"llama", b"llamb")
+    out = folder / "llamb-tiny.gguf"
+    out.write_bytes(bytes(data))
+    return out

@@ -1,0 +1,127 @@
+"""`fitter bench`: one configuration measured at its deployed context, beside fitter's estimate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TYPE_CHECKING, Any
+
+from fitter.cli.common import launch_args, load_model, model_path, target_devices
+from fitter.errors import FitterError, LaunchConfigError
+from fitter.flags import SERVER_DEFAULTS_HELP, ProcessFlags, add_launch_arguments, add_process_arguments
+
+if TYPE_CHECKING:  # the measuring side loads when a command measures, not when the parser is built
+    from fitter.machine.snapshot import MachineSnapshot
+    from fitter.measure.runner import TrialRunner
+
+
+def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnapshot, vocab_size: int) -> TrialRunner:
+    """The backend the user chose: fitter's worker (default), their llama-server or their llama-bench."""
+    from fitter.measure.runner import LlamaBenchRunner, ServerRunner, WorkerRunner
+
+    nvml = bool(snapshot.gpus)
+    if ns.llama_server and ns.llama_bench:
+        raise LaunchConfigError("--llama-server and --llama-bench: measure with one backend at a time")
+    if ns.llama_bench:
+        if ns.threads_batch is not None:
+            raise LaunchConfigError("-tb: llama-bench has one thread count (-t) for prefill and decode")
+        if ns.cpu_range:
+            raise LaunchConfigError("--cpu-range: llama-bench only takes --cpu-mask")
+        return LlamaBenchRunner(ns.llama_bench, ns.emulated_gpu, ns.cpu_mask, nvml=nvml)
+    if ns.llama_server:
+        return ServerRunner(ns.llama_server, ns.emulated_gpu, process, nvml=nvml, vocab_size=vocab_size)
+    return WorkerRunner(emulated_gpu_mib=ns.emulated_gpu, cpus=process.cpus, nvml=nvml,
+                        build=snapshot.llama_cpp or None)
+
+
+def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.machine.snapshot import take_snapshot
+    from fitter.measure.bench import bench
+    from fitter.measure.render import bench_table
+    from fitter.measure.types import BenchSpec
+
+    config, process = launch_args(ns, flags)  # bad flags stop here, before any process starts
+    model = model_path(ns.model)
+    spec = load_model(model)
+    if ns.backend == "sim":
+        return _bench_sim(ns, model, spec, config, process)
+    snapshot = take_snapshot()
+    # llama.cpp's advice for hybrid CPUs: one thread per physical performance core (fitter probe)
+    threads = ns.threads if ns.threads is not None else snapshot.cpu.recommended_threads
+    cpus = process.cpus
+    bench_spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
+                           threads=threads, threads_batch=ns.threads_batch)
+    runner = _runner(ns, process, snapshot, spec.n_vocab)
+    devices = () if ns.emulated_gpu is not None else target_devices(ns, config, snapshot)
+    result = bench(model, spec, config, bench_spec, runner, snapshot.cpu_profile, devices, ns.timeout)
+    result["threads"] = threads
+    result["threads_batch"] = ns.threads_batch or threads
+    result["cpus"] = list(cpus) if cpus else None
+    result["machine"] = snapshot.record()
+    print(json.dumps(result, indent=1) if ns.json else bench_table(result))
+    return 0 if result["outcome"] == "ok" else 1
+
+
+def _bench_sim(ns: argparse.Namespace, model: str, spec: Any, config: Any, process: ProcessFlags) -> int:
+    """One measurement on a simulated machine (fitter.sim): same result shape, backend "sim"."""
+    from fitter.measure.bench import bench
+    from fitter.measure.render import bench_table
+    from fitter.measure.types import BenchSpec
+    from fitter.sim import SimRunner, load_machine
+
+    if not ns.machine:
+        raise FitterError("--backend sim: give --machine NAME|FILE (fitter machines lists the shipped ones)")
+    if ns.emulated_gpu is not None or ns.llama_server or ns.llama_bench:
+        raise FitterError("--backend sim measures the simulated machine: drop --emulated-gpu/--llama-server/"
+                          "--llama-bench")
+    machine = load_machine(ns.machine)
+    runner = SimRunner(machine, spec, seed=ns.seed)
+    bench_spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
+                           threads=ns.threads or machine.cpu.p_cores, threads_batch=ns.threads_batch)
+    out = bench(model, spec, config, bench_spec, runner, runner.cpu_profile(), timeout=ns.timeout)
+    out["threads"] = bench_spec.threads
+    out["machine"] = {"sim": machine.name, "description": machine.description, "profile": machine.path}
+    print(json.dumps(out, indent=1) if ns.json else f"simulated machine {machine.name}: {machine.description}\n"
+          + bench_table(out))
+    return 0 if out["outcome"] == "ok" else 1
+
+
+def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
+    """What bench and tune measure (llama-bench's -p -n -d -r), where (-C/-Cr) and on what (--backend/--machine)."""
+    g = parser.add_argument_group("measurement")
+    g.add_argument("-p", "--n-prompt", dest="n_prompt", type=int, default=512, metavar="N")
+    g.add_argument("-n", "--n-gen", dest="n_gen", type=int, default=128, metavar="N")
+    g.add_argument("-d", "--n-depth", dest="n_depth", type=int, default=0, metavar="N")
+    g.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
+    add_process_arguments(g, names=("-C", "-Cr"))
+    g.add_argument("--backend", choices=("llama-cpp-python", "sim"), default="llama-cpp-python",
+                   help="measure with llama.cpp (default) or on a simulated machine (--machine)")
+    g.add_argument("--machine", metavar="NAME|FILE", help="the simulated machine (fitter machines lists them)")
+
+
+def register(sub: Any) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="measure prefill and decode speed of one llama.cpp configuration at its deployed context",
+        description="A warm-up, then -r repetitions of a prefill of -p tokens and a decode of -n tokens after -d "
+        "tokens of context, like llama-bench, but in a context allocated at the deployed size, so a passing run "
+        "proves the configuration fits. Buffers are shown beside fitter's estimate. Exit code 1 on oom, crash or "
+        "timeout (a state, never a zero speed).",
+        epilog=SERVER_DEFAULTS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
+    add_process_arguments(b, {"-t": "threads (default: the physical performance cores, as fitter probe counts them)",
+                              "-tb": "threads for prefill (default: -t)"}, names=("-t", "-tb"))
+    b.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="seconds before a trial counts as hung (default: from the predicted work)")
+    b.add_argument("--emulated-gpu", type=int, metavar="MiB", help="run on a capped emulated GPU")
+    b.add_argument("--llama-server", metavar="PATH", help="measure this llama-server binary instead")
+    b.add_argument("--llama-bench", metavar="PATH",
+                   help="measure with this llama-bench binary instead (its context is p+n+d, not the deployed one)")
+    b.add_argument("--devices", default="", help=argparse.SUPPRESS)
+    b.add_argument("--seed", type=int, default=None, help="the simulated machine's noise seed")
+    b.add_argument("--json", action="store_true")
+    add_measure_arguments(b)
+    add_launch_arguments(b)
+    b.set_defaults(func=cmd_bench)

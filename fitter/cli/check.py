@@ -1,0 +1,52 @@
+"""`fitter check`: re-measure a tuned config; exit 1 when it got slower or no longer fits (a CI step)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fitter.cli.common import log, warn
+from fitter.tune.result import POLICIES
+
+if TYPE_CHECKING:
+    from fitter.measure.runner import RunnerFactory
+
+
+def cmd_check(ns: argparse.Namespace, flags: list[str], runner_factory: RunnerFactory | None = None) -> int:
+    """0 when the pick holds, 1 with the diff when it fell or no longer fits (a FitterError becomes the CLI's exit
+    code 2). `runner_factory` defaults to what the result was tuned on (fitter.tune.check.runner_factory_for)."""
+    from fitter.machine.snapshot import take_snapshot
+    from fitter.tune.check import parse_tolerance, run_check, runner_factory_for, verdict_json, verdict_text
+
+    tolerance = parse_tolerance(str(ns.tolerance))
+    snapshot = take_snapshot()
+    model = getattr(ns, "model", None)
+    factory = runner_factory or runner_factory_for(Path(ns.result), snapshot, model)
+    log(f"fitter: check: re-measuring the {ns.policy} pick of {ns.result}")
+    verdict = run_check(Path(ns.result), ns.policy, tolerance, factory, model=model,
+                        timeout=getattr(ns, "timeout", None), cpu=snapshot.cpu_profile,
+                        machine_devices=snapshot.devices())
+    for w in verdict.warnings:
+        warn(w)
+    print(json.dumps(verdict_json(verdict), indent=1) if ns.json else verdict_text(verdict))
+    return 0 if verdict.ok else 1
+
+
+def register(sub: Any) -> None:
+    check = sub.add_parser(
+        "check", help="re-measure a tuned config; exit 1 when it got slower or no longer fits (a CI step)",
+        description="Re-measure the picked config of a tuning result (the folder with pareto.json) on this machine "
+        "with its recorded flags, threads and -p/-n/-d/-r, and compare it with the recorded confirm run. Exit 1 with a "
+        "diff when pp or tg fell below old·(1 − tolerance) − 2·√(σ_old² + σ_new²), or when the config no longer fits "
+        "(the run ends out of memory, or the estimator puts it over free memory less the recorded fit target); else 0.")
+    check.add_argument("result", help="a results folder (or its pareto.json)")
+    check.add_argument("--policy", default="balanced", choices=POLICIES)
+    check.add_argument("--tolerance", default="5%", metavar="PCT",
+                       help="slowdown allowed beyond noise, as 5%% or 0.05 (default 5%%)")
+    check.add_argument("--model", metavar="PATH", help="the tuned GGUF at another path (its header must match)")
+    check.add_argument("--timeout", type=float, default=None, metavar="S",
+                       help="seconds before the run counts as hung (default: from the predicted work)")
+    check.add_argument("--json", action="store_true", help="the verdict, each check and the new measurement as JSON")
+    check.set_defaults(func=cmd_check)

@@ -1,0 +1,98 @@
+"""`fitter fit`: the placement that puts the most on the GPU(s) within free memory minus a target."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from dataclasses import replace
+from typing import Any
+
+from fitter.cli.common import launch_args, load_model, model_path, target_devices, warn
+from fitter.errors import LaunchConfigError
+from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, parse_launch_flags, pin, server_command
+from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, parse_fit_targets
+from fitter.memory.devices import RPC, Device
+from fitter.units import MIB
+
+
+def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.machine.snapshot import take_snapshot
+    from fitter.memory.fit import fit
+    from fitter.memory.render import fit_json, fit_table
+
+    config, _ = launch_args(ns, flags)
+    targets = parse_fit_targets(ns.fit_target)
+    model = model_path(ns.model)
+    spec = load_model(model)
+    snapshot = take_snapshot()
+    with contextlib.ExitStack() as stack:
+        gpu = None
+        if ns.emulated_gpu is not None:
+            from fitter.measure.emulated_gpu import EmulatedGpu
+
+            if ns.devices or config.rpc:
+                raise LaunchConfigError("--emulated-gpu replaces --devices and --rpc: give one target")
+            gpu = stack.enter_context(EmulatedGpu(cap_mib=ns.emulated_gpu))
+            cap = ns.emulated_gpu * MIB
+            devices: tuple[Device, ...] = (Device(gpu.device_name, RPC, cap, cap),)
+        else:
+            devices = target_devices(ns, config, snapshot)
+        result = fit(spec, config, devices, targets, ns.fit_ctx, snapshot.cpu_profile)
+        rpc = (gpu.endpoint,) if gpu is not None else config.rpc
+        launch = pin(replace(result.config, rpc=rpc), result.plan.context)
+        verify = None
+        if ns.verify:
+            if gpu is None:
+                raise LaunchConfigError("--verify needs --emulated-gpu: only an emulated device can be loaded here")
+            verify = _verify(model, launch, gpu)
+    for w in result.plan.warnings:
+        warn(w)
+    if ns.json:
+        out = fit_json(result, launch, server_command(model, launch), emulated=gpu is not None, verify=verify)
+        print(json.dumps(out, indent=1))
+    else:
+        print(fit_table(result, server_command(model, launch), emulated=gpu is not None, verify=verify))
+    return 0 if result.fits else 1
+
+
+def _verify(model: str, launch: list[str], gpu: Any) -> dict[str, Any]:
+    """Load the chosen flags on the emulated device and read what it really allocated."""
+    from fitter.measure.loader import load_and_capture
+
+    gpu.reset_peak()
+    res = load_and_capture(model, parse_launch_flags(launch))
+    stats = gpu.stats()
+    return {
+        "loaded": res.ok,
+        "error": res.error,
+        "device_peak_bytes": stats.peak_bytes,
+        "device_cap_bytes": stats.cap_bytes,
+        "buffers": [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers],
+    }
+
+
+def register(sub: Any) -> None:
+    fit_p = sub.add_parser(
+        "fit",
+        help="the placement that puts the most on the GPU(s) within free memory minus a target",
+        description="Find the placement (-ngl, -ncmoe, -ot) that puts the most weights on the GPU(s) within free "
+        "memory minus --fit-target, for the given context, batch and KV choices; with -c 0 also the largest "
+        "context that placement allows. Judged by fitter's estimator; nothing is loaded unless --verify.",
+        epilog=SERVER_DEFAULTS_HELP + "\n\nTargets: NVIDIA GPUs (NVML free memory), --devices cuda:MiB[,MiB...] "
+        "(hypothetical GPUs; CUDA rules not yet validated against a CUDA build), or --emulated-gpu MiB (a capped "
+        "llama.cpp RPC device fitter starts on 127.0.0.1: real placement and out-of-memory behaviour, CPU speed). "
+        "Exit code 1 when nothing fits.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fit_p.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
+    fit_p.add_argument("--fit-target", default=str(DEFAULT_FIT_TARGET_MIB), metavar="MiB[,MiB...]",
+                       help="memory to leave free per device (default 1024, as llama.cpp's --fit-target)")
+    fit_p.add_argument("--fit-ctx", type=int, default=DEFAULT_FIT_CTX, metavar="N",
+                       help="with -c 0: the context the placement is found at before it grows (default 4096)")
+    fit_p.add_argument("--devices", default="", help="none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]")
+    fit_p.add_argument("--emulated-gpu", type=int, metavar="MiB", help="fit onto a capped emulated GPU")
+    fit_p.add_argument("--verify", action="store_true", help="load the result on the emulated GPU and report it")
+    fit_p.add_argument("--json", action="store_true")
+    add_launch_arguments(fit_p)
+    fit_p.set_defaults(func=cmd_fit)

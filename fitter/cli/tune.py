@@ -1,0 +1,123 @@
+"""`fitter tune`: find the fastest llama.cpp settings this machine can hold (Optuna over real measured trials)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fitter.cli.bench import add_measure_arguments
+from fitter.cli.common import launch_args, load_model, log, model_path
+from fitter.errors import FitterError
+from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, add_process_arguments
+from fitter.memory.budgets import parse_fit_targets
+
+if TYPE_CHECKING:  # optuna and the study load when a tune runs, not when the parser is built
+    import optuna
+
+    from fitter.tune.request import TuneRequest
+    from fitter.tune.study import StudyCallback, TuneProgress
+
+
+def progress_printer(req: TuneRequest) -> StudyCallback:
+    """One self-overwriting stderr line per trial event: trials done, screened, answered, the best so far, ETA."""
+    from optuna.trial import TrialState
+
+    def show(event: str, p: TuneProgress, study: optuna.Study) -> None:
+        done = p.launched
+        best_tg = best_pp = None
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            m = t.user_attrs.get("measurement", {})
+            if "tg" in m and all(v <= 0 for v in t.constraints.values()):
+                best_tg = max(best_tg or 0.0, m["tg"]["avg_ts"])
+                best_pp = max(best_pp or 0.0, m["pp"]["avg_ts"])
+        elapsed = time.monotonic() - p.started
+        eta = elapsed / done * (req.n_trials - done) if done else None
+        best = f"best tg {best_tg:.1f} t/s, pp {best_pp:.1f} t/s" if best_tg is not None else "no result yet"
+        line = (f"\rtune: trial {done + (1 if event == 'start' else 0)}/{req.n_trials} "
+                f"({'running' if event == 'start' else 'done'}), {p.pruned} screened out, {p.answered} from storage; "
+                f"{best}; elapsed {elapsed:.0f} s" + (f", ETA {eta:.0f} s" if eta is not None else ""))
+        print(line.ljust(120), end="", file=sys.stderr, flush=True)
+
+    return show
+
+
+def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
+    from fitter.export.launchers import render
+    from fitter.machine.snapshot import take_snapshot
+    from fitter.tune.render import pareto_table
+    from fitter.tune.session import TuneOptions, parse_objectives, run_tune
+
+    if ns.trials < 1:
+        raise FitterError(f"--trials {ns.trials}: give at least 1")
+    config, process = launch_args(ns, flags)  # bad flags stop here, before anything starts
+    model = model_path(ns.model)
+    spec = load_model(model)
+    options = TuneOptions(
+        model=model, spec=spec, base=config, demo=ns.model is None, process=process,
+        objectives=parse_objectives(ns.objectives),
+        fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None, space=ns.space,
+        trials=ns.trials, timeout_s=ns.timeout, trial_timeout_s=ns.trial_timeout, seed=ns.seed,
+        n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions, storage=ns.storage,
+        results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu, llama_fit_params=ns.llama_fit_params,
+        backend=ns.backend, machine=ns.machine)
+    snapshot = take_snapshot() if ns.backend != "sim" else None
+    outcome = run_tune(options, snapshot, log, progress_printer, dry_run=ns.dry_run)
+    if outcome.dry_run is not None:
+        print(outcome.dry_run)
+        return 0
+    result = outcome.result
+    assert result is not None and outcome.folder is not None
+    if ns.json:
+        print(json.dumps(result.data, indent=1))
+    else:
+        print(pareto_table(result))
+        print(f"\nresults: {outcome.folder}")
+        if result.picks:
+            print(render(result, "balanced", "server"))
+    return 0 if result.pareto else 1
+
+
+def register(sub: Any) -> None:
+    tune = sub.add_parser(
+        "tune",
+        help="find the fastest llama.cpp settings this machine can hold (Optuna over real measured trials)",
+        description="A constrained multi-objective Optuna study: decode t/s, prefill t/s and peak VRAM over the search "
+        "space (-ncmoe/-ngl, -b/-ub, -ctk/-ctv, -fa, -t/-tb), under the free-VRAM target and host RAM. Every config "
+        "is screened by the estimator first (predicted over budget: never launched); every launched trial is "
+        "measured like `fitter bench` at the deployed context. Trial 0 is llama.cpp's own --fit choice, the "
+        "baseline. The Pareto-optimal configs are re-measured and written with the picks to "
+        "results/<model>/<machine>/<llama.cpp build>/pareto.json; a killed tune resumes from study.db.",
+        epilog=SERVER_DEFAULTS_HELP + "\n\nThe context (-c), slots (-np) and other llama.cpp flags you give are "
+        "fixed; a searched flag you give (e.g. -ub 512) is removed from the search.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tune.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
+    tune.add_argument("--space", metavar="FILE", help="search space TOML (default: shipped moe, dense or cpu)")
+    tune.add_argument("--objectives", default="tg,pp,vram", metavar="LIST",
+                      help="any of tg (decode t/s), pp (prefill t/s), vram (peak VRAM) (default: tg,pp,vram)")
+    tune.add_argument("--fit-target", default=None, metavar="MiB[,MiB...]",
+                      help="memory to leave free per device (default 1024, as llama.cpp's --fit-target)")
+    tune.add_argument("--trials", type=int, default=12, metavar="N",
+                      help="launched trials in the study, the baseline included (default 12)")
+    tune.add_argument("--timeout", type=float, default=None, metavar="S", help="stop launching after S seconds")
+    tune.add_argument("--trial-timeout", type=float, default=None, metavar="S",
+                      help="seconds before a trial counts as hung (default: from the predicted work)")
+    tune.add_argument("--dry-run", action="store_true",
+                      help="show the space, the feasible region and the planned first trials; launch nothing")
+    tune.add_argument("--storage", metavar="URL", help="any Optuna storage URL (default: the results folder's "
+                      "study.db); e.g. postgresql://… for a fleet of identical machines")
+    tune.add_argument("--results", default="results", metavar="DIR", help="results root (default ./results)")
+    tune.add_argument("--emulated-gpu", type=int, metavar="MiB", help="tune on a capped emulated GPU")
+    tune.add_argument("--llama-fit-params", metavar="PATH", help="llama.cpp's llama-fit-params for the baseline")
+    tune.add_argument("--seed", type=int, default=0)
+    add_process_arguments(tune, {"-t": "fix the threads (removes threads from the search)",
+                                 "-tb": "fix the batch threads (removes threads-batch from the search)"},
+                          names=("-t", "-tb"))
+    tune.add_argument("--json", action="store_true", help="print pareto.json instead of the table")
+    add_measure_arguments(tune)
+    add_launch_arguments(tune)
+    tune.set_defaults(func=cmd_tune)

@@ -1,0 +1,267 @@
+"""`fitter export`: one picked configuration of a tuning result, written for a launcher (CONTRACTS.md).
+
+Formats: `server` (one shell-quoted llama-server line), `preset-ini` (a llama-server `--models-preset` section),
+`llama-swap` (a `models:` entry of llama-swap's config.yaml), `python` (llama-cpp-python `Llama(**kwargs)` plus the
+tensor overrides it cannot take as a keyword) and `json` (the Pareto entry).
+
+Every format carries the same pinned flags: the trial's flags are parsed as llama-server reads them
+(`parse_launch_flags`) and written out again with everything llama-server would otherwise decide itself
+(`-c -b -ub -ctk -ctv -fa -np --kv-unified|--no-kv-unified -ngl -ncmoe/-ot -fit off -t -tb`), so the launcher runs
+what was measured. Pure functions: a pareto.json dict in, text out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fitter.errors import FitterError, LaunchConfigError
+from fitter.flags import LaunchConfig, parse_launch_flags, pin, split_process_flags
+from fitter.flags.parse import flag_groups, process_flags_of
+from fitter.flags.vocabulary import BY_NAME
+from fitter.tune.result import POLICIES, Entry, ParetoDoc
+
+FORMATS = ("server", "preset-ini", "llama-swap", "python", "json")
+LLAMA_CPP_PYTHON = "0.3.36"  # the Llama.__init__ the python format is mapped against (pyproject's `llama` extra)
+__all__ = ["FORMATS", "POLICIES", "Pick", "pick", "render"]
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The picked trial, parsed and pinned: what every format renders."""
+
+    policy: str
+    trial: int
+    entry: Entry
+    model_path: str
+    model_name: str
+    config: LaunchConfig  # an emulated GPU's --rpc already left out
+    threads: int
+    threads_batch: int
+    cpu_mask: str | None
+    cpu_range: str | None
+    flags: tuple[str, ...]  # the pinned llama-server flags (no -m)
+    header: tuple[str, ...]  # what the export is, as comment lines
+    warning: str | None  # set when the result was measured on fitter's emulated GPU
+
+
+def pick(result: ParetoDoc, policy: str) -> Pick:
+    """The picked entry with its flags parsed and pinned; FitterError names the file, trial and flag at fault."""
+    source = result.source
+    entry = result.entry(policy)
+    where = f"{source}: the {policy} pick (trial {entry.trial})"
+    model = result.model
+    path = model.get("path")
+    if not isinstance(path, str) or not path:
+        raise FitterError(f"{source}: no model.path; the export needs the GGUF file to launch")
+    name = model.get("name")
+    if not isinstance(name, str) or not name:
+        name = _stem(path)
+    if entry.flags is None:
+        raise FitterError(f"{where}: \"flags\" must be a list of strings, got None")
+    launch, _ = split_process_flags(entry.flags, where)
+    try:
+        config = parse_launch_flags(launch)
+        process = process_flags_of(entry.flags)
+    except LaunchConfigError as e:
+        raise FitterError(f"{where}: {e}") from None
+    if process.threads is None:
+        raise FitterError(f"{where}: no -t (threads); an export pins -t and -tb as measured")
+    process = replace(process, threads_batch=process.threads_batch or process.threads)  # llama.cpp: -tb is -t's
+
+    emulated = bool(result.emulated or (entry.measurement or {}).get("emulated"))
+    warning = None
+    if emulated:
+        for rule in config.overrides:
+            if any(endpoint in rule.buft for endpoint in config.rpc):
+                raise FitterError(f"{where}: -ot {rule.pattern}={rule.buft} names the emulated GPU, which an "
+                                  "export leaves out; nothing to place it on")
+        dropped = f"; its --rpc {','.join(config.rpc)} is left out" if config.rpc else ""
+        warning = (f"measured on fitter's emulated GPU (a capped llama.cpp RPC device on the tuning machine, CPU "
+                   f"speed){dropped}: check the placement fits your GPU with `fitter fit`")
+        config = replace(config, rpc=())
+    if config.flash_attn == "auto":
+        raise FitterError(f"{where}: -fa auto is resolved by llama-server per device at launch; an export pins "
+                          "-fa on or off: tune with flash-attn on/off")
+    if config.n_gpu_layers == -1:
+        if result.machine.get("gpus") or emulated or config.rpc:
+            raise FitterError(f"{where}: -ngl auto leaves the placement to llama.cpp's --fit; an export pins it: "
+                              "tune with -ngl (or let `fitter fit` choose the placement)")
+        config = replace(config, n_gpu_layers=0)  # no GPU on the tuning machine: nothing was offloaded
+
+    assert process.threads is not None and process.threads_batch is not None
+    return Pick(policy=policy, trial=int(entry.trial or 0), entry=entry, model_path=path, model_name=name,
+                config=config, threads=process.threads, threads_batch=process.threads_batch,
+                cpu_mask=process.cpu_mask, cpu_range=process.cpu_range, flags=tuple(pin(config, process=process)),
+                header=_header(result, entry, policy), warning=warning)
+
+
+def _stem(path: str) -> str:
+    return re.sub(r"\.gguf$", "", path.replace("\\", "/").rsplit("/", 1)[-1])
+
+
+
+
+def _header(result: ParetoDoc, entry: Entry, policy: str) -> tuple[str, ...]:
+    speeds = [f"{k} {value:.1f} t/s" for k in ("tg", "pp") if (value := entry.speed(k)) is not None]
+    commit = result.llama_cpp.get("commit")
+    lines = [f"fitter export --policy {policy}: trial {entry.trial} of {result.source}"]
+    if speeds:
+        lines.append("measured " + ", ".join(speeds) + (f" with llama.cpp {commit}" if commit else ""))
+    elif commit:
+        lines.append(f"measured with llama.cpp {commit}")
+    return tuple(line.replace("\n", " ").replace("\r", " ") for line in lines)
+
+
+# -- the pinned flags as launchers read them ------------------------------------------------------------------
+
+
+def preset_options(p: Pick) -> list[tuple[str, str]]:
+    """(key, value) in flag order; llama-server rebuilds the argv from them (common_preset::to_args) ordered by the
+    options' first spelling, which keeps -ncmoe's rules before -ot's as on the command line. Keys and the values of
+    bare flags come from fitter.flags.vocabulary (common_preset::to_ini)."""
+    options = [("model", p.model_path)]
+    for name, tokens in flag_groups(p.flags):
+        f = BY_NAME[name]
+        assert f.preset_key is not None, name
+        options.append((f.preset_key, tokens[1] if len(tokens) > 1 else str(f.preset_value)))
+    return options
+
+
+# -- formats -----------------------------------------------------------------------------------------------------
+
+
+def render(result: ParetoDoc, policy: str, fmt: str) -> str:
+    """The picked configuration in one of FORMATS, ending with a newline."""
+    renderers = {"server": render_server, "preset-ini": render_preset_ini, "llama-swap": render_llama_swap,
+                 "python": render_python, "json": render_json}
+    if fmt not in renderers:
+        raise FitterError(f"--format {fmt!r}: unknown format; choose one of {', '.join(FORMATS)}")
+    return renderers[fmt](pick(result, policy))
+
+
+def server_argv(p: Pick) -> list[str]:
+    return ["llama-server", "-m", p.model_path, *p.flags]
+
+
+def render_server(p: Pick) -> str:
+    warning = f"# {p.warning}\n" if p.warning else ""
+    return warning + shlex.join(server_argv(p)) + "\n"
+
+
+def render_preset_ini(p: Pick) -> str:
+    # Grammar from common/preset.cpp parse_ini_from_file: `[name]` headers, `key = value` lines whose value ends at
+    # the first `;` or `#` (a comment) and loses surrounding blanks; `;`/`#` comment lines.
+    section = re.sub(r"[\[\]:\s]+", "-", p.model_name).strip("-") or "model"  # a `:tag` would be re-cased
+    lines = [f"; {line}" for line in (*p.header, *([p.warning] if p.warning else []))]
+    lines.append(f"[{section}]")
+    for key, value in preset_options(p):
+        if re.search(r"[;#\r\n]", value) or value != value.strip():
+            raise FitterError(f"preset-ini: {key} = {value!r}: llama-server's preset parser ends a value at ';' or "
+                              "'#' and trims blanks; launch with --format server instead")
+        lines.append(f"{key} = {value}")
+    return "\n".join(lines) + "\n"
+
+
+def render_llama_swap(p: Pick) -> str:
+    # llama-swap (github.com/mostlygeek/llama-swap, config.example.yaml, internal/config/commands.go): `cmd` is split
+    # with POSIX shlex after `${PORT}`-style macros are substituted and lines starting with `#` are dropped; `proxy`
+    # defaults to http://localhost:${PORT} when cmd uses ${PORT}.
+    argv = ["-m", p.model_path, *p.flags]
+    for arg in argv:
+        if "${" in arg:
+            raise FitterError(f"llama-swap: {arg!r} contains '${{', which llama-swap reads as a macro")
+    lines = ["llama-server", "--port ${PORT}", *(shlex.join(tokens) for _, tokens in flag_groups(argv))]
+    out = [f"# {line}" for line in (*p.header, *([p.warning] if p.warning else []))]
+    out += ["models:", f"  {json.dumps(p.model_name)}:", "    cmd: |", *(f"      {line}" for line in lines)]
+    return "\n".join(out) + "\n"
+
+
+def llama_kwargs(p: Pick) -> dict[str, Any]:
+    """llama-cpp-python `Llama.__init__` keyword arguments equal to the pinned flags (llama_cpp/llama.py)."""
+    from gguf.constants import GGMLQuantizationType  # the numbering of enum ggml_type (GGML_TYPE_Q8_0 = 8)
+
+    c = p.config
+    mmap, mlock = {"auto": (True, False), "mmap": (True, False), "none": (False, False), "mlock": (False, True),
+                   "mmap+mlock": (True, True), "dio": (False, False)}[c.load_mode]
+    kwargs: dict[str, Any] = {
+        "model_path": p.model_path,
+        "n_gpu_layers": -1 if c.n_gpu_layers < 0 else c.n_gpu_layers,  # Llama: -1 = every layer
+        "main_gpu": c.main_gpu,
+        "use_mmap": mmap,
+        "use_mlock": mlock,
+        "n_ctx": c.ctx_size,  # 0: the model's training context, as llama-server's -c 0
+        "n_batch": c.batch_size,
+        "n_ubatch": c.ubatch_size,
+        "n_threads": p.threads,
+        "n_threads_batch": p.threads_batch,
+        "offload_kqv": not c.no_kv_offload,
+        "flash_attn": c.flash_attn == "on",
+        "op_offload": not c.no_op_offload,
+        "swa_full": c.swa_full,  # the C API defaults to a full SWA cache, llama-server does not
+        "type_k": int(GGMLQuantizationType[c.cache_type_k.upper()]),
+        "type_v": int(GGMLQuantizationType[c.cache_type_v.upper()]),
+    }
+    if c.tensor_split:
+        kwargs["tensor_split"] = list(c.tensor_split)
+    return kwargs
+
+
+def tensor_overrides(config: LaunchConfig) -> list[dict[str, str]]:
+    """Every placement rule in llama.cpp's order (first match wins), -cmoe/-ncmoe expanded per layer."""
+    return [{"pattern": r.pattern, "buft": r.buft} for r in config.overrides]
+
+
+PYTHON_NOTE = (
+    "Llama(**kwargs) alone cannot express -ncmoe/-ot: llama-cpp-python " + LLAMA_CPP_PYTHON + " has no tensor "
+    "override parameter and silently ignores unknown keyword arguments such as n_cpu_moe. Pass tensor_overrides "
+    "through llama_model_params.tensor_buft_overrides with ctypes: a NULL-terminated array of "
+    "{const char * pattern; ggml_backend_buffer_type_t buft} (include/llama.h), each buffer type looked up by name "
+    "among the ggml devices, as fitter/measure/capi.py build_model_params does."
+)
+
+
+def _not_in_kwargs(p: Pick) -> list[str]:
+    c = p.config
+    out = []
+    if c.n_seq_max > 1:
+        out.append(f"-np {c.n_seq_max} {'--kv-unified' if c.unified else '--no-kv-unified'}: Llama decodes one "
+                   f"sequence (n_seq_max 1); its KV cache holds the same n_ctx cells in one stream")
+    if c.no_repack:
+        out.append("-nr: llama_model_params.use_extra_bufts = False (no keyword)")
+    if c.load_mode == "dio":
+        out.append("-lm dio: llama_model_params.load_mode = LLAMA_LOAD_MODE_DIO (no keyword)")
+    if c.rpc:
+        out.append(f"--rpc {','.join(c.rpc)}: register the RPC servers (ggml_backend_rpc_add_server) before loading")
+    if p.cpu_mask or p.cpu_range:
+        out.append("-C/-Cr: set the process's CPU affinity (os.sched_setaffinity) before loading")
+    return out
+
+
+def render_python(p: Pick) -> str:
+    doc: dict[str, Any] = {
+        "llama_cpp_python": LLAMA_CPP_PYTHON,
+        "policy": p.policy,
+        "trial": p.trial,
+        "kwargs": llama_kwargs(p),
+        "tensor_overrides": tensor_overrides(p.config),
+        "note": PYTHON_NOTE,
+    }
+    extra = _not_in_kwargs(p)
+    if extra:
+        doc["not_in_kwargs"] = extra
+    if p.warning:
+        doc["warning"] = p.warning
+    return json.dumps(doc, indent=1) + "\n"
+
+
+def render_json(p: Pick) -> str:
+    """The Pareto entry, its flags pinned (identical when the tuner already pinned them)."""
+    doc = {**p.entry.data, "flags": list(p.flags)}
+    if p.warning:
+        doc["warning"] = p.warning
+    return json.dumps(doc, indent=1) + "\n"
+

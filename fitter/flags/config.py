@@ -1,0 +1,205 @@
+"""llama.cpp launch flags as llama-server reads them, and the context parameters llama.cpp derives from them.
+
+Flag names, spellings and defaults are llama-server's (common/arg.cpp, common/common.h, tools/server/server.cpp);
+`resolve_context` repeats the adjustments `llama_context::llama_context` makes silently (src/llama-context.cpp)
+and reports each one as a warning.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from fitter.errors import LaunchConfigError
+
+# common/arg.cpp `kv_cache_types`, by ggml type name; bytes per element as (block size, block bytes).
+KV_CACHE_TYPES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
+    "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
+}
+LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")  # common/arg.cpp -lm/--load-mode
+
+SERVER_DEFAULTS_HELP = """\
+llama-server defaults assumed when a flag is not given (llama.cpp 0c1e570):
+  -c 0 (the model's training context)   -b 2048   -ub 512   -ctk f16   -ctv f16   -fa auto (on where supported)
+  -np auto = 4 slots sharing one unified KV cache (--kv-unified); an explicit -np N uses N separate streams
+  unless --kv-unified is also given.  --swa-full off (the C API and llama-cpp-python default to on).
+  -ngl auto: --fit chooses; fitter's estimate then assumes all layers (what llama.cpp does with -fit off).
+  KV and compute on the GPU (no -nkvo), op offload on, weight repacking on, -lm auto (mmap), -fit on.
+  llama-server reserves logits for one output per slot (-np), so the compute graph has n_slots outputs."""
+
+
+@dataclass(frozen=True)
+class TensorOverride:
+    """One `-ot PATTERN=BUFT` rule; `-cmoe` and `-ncmoe N` add rules of the same kind in command-line order."""
+
+    pattern: str
+    buft: str  # buffer type name as llama.cpp prints it: "CPU", "CUDA0", "RPC0[127.0.0.1:50052]"
+
+    def matches(self, tensor_name: str) -> bool:
+        # std::regex_search semantics (src/llama-model-loader.cpp): unanchored search.
+        return re.search(self.pattern, tensor_name) is not None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    ctx_size: int = 0
+    batch_size: int = 2048
+    ubatch_size: int = 512
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"  # on | off | auto
+    n_gpu_layers: int = -1  # -1 auto, <= -2 all, else a count from the last layer backwards
+    overrides: tuple[TensorOverride, ...] = ()
+    parallel: int = -1  # -1 auto: 4 slots with a unified KV (tools/server/server.cpp)
+    kv_unified: bool | None = None  # None: llama-server decides (true only with -np auto)
+    swa_full: bool = False
+    no_kv_offload: bool = False
+    no_op_offload: bool = False
+    no_repack: bool = False
+    load_mode: str = "auto"  # -lm: auto | none | mmap | mlock | mmap+mlock | dio
+    fit: bool = True
+    tensor_split: tuple[float, ...] = ()
+    main_gpu: int = 0
+    rpc: tuple[str, ...] = ()
+    flags: tuple[str, ...] = field(default=(), compare=False)  # the flags as the user gave them
+
+    @property
+    def mmap(self) -> bool:
+        """Weights mapped from the file (common/arg.cpp --load-mode; auto = mmap where every device allows it)."""
+        return self.load_mode in ("auto", "mmap", "mmap+mlock")
+
+    @property
+    def n_seq_max(self) -> int:
+        return 4 if self.parallel < 0 else self.parallel
+
+    @property
+    def unified(self) -> bool:
+        if self.kv_unified is not None:
+            return self.kv_unified
+        return self.parallel < 0
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """What llama_context derives from the flags for a given model (src/llama-context.cpp)."""
+
+    n_ctx: int  # total cells, padded
+    n_ctx_seq: int  # cells per stream
+    n_seq_max: int
+    n_stream: int  # 1 when unified, else n_seq_max
+    n_batch: int
+    n_ubatch: int
+    n_outputs_max: int  # llama-server reserves logits for one output per slot (server_output_limits)
+    flash_attn: bool  # as the graph is built; `-fa auto` may still be turned off by the estimator's probe
+    auto_fa: bool  # -fa auto with an unquantized V: llama.cpp probes the graph's devices (resolve_fused_ops)
+    v_trans: bool  # V cache stored transposed: fixed when the cache is made, i.e. only with -fa off
+    swa_full: bool
+    warnings: tuple[str, ...]
+
+
+def _pad(x: int, n: int) -> int:
+    return (x + n - 1) // n * n
+
+
+def resolve_context(config: LaunchConfig, n_ctx_train: int) -> ContextParams:
+    """Mirror llama_context's constructor: -c 0 → training context, pad to 256, clamp -b and -ub."""
+    warnings: list[str] = []
+    n_seq_max = config.n_seq_max
+    n_ctx = n_ctx_train if config.ctx_size == 0 else config.ctx_size
+    n_batch = min(n_ctx, config.batch_size)  # causal attention: n_batch <= n_ctx
+    if n_batch != config.batch_size:
+        warnings.append(f"-b {config.batch_size} exceeds the context; llama.cpp uses -b {n_batch}")
+    n_ubatch = min(n_batch, config.ubatch_size if config.ubatch_size else n_batch)
+    if config.ubatch_size and n_ubatch != config.ubatch_size:
+        warnings.append(f"-ub {config.ubatch_size} exceeds -b {n_batch}; llama.cpp clamps it to {n_ubatch}")
+    padded = _pad(n_ctx, 256)
+    if padded != n_ctx:
+        warnings.append(f"-c {n_ctx} is padded to {padded} (a multiple of 256)")
+    n_ctx = padded
+    if config.unified:
+        n_ctx_seq = n_ctx
+    else:
+        n_ctx_seq = _pad(n_ctx // n_seq_max, 256)
+        if n_ctx != n_ctx_seq * n_seq_max:
+            warnings.append(
+                f"-c {n_ctx} is not {n_seq_max} slots of a multiple of 256; llama.cpp uses {n_ctx_seq * n_seq_max} "
+                f"({n_ctx_seq} per slot)"
+            )
+            n_ctx = n_ctx_seq * n_seq_max
+    # src/llama-context.cpp: a quantized V forces -fa auto to on; otherwise auto starts on (so the KV cache is made
+    # for flash attention, V not transposed) and is turned off if the probe finds an FA op off its layer's device.
+    flash_attn = config.flash_attn != "off"
+    auto_fa = config.flash_attn == "auto" and KV_CACHE_TYPES[config.cache_type_v][0] == 1
+    return ContextParams(
+        n_ctx=n_ctx,
+        n_ctx_seq=n_ctx_seq,
+        n_seq_max=n_seq_max,
+        n_stream=1 if config.unified else n_seq_max,
+        n_batch=n_batch,
+        n_ubatch=n_ubatch,
+        # tools/server/server-context.cpp server_output_limits → common_speculative_get_output_limits:
+        # min(n_batch, n_parallel * (1 + n_draft)), no speculative decoding here.
+        n_outputs_max=min(n_batch, n_seq_max),
+        flash_attn=flash_attn,
+        auto_fa=auto_fa,
+        v_trans=not flash_attn,
+        swa_full=config.swa_full,
+        warnings=tuple(warnings),
+    )
+
+
+def validate(config: LaunchConfig) -> None:
+    """The rules llama.cpp enforces before it loads anything, as errors naming flag, rule and value."""
+    if config.ctx_size < 0:
+        raise LaunchConfigError(f"-c {config.ctx_size}: must be >= 0 (0 = the model's training context)")
+    if config.batch_size < 1 or config.ubatch_size < 1:
+        raise LaunchConfigError(f"-b {config.batch_size} -ub {config.ubatch_size}: both must be >= 1")
+    if config.parallel == 0 or config.parallel < -1:
+        raise LaunchConfigError(f"-np {config.parallel}: must be >= 1, or -1 for auto (tools/server/server.cpp)")
+    if config.flash_attn == "off" and KV_CACHE_TYPES[config.cache_type_v][0] > 1:
+        raise LaunchConfigError(
+            f"-ctv {config.cache_type_v} with -fa off: a quantized V cache requires flash attention "
+            "(src/llama-context.cpp); use -fa on or -ctv f16"
+        )
+
+
+@dataclass(frozen=True)
+class ProcessFlags:
+    """The flags a LaunchConfig leaves to the process: threads (-t, -tb) and CPU affinity (-C, -Cr)."""
+
+    threads: int | None = None
+    threads_batch: int | None = None  # None: = threads (llama.cpp's -tb default)
+    cpu_mask: str | None = None
+    cpu_range: str | None = None
+
+    @property
+    def cpus(self) -> tuple[int, ...] | None:
+        """The CPUs -C and -Cr allow, combined (None: any)."""
+        return parse_cpu_mask(self.cpu_mask, self.cpu_range)
+
+    def flags(self) -> list[str]:
+        """llama-server's spellings, in its order: -t, -tb, -C, -Cr (what is set)."""
+        out: list[str] = []
+        for name, value in (("-t", self.threads), ("-tb", self.threads_batch), ("-C", self.cpu_mask),
+                            ("-Cr", self.cpu_range)):
+            if value is not None:
+                out += [name, str(value)]
+        return out
+
+
+def parse_cpu_mask(mask: str | None, cpu_range: str | None) -> tuple[int, ...] | None:
+    """llama.cpp's --cpu-mask (arbitrarily long hex) and --cpu-range lo-hi, combined (common/common.cpp)."""
+    cpus: set[int] = set()
+    if mask:
+        try:
+            bits = int(mask.removeprefix("0x").removeprefix("0X"), 16)
+        except ValueError:
+            raise LaunchConfigError(f"--cpu-mask {mask!r}: expected a hex mask such as 0x3") from None
+        cpus |= {i for i in range(bits.bit_length()) if bits >> i & 1}
+    if cpu_range:
+        lo, sep, hi = cpu_range.partition("-")
+        if not sep or not lo.isdigit() or not hi.isdigit() or int(lo) > int(hi):
+            raise LaunchConfigError(f"--cpu-range {cpu_range!r}: expected lo-hi, e.g. 0-3")
+        cpus |= set(range(int(lo), int(hi) + 1))
+    return tuple(sorted(cpus)) or None

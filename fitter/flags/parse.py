@@ -1,0 +1,219 @@
+"""llama.cpp's flags on fitter's command line and in a list (a launcher's, a tuning result's): parsed once into a
+LaunchConfig (and the ProcessFlags it leaves to the process), with the argparse options derived from the one table
+in fitter.flags.vocabulary and llama-server's spellings, defaults and error rules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fitter.errors import LaunchConfigError
+from fitter.flags.config import LaunchConfig, ProcessFlags, TensorOverride, validate
+from fitter.flags.overrides import CPU_MOE_RULE, ncmoe_rules
+from fitter.flags.vocabulary import BARE, BY_NAME, BY_SPACE_KEY, Flag, Kind, Level, launch_flags, process_flags
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
+_FIELDS = tuple(dict.fromkeys(f.field for f in launch_flags()))  # the LaunchConfig fields flags set
+
+
+class _AppendOverride(argparse.Action):
+    """-ot, -cmoe and -ncmoe share one ordered rule list, as in common/arg.cpp (first match wins)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        rules: list[TensorOverride] = list(ns.overrides or [])
+        kind = BY_NAME[self.option_strings[0]].kind
+        if kind is Kind.RULE_SWITCH:
+            rules.append(CPU_MOE_RULE)
+        elif self.option_strings[0] == "-ncmoe":
+            try:
+                n = int(values)
+            except (TypeError, ValueError):
+                raise LaunchConfigError(f"{option_string} {values!r}: expected an integer") from None
+            if n < 0:
+                raise LaunchConfigError(f"{option_string} {values}: must be >= 0 (common/arg.cpp)")
+            rules.extend(ncmoe_rules(n))  # llm_add_n_cpu_ffn_overrides: the *first* n layers
+        else:
+            rules.extend(_ot_rules(str(values), option_string))
+        ns.overrides = rules
+
+
+def _ot_rules(value: str, option_string: str | None) -> list[TensorOverride]:
+    rules = []
+    for item in value.split(","):
+        pattern, sep, buft = item.partition("=")
+        if not sep or not pattern or not buft:
+            raise LaunchConfigError(f"{option_string} {value!r}: each rule must be PATTERN=BUFFER_TYPE")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise LaunchConfigError(f"{option_string} {value!r}: bad regular expression: {e}") from None
+        rules.append(TensorOverride(pattern, buft))
+    return rules
+
+
+def _add(target: Any, f: Flag, default: Any, help_text: str | None = None) -> None:
+    text = help_text or f.help
+    if f.kind is Kind.VALUE:
+        target.add_argument(*f.names, dest=f.field, type=f.parse, default=default, metavar=f.metavar,
+                            choices=f.choices, help=text)
+    elif f.kind is Kind.SWITCH:
+        target.add_argument(*f.names, dest=f.field, action="store_true", default=default, help=text)
+    elif f.kind is Kind.NEGATION:
+        target.add_argument(*f.names, dest=f.field, action="store_false", help=text)
+    elif f.kind is Kind.CONST:
+        target.add_argument(*f.names, dest=f.field, action="store_const", const=f.const, help=text)
+    else:  # RULE, RULE_SWITCH: one ordered list
+        target.add_argument(*f.names, dest="overrides", action=_AppendOverride,
+                            nargs=0 if f.kind is Kind.RULE_SWITCH else None, metavar=f.metavar, help=text)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag a LaunchConfig holds, as llama-server spells it; flags that set one field are exclusive."""
+    g = parser.add_argument_group("llama.cpp flags (llama-server spellings and defaults)")
+    groups: dict[str, Any] = {}
+    for f in launch_flags():
+        shared = [o for o in launch_flags() if o.field == f.field]
+        if len(shared) > 1 and f.field != "overrides":
+            if f.field not in groups:
+                groups[f.field] = g.add_mutually_exclusive_group()
+            target = groups[f.field]
+        else:
+            target = g
+        default = None if f.field == "kv_unified" else _DEFAULTS[f.field]  # None: llama-server decides
+        _add(target, f, default)
+    parser.set_defaults(overrides=None)
+
+
+def add_process_arguments(parser: argparse.ArgumentParser | Any, help_text: dict[str, str] | None = None,
+                          names: Sequence[str] = ("-t", "-tb", "-C", "-Cr")) -> None:
+    """The process-level flags (threads, affinity) a command reads itself; default None (its own default)."""
+    for f in process_flags():
+        if f.canonical in names:
+            _add(parser, f, None, (help_text or {}).get(f.canonical))
+
+
+def launch_config_from_args(ns: argparse.Namespace, flags: Sequence[str]) -> LaunchConfig:
+    """The LaunchConfig of parsed arguments (`flags`: the llama.cpp flags as the user gave them)."""
+    values = {name: getattr(ns, name) for name in _FIELDS}
+    values["overrides"] = tuple(values["overrides"] or ())
+    config = LaunchConfig(**values, flags=tuple(flags))
+    validate(config)
+    return config
+
+
+def process_flags_from_args(ns: argparse.Namespace) -> ProcessFlags:
+    return ProcessFlags(**{f.field: getattr(ns, f.field, None) for f in process_flags()})
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, flags: Sequence[str]) -> None:
+        super().__init__(add_help=False)
+        self._flags = flags
+
+    def error(self, message: str) -> Any:  # argparse would print usage and exit
+        raise LaunchConfigError(f"llama.cpp flags {' '.join(self._flags)!r}: {message}")
+
+
+def parse_launch_flags(flags: Sequence[str]) -> LaunchConfig:
+    """Parse a list of llama.cpp flags (as a launcher would pass them) into a LaunchConfig."""
+    parser = _Parser(flags)
+    add_launch_arguments(parser)
+    return launch_config_from_args(parser.parse_args(list(flags)), flags)
+
+
+def parse_flags(flags: Sequence[str]) -> tuple[LaunchConfig, ProcessFlags]:
+    """A full llama-server flag list (a trial's, a result's): its LaunchConfig and its process-level flags."""
+    launch, _ = split_process_flags(flags, "the flags")
+    return parse_launch_flags(launch), process_flags_of(flags)
+
+
+def process_flags_of(flags: Sequence[str]) -> ProcessFlags:
+    """The -t/-tb/-C/-Cr of a flag list; thread counts must be integers >= 1."""
+    _, process = split_process_flags(flags, "the flags")
+    counts: dict[str, int] = {}
+    for name in ("-t", "-tb"):
+        if name in process:
+            try:
+                counts[name] = int(process[name])
+            except ValueError:
+                counts[name] = 0
+            if counts[name] < 1:
+                raise LaunchConfigError(f"{name} {process[name]!r}: expected a thread count >= 1")
+    return ProcessFlags(counts.get("-t"), counts.get("-tb"), process.get("-C"), process.get("-Cr"))
+
+
+def split_process_flags(flags: Sequence[str], where: str) -> tuple[list[str], dict[str, str]]:
+    """(llama.cpp flags for parse_launch_flags, {-t|-tb|-C|-Cr: value}) of a flag list."""
+    launch: list[str] = []
+    process: dict[str, str] = {}
+    i = 0
+    while i < len(flags):
+        f = BY_NAME.get(flags[i])
+        if f is None or f.level is not Level.PROCESS:
+            launch.append(flags[i])
+            i += 1
+            continue
+        if i + 1 >= len(flags):
+            raise LaunchConfigError(f"{where}: {flags[i]} without a value")
+        process[f.canonical] = flags[i + 1]
+        i += 2
+    return launch, process
+
+
+def flag_groups(flags: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """A flag list as (name, tokens) groups: a flag with its value, or alone when it is bare (or written
+    `--name=VALUE`); a flag fitter does not know takes the next token; anything else stands alone."""
+    groups: list[tuple[str, list[str]]] = []
+    i = 0
+    while i < len(flags):
+        token = flags[i]
+        name = token.split("=", 1)[0] if token.startswith("--") else token
+        bare = name in BARE or name != token or not token.startswith("-")
+        n = 0 if bare else 1
+        groups.append((name, list(flags[i : i + 1 + n])))
+        i += 1 + n
+    return groups
+
+
+def flag_value(flags: Sequence[str], field: str) -> str | None:
+    """The value given for a field's flags (the last one), e.g. flag_value(flags, "rpc") → "127.0.0.1:50052"."""
+    value = None
+    for name, tokens in flag_groups(flags):
+        known = BY_NAME.get(name)
+        if known is not None and known.field == field and known.takes_value:
+            value = tokens[-1].split("=", 1)[-1] if len(tokens) == 1 else tokens[-1]
+    return value
+
+
+def without(flags: Sequence[str], field: str) -> list[str]:
+    """`flags` less every flag (and its value) that sets `field`."""
+    return [t for name, tokens in flag_groups(flags) if not (name in BY_NAME and BY_NAME[name].field == field)
+            for t in tokens]
+
+
+def has_flag(flags: Sequence[str], field: str) -> bool:
+    return any(name in BY_NAME and BY_NAME[name].field == field for name, _ in flag_groups(flags))
+
+
+def with_params(config: LaunchConfig, params: dict[str, Any]) -> LaunchConfig:
+    """`config` with search-space parameters applied (keys: llama.cpp's long flag names, as a search space has
+    them; process-level keys such as threads are not a LaunchConfig's and are refused), each value read as
+    llama.cpp reads that flag's, tensor-override rules appended after the config's own (as on a command line)."""
+    changes: dict[str, Any] = {}
+    overrides = list(config.overrides)
+    for key, value in params.items():
+        f = BY_SPACE_KEY.get(key)
+        if f is None or f.level is Level.PROCESS:
+            raise LaunchConfigError(f"{key}={value!r}: not a llama.cpp launch parameter of a search space")
+        if f.kind is Kind.RULE:  # -ncmoe N
+            overrides.extend(ncmoe_rules(int(value)))
+        else:
+            changes[f.field] = f.parse(str(value)) if f.parse is not None else str(value)
+    out = dataclasses.replace(config, **changes, overrides=tuple(overrides))
+    validate(out)
+    return out

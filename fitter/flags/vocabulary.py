@@ -1,0 +1,213 @@
+"""llama.cpp's flags as fitter knows them: one table, and every lookup the rest of fitter needs derived from it.
+
+Spellings, value or bare, and defaults are llama-server's at 0c1e570 (common/arg.cpp `common_params_parser_init`
+for LLAMA_EXAMPLE_SERVER, tools/server/server.cpp for `-np` auto); the `--models-preset` INI keys are what
+common/preset.cpp `common_preset::to_ini` writes (an option's last spelling without dashes; a flag with a negative
+form is one key whose value is true or false). Derived here: the argparse options (fitter.flags.parse), the
+process-level flags (threads and affinity, which a LaunchConfig leaves to the process), the model-level fields
+(a change reloads the model, llama-bench's `cmd_params_instance::equal_mparams`), the flags that fix a search-space
+key, the flags llama-fit-params reads differently (fitter.measure.llama_fit), the preset keys (fitter.export) and
+the searched part of a trial's flags that tables show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from fitter.flags.config import KV_CACHE_TYPES, LOAD_MODES
+
+# common/common.cpp is_truthy / is_falsey / is_autoy
+_TRUTHY = ("on", "enabled", "true", "1")
+_FALSEY = ("off", "disabled", "false", "0")
+_AUTOY = ("auto", "-1")
+
+
+class Kind(Enum):
+    VALUE = "value"  # takes a value: `-c 4096`
+    SWITCH = "switch"  # bare, sets its field true: `--swa-full`
+    NEGATION = "negation"  # bare, sets the field of another spelling false: `--no-kv-unified`
+    CONST = "const"  # bare, an older spelling of another flag's value: `--no-mmap` = `-lm none`
+    RULE = "rule"  # takes a value that adds tensor-override rules, in command-line order: `-ot`, `-ncmoe`
+    RULE_SWITCH = "rule-switch"  # bare, adds a tensor-override rule: `-cmoe`
+
+
+class Level(Enum):
+    CONTEXT = "context"  # llama_context_params: the loaded model is reused when only these change
+    MODEL = "model"  # llama_model_params (and the RPC servers): a change reloads the model
+    PROCESS = "process"  # threads and CPU affinity: the process's, not a LaunchConfig's
+    FIT = "fit"  # inputs of llama.cpp's own fit (common/fit.cpp); fitter's --fit-target/--fit-ctx carry them
+    MODEL_PATH = "model-path"  # -m: fitter takes the model as its positional argument
+
+
+@dataclass(frozen=True)
+class Flag:
+    names: tuple[str, ...]  # llama-server's spellings, the one fitter writes first
+    field: str  # the LaunchConfig (or ProcessFlags) field it sets; "overrides" for every RULE flag
+    kind: Kind
+    level: Level
+    space_key: str | None = None  # the search-space key (llama.cpp's long name without dashes)
+    fixes: tuple[str, ...] = ()  # search-space keys this flag fixes besides its own (`-cmoe` fixes n-cpu-moe)
+    preset_key: str | None = None
+    preset_value: str | None = None  # what a bare flag writes under its preset key ("true" / "false")
+    const: str | None = None  # CONST: the value it stands for
+    parse: Callable[[str], Any] | None = None  # a VALUE's parser (argparse type), as llama.cpp reads the value
+    metavar: str | None = None
+    help: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def canonical(self) -> str:
+        return self.names[0]
+
+    @property
+    def takes_value(self) -> bool:
+        return self.kind in (Kind.VALUE, Kind.RULE)
+
+
+def _ngl(value: str) -> int:
+    if value == "auto":
+        return -1
+    if value == "all":
+        return -2
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, 'auto' or 'all', got {value!r}") from None
+
+
+def _on_off_auto(value: str) -> str:
+    v = value.lower()
+    if v in _TRUTHY:
+        return "on"
+    if v in _FALSEY:
+        return "off"
+    if v in _AUTOY:
+        return "auto"
+    raise argparse.ArgumentTypeError(f"expected on, off or auto, got {value!r}")
+
+
+def _on_off(value: str) -> bool:
+    v = value.lower()
+    if v in _TRUTHY:
+        return True
+    if v in _FALSEY:
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+
+
+def _cache_type(value: str) -> str:
+    if value not in KV_CACHE_TYPES:
+        raise argparse.ArgumentTypeError(f"unsupported cache type {value!r}; allowed: {', '.join(KV_CACHE_TYPES)}")
+    return value
+
+
+def _split(value: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in re.split(r"[,/]+", value) if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected proportions like 3,1, got {value!r}") from None
+
+
+def _endpoints(value: str) -> tuple[str, ...]:
+    return tuple(x for x in value.split(",") if x)
+
+
+_C, _M, _P = Level.CONTEXT, Level.MODEL, Level.PROCESS
+FLAGS: tuple[Flag, ...] = (
+    Flag(("-c", "--ctx-size"), "ctx_size", Kind.VALUE, _C, preset_key="ctx-size", parse=int, metavar="N",
+         help="context size (default 0 = the model's training context)"),
+    Flag(("-b", "--batch-size"), "batch_size", Kind.VALUE, _C, "batch-size", preset_key="batch-size", parse=int,
+         metavar="N"),
+    Flag(("-ub", "--ubatch-size"), "ubatch_size", Kind.VALUE, _C, "ubatch-size", preset_key="ubatch-size",
+         parse=int, metavar="N"),
+    Flag(("-ctk", "--cache-type-k"), "cache_type_k", Kind.VALUE, _C, "cache-type-k", preset_key="cache-type-k",
+         parse=_cache_type, metavar="TYPE", help=f"K cache type: {', '.join(KV_CACHE_TYPES)}"),
+    Flag(("-ctv", "--cache-type-v"), "cache_type_v", Kind.VALUE, _C, "cache-type-v", preset_key="cache-type-v",
+         parse=_cache_type, metavar="TYPE", help="V cache type (quantized V needs flash attention)"),
+    Flag(("-fa", "--flash-attn"), "flash_attn", Kind.VALUE, _C, "flash-attn", preset_key="flash-attn",
+         parse=_on_off_auto, metavar="on|off|auto"),
+    Flag(("-ngl", "--gpu-layers", "--n-gpu-layers"), "n_gpu_layers", Kind.VALUE, _M, "n-gpu-layers",
+         preset_key="n-gpu-layers", parse=_ngl, metavar="N|auto|all",
+         help="layers on the GPU, counted from the last one (default auto)"),
+    Flag(("-cmoe", "--cpu-moe"), "overrides", Kind.RULE_SWITCH, _M, fixes=("n-cpu-moe",), preset_key="cpu-moe",
+         preset_value="true", help="keep every layer's expert tensors on the CPU"),
+    Flag(("-ncmoe", "--n-cpu-moe"), "overrides", Kind.RULE, _M, "n-cpu-moe", preset_key="n-cpu-moe", metavar="N",
+         help="keep the expert tensors of the first N layers on the CPU"),
+    Flag(("-ot", "--override-tensor"), "overrides", Kind.RULE, _M, preset_key="override-tensor",
+         metavar="PATTERN=BUFT[,...]", help="buffer type per tensor-name regex; the first match wins"),
+    Flag(("-np", "--parallel"), "parallel", Kind.VALUE, _C, preset_key="parallel", parse=int, metavar="N",
+         help="server slots (default auto: 4 slots, unified KV)"),
+    Flag(("-kvu", "--kv-unified"), "kv_unified", Kind.SWITCH, _C, preset_key="kv-unified", preset_value="true"),
+    Flag(("-no-kvu", "--no-kv-unified"), "kv_unified", Kind.NEGATION, _C, preset_key="kv-unified",
+         preset_value="false"),
+    Flag(("--swa-full",), "swa_full", Kind.SWITCH, _C, preset_key="swa-full", preset_value="true",
+         help="full-size SWA cache"),
+    Flag(("-nkvo", "--no-kv-offload"), "no_kv_offload", Kind.SWITCH, _C, preset_key="kv-offload",
+         preset_value="false"),
+    Flag(("--no-op-offload",), "no_op_offload", Kind.SWITCH, _C, preset_key="op-offload", preset_value="false"),
+    Flag(("-nr", "--no-repack"), "no_repack", Kind.SWITCH, _M, preset_key="repack", preset_value="false"),
+    Flag(("-lm", "--load-mode"), "load_mode", Kind.VALUE, _M, preset_key="load-mode", choices=LOAD_MODES,
+         help="how weights are loaded (default auto = mmap)"),
+    Flag(("--no-mmap",), "load_mode", Kind.CONST, _M, const="none", help="older llama.cpp spelling of -lm none"),
+    Flag(("-fit", "--fit"), "fit", Kind.VALUE, _C, preset_key="fit", parse=_on_off, metavar="on|off"),
+    Flag(("-ts", "--tensor-split"), "tensor_split", Kind.VALUE, _M, preset_key="tensor-split", parse=_split,
+         metavar="N0,N1,..."),
+    Flag(("-mg", "--main-gpu"), "main_gpu", Kind.VALUE, _M, preset_key="main-gpu", parse=int, metavar="INDEX"),
+    Flag(("--rpc",), "rpc", Kind.VALUE, _M, preset_key="rpc", parse=_endpoints, metavar="HOST:PORT[,...]"),
+    Flag(("-t", "--threads"), "threads", Kind.VALUE, _P, "threads", preset_key="threads", parse=int, metavar="N"),
+    Flag(("-tb", "--threads-batch"), "threads_batch", Kind.VALUE, _P, "threads-batch", preset_key="threads-batch",
+         parse=int, metavar="N", help="threads for prefill (default: -t)"),
+    Flag(("-C", "--cpu-mask"), "cpu_mask", Kind.VALUE, _P, preset_key="cpu-mask", metavar="M",
+         help="CPU affinity mask (hex), as llama.cpp"),
+    Flag(("-Cr", "--cpu-range"), "cpu_range", Kind.VALUE, _P, preset_key="cpu-range", metavar="lo-hi",
+         help="CPU range, as llama.cpp"),
+    Flag(("-m", "--model"), "model", Kind.VALUE, Level.MODEL_PATH, preset_key="model"),
+    Flag(("-fitt", "--fit-target"), "fit_target", Kind.VALUE, Level.FIT),
+    Flag(("-fitc", "--fit-ctx"), "fit_ctx", Kind.VALUE, Level.FIT),
+)
+
+BY_NAME: dict[str, Flag] = {name: f for f in FLAGS for name in f.names}
+BY_SPACE_KEY: dict[str, Flag] = {f.space_key: f for f in FLAGS if f.space_key}
+
+
+def flag(name: str) -> Flag:
+    """The table row of a spelling ("-ngl", "--n-gpu-layers", …)."""
+    return BY_NAME[name]
+
+
+def names_of(field: str) -> tuple[str, ...]:
+    """Every spelling of every flag that sets `field`, e.g. "kv_unified" → -kvu … --no-kv-unified."""
+    return tuple(name for f in FLAGS if f.field == field for name in f.names)
+
+
+def launch_flags() -> tuple[Flag, ...]:
+    """The flags a LaunchConfig holds (what the estimator and the runners read)."""
+    return tuple(f for f in FLAGS if f.level in (Level.CONTEXT, Level.MODEL))
+
+
+def process_flags() -> tuple[Flag, ...]:
+    return tuple(f for f in FLAGS if f.level is Level.PROCESS)
+
+
+# LaunchConfig fields whose change reloads the model (llama-bench's equal_mparams, plus --rpc: RPC devices stay
+# registered for a process's life).
+MODEL_LEVEL: tuple[str, ...] = tuple(dict.fromkeys(f.field for f in FLAGS if f.level is Level.MODEL))
+BARE: frozenset[str] = frozenset(name for f in FLAGS if not f.takes_value for name in f.names)
+# The searched part of a trial's flags, as tables show it (context, slots and --rpc are the same in every trial).
+SEARCHED: frozenset[str] = frozenset(f.canonical for f in FLAGS
+                                     if f.takes_value and (f.space_key or f.field == "overrides"))
+
+
+def fixing(space_key: str) -> tuple[str, ...]:
+    """The spellings that fix a search-space key on the command line (so it leaves the search)."""
+    return tuple(name for f in FLAGS if f.space_key == space_key or space_key in f.fixes for name in f.names)
+
+
+def short_flag(space_key: str) -> str:
+    """The flag fitter writes for a search-space key, e.g. "ubatch-size" → "-ub"."""
+    return BY_SPACE_KEY[space_key].canonical

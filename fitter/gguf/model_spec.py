@@ -1,0 +1,286 @@
+"""Model spec: the hyperparameters and tensor table llama.cpp's memory rules need, from a GGUF header.
+
+Keys follow llama.cpp's `{arch}.…` templates (src/llama-arch.cpp) and defaults follow
+`llama_model_base::load_hparams` (src/llama-model.cpp): n_head_kv defaults to n_head, head dims default to
+n_embd / n_head, per-layer arrays may replace scalars. Tensor names and their kinds come from gguf's
+`TENSOR_NAMES`, so roles are known for every architecture gguf knows, even ones fitter has no rules for.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from fitter.errors import GGUFError
+from fitter.gguf._constants import MODEL_TENSOR, TENSOR_NAMES
+from fitter.gguf.header import GGUFHeader, SkippedArray, TensorInfo
+
+# Architectures whose keys, SWA pattern and graph fitter has matched against llama.cpp's source.
+KNOWN_ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2")
+
+
+class Role(StrEnum):
+    EMBEDDING = "embedding"
+    OUTPUT = "output"
+    ATTENTION = "attention"
+    NORM = "norm"
+    ROUTER = "router"
+    EXPERT = "expert"
+    SHARED_EXPERT = "shared_expert"
+    DENSE_FFN = "dense_ffn"
+    OTHER = "other"
+
+
+_T = MODEL_TENSOR
+# Kinds of tensor by gguf's own tensor enum; the names are looked up in gguf.TENSOR_NAMES below.
+_ROLE_BY_TENSOR: dict[MODEL_TENSOR, Role] = {
+    _T.TOKEN_EMBD: Role.EMBEDDING,
+    _T.OUTPUT: Role.OUTPUT,
+    **{t: Role.NORM for t in (
+        _T.OUTPUT_NORM, _T.ATTN_NORM, _T.ATTN_NORM_2, _T.ATTN_POST_NORM, _T.FFN_NORM, _T.FFN_POST_NORM,
+        _T.ATTN_Q_NORM, _T.ATTN_K_NORM, _T.ATTN_Q_A_NORM, _T.ATTN_KV_A_NORM, _T.LAYER_OUT_NORM,
+    )},
+    **{t: Role.ATTENTION for t in (
+        _T.ATTN_Q, _T.ATTN_K, _T.ATTN_V, _T.ATTN_QKV, _T.ATTN_OUT, _T.ATTN_SINKS, _T.ATTN_Q_A, _T.ATTN_Q_B,
+        _T.ATTN_KV_A_MQA, _T.ATTN_KV_B, _T.ATTN_K_B, _T.ATTN_V_B, _T.ATTN_ROT_EMBD,
+    )},
+    **{t: Role.ROUTER for t in (_T.FFN_GATE_INP, _T.FFN_EXP_PROBS_B)},
+    **{t: Role.EXPERT for t in (
+        _T.FFN_GATE_EXP, _T.FFN_UP_EXP, _T.FFN_DOWN_EXP, _T.FFN_GATE_UP_EXP,
+        _T.FFN_GATE_CHEXP, _T.FFN_UP_CHEXP, _T.FFN_DOWN_CHEXP,
+    )},
+    **{t: Role.SHARED_EXPERT for t in (
+        _T.FFN_GATE_SHEXP, _T.FFN_UP_SHEXP, _T.FFN_DOWN_SHEXP, _T.FFN_GATE_INP_SHEXP,
+    )},
+    **{t: Role.DENSE_FFN for t in (_T.FFN_GATE, _T.FFN_UP, _T.FFN_DOWN)},
+}
+# Base name (without "blk.{bid}." and without ".weight"/".bias") → role.
+_ROLE_BY_BASE: dict[str, Role] = {
+    TENSOR_NAMES[t].removeprefix("blk.{bid}."): role for t, role in _ROLE_BY_TENSOR.items()
+}
+_NAME_RE = re.compile(r"^(?:blk\.(?P<layer>\d+)\.)?(?P<base>.+?)(?:\.(?P<suffix>weight|bias|scale|input_scale))?$")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    type: str  # ggml type name, e.g. "MXFP4"
+    ne: tuple[int, ...]  # ggml order
+    n_bytes: int
+    layer: int | None  # block index, None for token_embd / output / output_norm
+    role: Role
+    shard: int
+    offset: int  # absolute offset in its shard (the mapped CPU buffer is a byte range of each shard)
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.ne)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str
+    arch: str
+    identity: str
+    n_shards: int
+    shard_sizes: tuple[int, ...]
+    n_layer: int
+    n_embd: int
+    n_head: tuple[int, ...]  # per layer
+    n_head_kv: tuple[int, ...]  # per layer
+    head_dim_k: int
+    head_dim_v: int
+    n_expert: int
+    n_expert_used: int
+    n_ff: tuple[int, ...]  # per layer (dense FFN width; Mixtral-style llama keeps its expert width here)
+    n_ff_exp: int
+    n_expert_shared: int
+    n_ff_shexp: int
+    n_layer_dense_lead: int
+    n_swa: int  # sliding window, 0 = none
+    swa_layers: tuple[bool, ...]  # per layer
+    is_mla: bool
+    head_dim_k_mla: int  # per-head Q/K width of MLA before absorption (attention.key_length_mla)
+    head_dim_v_mla: int
+    kv_lora_rank: int
+    q_lora_rank: int
+    n_rot: int
+    n_vocab: int
+    n_ctx_train: int
+    expert_gating: int  # llama_expert_gating_func_type: 0 none (arch default), 1 softmax, 2 sigmoid, 3 softmax_weight
+    expert_weights_norm: bool
+    expert_weights_scale: float
+    tensors: tuple[TensorSpec, ...]
+    # What every command prints about this model ("fitter: warning: …"), e.g. an architecture fitter has not matched
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def n_params(self) -> int:
+        total = 0
+        for t in self.tensors:
+            n = 1
+            for d in t.ne:
+                n *= d
+            total += n
+        return total
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+    def n_embd_k_gqa(self, il: int) -> int:
+        """llama_hparams::n_embd_k_gqa (src/llama-hparams.cpp)."""
+        return self.head_dim_k * self.n_head_kv[il]
+
+    def n_embd_v_gqa(self, il: int) -> int:
+        return self.head_dim_v * self.n_head_kv[il]
+
+
+def tensor_role(name: str) -> tuple[int | None, Role]:
+    """Block index and role of a tensor from its GGUF name, e.g. 'blk.3.ffn_up_exps.weight' → (3, EXPERT)."""
+    m = _NAME_RE.match(name)
+    if not m:
+        return None, Role.OTHER
+    layer = int(m.group("layer")) if m.group("layer") is not None else None
+    return layer, _ROLE_BY_BASE.get(m.group("base"), Role.OTHER)
+
+
+class _Keys:
+    """Typed access to `{arch}.…` metadata with errors that name the file and key."""
+
+    def __init__(self, header: GGUFHeader, arch: str) -> None:
+        self.meta = header.metadata
+        self.arch = arch
+        self.path = header.path
+
+    def _raw(self, key: str) -> Any:
+        return self.meta.get(f"{self.arch}.{key}")
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        value = self._raw(key)
+        if value is None:
+            if default is None:
+                raise GGUFError(f"{self.path}: required key '{self.arch}.{key}' is missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GGUFError(f"{self.path}: key '{self.arch}.{key}' must be an integer, got {value!r}")
+        return value
+
+    def per_layer(self, key: str, n_layer: int, default: Sequence[int]) -> tuple[int, ...]:
+        """llama_model_loader::get_key_or_arr: a scalar broadcasts, an array gives one value per layer."""
+        value = self._raw(key)
+        if value is None:
+            return tuple(default)
+        if isinstance(value, list):
+            if len(value) != n_layer:
+                raise GGUFError(
+                    f"{self.path}: key '{self.arch}.{key}' has {len(value)} entries, expected one per layer ({n_layer})"
+                )
+            return tuple(int(v) for v in value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GGUFError(f"{self.path}: key '{self.arch}.{key}' must be an integer or array, got {value!r}")
+        return (value,) * n_layer
+
+
+def _n_vocab(header: GGUFHeader, keys: _Keys) -> int:
+    # llama.cpp's vocabulary size is the length of tokenizer.ggml.tokens (src/llama-vocab.cpp).
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, SkippedArray):
+        return tokens.count
+    if isinstance(tokens, list):
+        return len(tokens)
+    embd = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    return keys.integer("vocab_size", embd.ne[1] if embd is not None and len(embd.ne) > 1 else 0)
+
+
+def _swa_layers(keys: _Keys, arch: str, n_layer: int, n_swa: int) -> tuple[bool, ...]:
+    """Which layers use the sliding window (llama_model_base::load_swa_pattern, llama_hparams::set_swa_pattern)."""
+    if n_swa == 0:
+        return (False,) * n_layer
+    raw = keys._raw("attention.sliding_window_pattern")
+    if isinstance(raw, list):
+        if len(raw) != n_layer:
+            raise GGUFError(f"{keys.path}: sliding_window_pattern has {len(raw)} entries, expected {n_layer}")
+        return tuple(bool(v) for v in raw)
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        n_pattern = raw
+    elif arch == "gpt-oss":
+        n_pattern = 2  # load_swa_pattern(ml, 2): even layers slide (src/models/openai-moe.cpp)
+    else:
+        return (False,) * n_layer
+    return tuple(n_pattern == 0 or (il % n_pattern < n_pattern - 1) for il in range(n_layer))
+
+
+def model_spec(header: GGUFHeader) -> ModelSpec:
+    """Build the spec from a parsed header; an unknown architecture is a warning in the spec, never an error."""
+    arch = header.metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{header.path}: required key 'general.architecture' is missing or not a string")
+    notes: list[str] = []
+    if arch not in KNOWN_ARCHS:
+        notes.append(f"{header.path}: architecture {arch!r} is not one fitter has matched against llama.cpp "
+                     f"(known: {', '.join(KNOWN_ARCHS)}); roles come from tensor names and compute buffers are rough")
+    keys = _Keys(header, arch)
+    n_layer = keys.integer("block_count")
+    if not 0 < n_layer <= 512:  # LLAMA_MAX_LAYERS (src/llama-hparams.h)
+        raise GGUFError(f"{header.path}: '{arch}.block_count' must be in 1..512, got {n_layer}")
+    n_embd = keys.integer("embedding_length")
+    n_head = keys.per_layer("attention.head_count", n_layer, (0,) * n_layer)
+    n_head_kv = keys.per_layer("attention.head_count_kv", n_layer, n_head)
+    n_head0 = n_head[0] if n_head else 0
+    head_dim_k = keys.integer("attention.key_length", n_embd // n_head0 if n_head0 else 0)
+    head_dim_v = keys.integer("attention.value_length", n_embd // n_head0 if n_head0 else 0)
+    n_expert = keys.integer("expert_count", 0)
+    n_ff = keys.per_layer("feed_forward_length", n_layer, (0,) * n_layer)
+    n_swa = keys.integer("attention.sliding_window", 0)
+    is_mla = keys._raw("attention.key_length_mla") is not None and keys._raw("attention.value_length_mla") is not None
+    tensors = tuple(_tensor_spec(t) for t in header.tensors)
+    return ModelSpec(
+        path=str(header.path),
+        arch=arch,
+        identity=header.identity,
+        n_shards=len(header.shards),
+        shard_sizes=tuple(s.size for s in header.shards),
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=head_dim_k,
+        head_dim_v=head_dim_v,
+        n_expert=n_expert,
+        n_expert_used=keys.integer("expert_used_count", 0),
+        n_ff=n_ff,
+        n_ff_exp=keys.integer("expert_feed_forward_length", n_ff[0] if n_expert else 0),
+        n_expert_shared=keys.integer("expert_shared_count", 0),
+        n_ff_shexp=keys.integer("expert_shared_feed_forward_length", 0),
+        n_layer_dense_lead=keys.integer("leading_dense_block_count", 0),
+        n_swa=n_swa,
+        swa_layers=_swa_layers(keys, arch, n_layer, n_swa),
+        is_mla=is_mla,
+        head_dim_k_mla=keys.integer("attention.key_length_mla", 0),
+        head_dim_v_mla=keys.integer("attention.value_length_mla", 0),
+        kv_lora_rank=keys.integer("attention.kv_lora_rank", 0),
+        q_lora_rank=keys.integer("attention.q_lora_rank", 0),
+        n_rot=keys.integer("rope.dimension_count", head_dim_k),
+        n_vocab=_n_vocab(header, keys),
+        n_ctx_train=keys.integer("context_length"),
+        expert_gating=keys.integer("expert_gating_func", 0),
+        expert_weights_norm=bool(keys._raw("expert_weights_norm") or False),
+        expert_weights_scale=float(keys._raw("expert_weights_scale") or 0.0),
+        tensors=tensors,
+        warnings=tuple(notes),
+    )
+
+
+def _tensor_spec(t: TensorInfo) -> TensorSpec:
+    layer, role = tensor_role(t.name)
+    return TensorSpec(t.name, t.type_name, t.ne, t.n_bytes, layer, role, t.shard, t.offset)
+
+
+def load_model_spec(path: str) -> ModelSpec:
+    from fitter.gguf.header import read_header
+
+    return model_spec(read_header(path))

@@ -1,0 +1,27 @@
+"""`fitter bench` as a library call: one configuration measured once by a runner, beside fitter's estimate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fitter.flags import LaunchConfig
+from fitter.gguf.model_spec import ModelSpec
+from fitter.measure.render import bench_json
+from fitter.measure.runner import TrialRunner, with_rpc
+from fitter.measure.types import BenchSpec
+from fitter.memory.devices import CpuProfile, Device
+from fitter.memory.estimator import estimate
+
+
+def bench(model: str, spec: ModelSpec, config: LaunchConfig, bench_spec: BenchSpec, runner: TrialRunner,
+          cpu: CpuProfile, devices: tuple[Device, ...] = (), timeout: float | None = None) -> dict[str, Any]:
+    """Measure `config` with `runner` (started and stopped here) in the `fitter bench --json` shape: the measurement,
+    every buffer llama.cpp logged beside its estimate, the devices' peaks. The estimate plans for the runner's own
+    devices (an emulated or simulated GPU), else for `devices` (the config's --rpc servers, this machine's GPUs); a
+    config llama.cpp would refuse stops here (LaunchConfigError) before anything is measured."""
+    with runner:
+        config = with_rpc(config, runner.rpc)
+        plan = estimate(spec, config, runner.devices() or devices, cpu)
+        result = runner.run(model, config, bench_spec, timeout, plan)
+    return bench_json(result.measurement, runner.backend, plan if runner.deployed_context else None,
+                      emulated=runner.emulated, peak_vram=result.peak_vram)

@@ -1,0 +1,215 @@
+"""llama-server's flags as llama.cpp's C API takes them, through llama-cpp-python's ctypes bindings: the model and
+context parameters (common/common.cpp `common_model_params_to_llama`, `common_context_params_to_llama`, llama.cpp
+0c1e570), tensor overrides as `tensor_buft_overrides`, ggml's device registry and RPC servers, and a log sink for
+`llama_log_set`. Used inside the child processes only (fitter.measure.loader, fitter.measure.worker); a LaunchConfig
+crosses into them as JSON (`config_to_json`).
+
+Translation notes (where the C API and llama-server differ, llama-server wins):
+- `-c 0` is passed as n_ctx 0: llama.cpp then uses the model's training context, as llama-server does.
+- `--swa-full` is always set from the config: the C API defaults to true, llama-server to false.
+- `-np`: n_seq_max = config.n_seq_max (auto = 4) and kv_unified = config.unified.
+- n_outputs_max: llama-server sets it to min(n_batch, n_parallel × (1 + n_draft)) (tools/server/
+  server-context.cpp `server_output_limits`), not the C API's n_batch; this sizes the logits in the compute
+  buffer. Without speculative decoding that is min(-b, slots), with one output per sequence.
+- `-lm/--load-mode` (`--no-mmap` is the older spelling of `-lm none`): mmap modes → load_mode AUTO (mmap unless a
+  device cannot map), others → NONE.
+- `-ngl auto` (-1) is passed as -1, which the C API reads as "all layers": `--fit` is not in libllama.
+- `-ot`/`-cmoe`/`-ncmoe` rules are resolved by buffer type name over the ggml devices, as common/arg.cpp does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from fitter.flags import LaunchConfig, TensorOverride
+
+# llama.h enum llama_load_mode / enum llama_flash_attn_type
+LOAD_MODE_AUTO = -1
+LOAD_MODE_NONE = 0
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+_LOG_ERROR, _LOG_CONT = 4, 5  # ggml.h enum ggml_log_level (llama-cpp-python's _logger.py comment is stale)
+_LOG_ERROR, _LOG_CONT = 4, 5  # ggml.h enum ggml_log_level (llama-cpp-python's _logger.py comment is stale)
+
+
+def config_to_json(config: LaunchConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def config_from_json(data: dict[str, Any]) -> LaunchConfig:
+    data = dict(data)
+    data["overrides"] = tuple(TensorOverride(o["pattern"], o["buft"]) for o in data.get("overrides", ()))
+    for key in ("tensor_split", "rpc", "flags"):
+        data[key] = tuple(data.get(key, ()))
+    return LaunchConfig(**data)
+
+
+class Ggml:
+    """ggml's device registry through the very copies libllama links against (the `.so.0` sonames).
+
+    Loading `libggml-base.so` (a separate file with the same contents) would map a second ggml whose buffer
+    type pointers never compare equal to libllama's.
+    """
+
+    def __init__(self, lib_dir: Path) -> None:
+        self.base = ctypes.CDLL(str(lib_dir / "libggml-base.so.0"))
+        self.ggml = ctypes.CDLL(str(lib_dir / "libggml.so.0"))
+        vp, sz, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+        self._sig(self.ggml, "ggml_backend_dev_count", [], sz)
+        self._sig(self.ggml, "ggml_backend_dev_get", [sz], vp)
+        self._sig(self.ggml, "ggml_backend_reg_by_name", [cp], vp)
+        self._sig(self.ggml, "ggml_backend_register", [vp], None)
+        self._sig(self.base, "ggml_backend_dev_buffer_type", [vp], vp)
+        self._sig(self.base, "ggml_backend_dev_name", [vp], cp)
+        self._sig(self.base, "ggml_backend_buft_name", [vp], cp)
+        self._sig(self.base, "ggml_backend_cpu_buffer_type", [], vp)
+        self._sig(self.base, "ggml_backend_reg_get_proc_address", [vp, cp], vp)
+
+    def build(self) -> dict[str, str]:
+        """The commit and version ggml was built from, as its own library reports them (ggml.c ggml_commit())."""
+        out: dict[str, str] = {}
+        for name in ("ggml_commit", "ggml_version"):
+            fn = getattr(self.base, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [], ctypes.c_char_p
+                out[name] = (fn() or b"").decode(errors="replace")
+        return out
+
+    @staticmethod
+    def _sig(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any) -> None:
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
+
+    def buffer_types(self) -> dict[str, int]:
+        """Name → buffer type of every device's default buffer type (common/arg.cpp parse_tensor_buffer_overrides)."""
+        out: dict[str, int] = {}
+        for i in range(self.ggml.ggml_backend_dev_count()):
+            dev = self.ggml.ggml_backend_dev_get(i)
+            buft = self.base.ggml_backend_dev_buffer_type(dev)
+            if buft:
+                out[self.base.ggml_backend_buft_name(buft).decode()] = buft
+        return out
+
+    def cpu_buffer_type(self) -> int:
+        return int(self.base.ggml_backend_cpu_buffer_type())
+
+    def add_rpc_servers(self, servers: tuple[str, ...]) -> None:
+        """common/arg.cpp add_rpc_devices. An unreachable server aborts this (child) process."""
+        reg = self.ggml.ggml_backend_reg_by_name(b"RPC")
+        if not reg:
+            raise RuntimeError("--rpc: this llama.cpp build has no RPC backend (build with -DGGML_RPC=ON)")
+        addr = self.base.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
+        if not addr:
+            raise RuntimeError("--rpc: the RPC backend lacks ggml_backend_rpc_add_server")
+        add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(addr)
+        for server in servers:
+            self.ggml.ggml_backend_register(add_server(server.encode()))
+
+
+class _BuftOverride(ctypes.Structure):
+    # include/llama.h struct llama_model_tensor_buft_override (not wrapped by llama-cpp-python)
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _ggml_type(name: str) -> int:
+    from gguf.constants import GGMLQuantizationType  # same numbering as enum ggml_type
+
+    return int(GGMLQuantizationType[name.upper()])
+
+
+class LogSink:
+    """A llama_log_set callback that appends every piece (CONT pieces included) to a file as it arrives."""
+
+    def __init__(self, path: Path) -> None:
+        import llama_cpp
+
+        self.file = path.open("a", encoding="utf-8", errors="replace")
+        self.errors: list[str] = []  # GGML_LOG_LEVEL_ERROR pieces (and their CONT pieces)
+        self._last_level = 0
+        self.callback = llama_cpp.llama_log_callback(self._on_log)  # kept alive as long as the sink
+
+    def _on_log(self, level: int, text: bytes | None, user_data: Any) -> None:
+        if level != _LOG_CONT:
+            self._last_level = level
+        if text:
+            piece = text.decode("utf-8", errors="replace")
+            self.file.write(piece)
+            self.file.flush()
+            if self._last_level == _LOG_ERROR:
+                self.errors.append(piece)
+
+    def error_text(self) -> str:
+        return " ".join(line.strip() for line in "".join(self.errors).splitlines() if line.strip())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def build_model_params(config: LaunchConfig, ggml: Ggml, keep_alive: list[Any]) -> Any:
+    """`llama_model_params` for `config` as llama-server sets them (common_model_params_to_llama).
+
+    The ctypes arrays the params point to (tensor split, override rules and their patterns) are appended to
+    `keep_alive`, which must outlive the params. RPC servers must already be registered (`Ggml.add_rpc_servers`).
+    """
+    import llama_cpp
+
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = config.n_gpu_layers
+    mparams.main_gpu = config.main_gpu
+    mparams.load_mode = LOAD_MODE_AUTO if config.mmap else LOAD_MODE_NONE
+    mparams.use_extra_bufts = not config.no_repack
+    if config.tensor_split:
+        n_max = int(llama_cpp.llama_max_devices())
+        split = (ctypes.c_float * n_max)(*[float(x) for x in config.tensor_split[:n_max]])
+        keep_alive.append(split)
+        mparams.tensor_split = split
+    if config.overrides:
+        by_name = ggml.buffer_types()
+        by_name.setdefault("CPU", ggml.cpu_buffer_type())
+        rules = (_BuftOverride * (len(config.overrides) + 1))()  # zero-filled: the last one terminates
+        for i, rule in enumerate(config.overrides):
+            if rule.buft not in by_name:
+                raise RuntimeError(
+                    f"-ot {rule.pattern}={rule.buft}: unknown buffer type; available: {', '.join(sorted(by_name))}"
+                )
+            pattern = ctypes.create_string_buffer(rule.pattern.encode())
+            keep_alive.append(pattern)
+            rules[i].pattern = ctypes.cast(pattern, ctypes.c_char_p)
+            rules[i].buft = by_name[rule.buft]
+        keep_alive.append(rules)
+        mparams.tensor_buft_overrides = ctypes.cast(rules, ctypes.c_void_p)
+    return mparams
+
+
+def build_context_params(
+    config: LaunchConfig, n_outputs_max: int | None = None, threads: int = 1, threads_batch: int | None = None
+) -> Any:
+    """`llama_context_params` for `config` as llama-server sets them (common_context_params_to_llama).
+
+    `n_outputs_max` None follows llama-server (min(-b, slots), one output per sequence); 0 gives the C API default.
+    """
+    import llama_cpp
+
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = config.ctx_size
+    cparams.n_batch = config.batch_size
+    cparams.n_ubatch = config.ubatch_size
+    cparams.n_seq_max = config.n_seq_max
+    cparams.kv_unified = config.unified
+    cparams.swa_full = config.swa_full
+    cparams.flash_attn_type = FLASH_ATTN[config.flash_attn]
+    cparams.type_k = _ggml_type(config.cache_type_k)
+    cparams.type_v = _ggml_type(config.cache_type_v)
+    cparams.offload_kqv = not config.no_kv_offload
+    cparams.op_offload = not config.no_op_offload
+    cparams.n_threads = threads
+    cparams.n_threads_batch = threads if threads_batch is None else threads_batch
+    if n_outputs_max is None:  # llama-server: min(n_batch, n_parallel * (1 + n_draft)), at least 1; one per seq
+        cparams.n_outputs_max = max(1, min(config.batch_size, config.n_seq_max))
+        cparams.n_outputs_max_per_seq = 1
+    else:
+        cparams.n_outputs_max = int(n_outputs_max)
+    return cparams

@@ -1,0 +1,307 @@
+"""A capped llama.cpp RPC device on 127.0.0.1 that behaves like a small GPU on a CPU-only machine.
+
+llama.cpp's RPC backend serves a device over TCP; the client sees a GPU-type device and names its buffers
+`RPC0[127.0.0.1:PORT]`. Served as is, the device reports the host's RAM and never refuses an allocation. The
+server started here runs with the LD_PRELOAD shim `fitter/measure/native/capdev.c`, which advertises `cap_mib` MiB and
+refuses every allocation past it, so an over-budget configuration fails the way it fails on a small GPU and at
+the same stage: model weights (`unable to allocate RPC0[…] buffer`), KV cache (`failed to allocate buffer for kv
+cache`) or compute buffers (`failed to allocate compute pp buffers`). The shim's counters (bytes in use, peak,
+refusals) live in a shared file that `EmulatedGpu.stats()` reads.
+
+The server is `python -m fitter.measure.capdev serve …` (fitter.measure.capdev): a child that calls ggml's
+`ggml_backend_rpc_start_server(endpoint, cache_dir, n_threads, n_devices, devices)` (ggml/include/ggml-rpc.h,
+llama.cpp 0c1e570) on the CPU device, through the ggml copies llama-cpp-python ships. It serves one client at a
+time (ggml's accept loop is serial) and frees a client's buffers when it disconnects. It is stopped by `stop()`,
+leaving the `with` block, interpreter exit, SIGTERM/SIGINT in the parent, or the parent's death (the child polls
+its parent pid).
+
+Linux only (LD_PRELOAD, /proc). The shim is compiled at first use with the system C compiler into
+`fitter_home()/native/`, keyed by a hash of its source.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+from fitter.measure import process
+from fitter.measure.capdev import (
+    _DIR_PREFIX,
+    _LOG_TAIL,
+    STATS_SIZE,
+    EmulatedGpuError,
+    EmulatedGpuStats,
+    _llama_lib_dir,
+    emulated_gpu_problem,
+    read_stats,
+    request_peak_reset,
+    server_command,
+    server_env,
+    shim_library,
+)
+from fitter.units import MIB
+
+__all__ = ["EmulatedGpu", "EmulatedGpuError", "EmulatedGpuStats", "emulated_gpu_problem"]
+
+HOST = "127.0.0.1"
+_READY_POLL_S = 0.01
+_START_ATTEMPTS = 3  # a port found free can be taken before the server binds it: try another
+
+
+def _port_is_free(port: int) -> bool:
+    """Nothing listens on HOST:port and it can be bound (bind without SO_REUSEADDR is the stricter test)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((HOST, port)) != 0
+
+
+def _pick_free_port() -> int:
+    for _ in range(20):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, 0))
+            port = int(s.getsockname()[1])
+        if _port_is_free(port):
+            return port
+    raise EmulatedGpuError(f"emulated GPU: found no free TCP port on {HOST} in 20 tries")
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on HOST:port (or any address) per /proc/net/tcp."""
+    wanted = {f"0100007F:{port:04X}", f"00000000:{port:04X}"}
+    inodes: set[str] = set()
+    try:
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return inodes
+    for line in lines:
+        f = line.split()
+        if len(f) > 9 and f[1] in wanted and f[3] == "0A":  # st 0A: TCP_LISTEN
+            inodes.add(f[9])
+    return inodes
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on HOST:port (True where /proc cannot tell)."""
+    if not Path("/proc/net/tcp").is_file():
+        return True
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return False
+    links = {f"socket:[{i}]" for i in inodes}
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        fds = list(fd_dir.iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in links:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex((HOST, port)) == 0  # the server reads no HELLO and drops this connection
+
+
+class EmulatedGpu:
+    """A llama.cpp RPC device on 127.0.0.1 capped at `cap_mib` MiB. Pass `--rpc <endpoint>` to llama.cpp.
+
+    >>> with EmulatedGpu(512) as gpu:                     # doctest: +SKIP
+    ...     load_and_capture(model, parse_launch_flags(["--rpc", gpu.endpoint, "-ngl", "99"]))
+    ...     gpu.stats().peak_bytes
+    """
+
+    def __init__(self, cap_mib: int, threads: int = 1) -> None:
+        if cap_mib < 1:
+            raise EmulatedGpuError(f"emulated GPU cap: must be at least 1 MiB, got {cap_mib}")
+        if threads < 1:
+            raise EmulatedGpuError(f"emulated GPU threads: must be at least 1, got {threads}")
+        self.cap_mib = cap_mib
+        self.threads = threads
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._port: int | None = None
+        self._dir: Path | None = None
+        self._stats_file: mmap.mmap | None = None
+        self._final: EmulatedGpuStats | None = None
+        self._lock = threading.RLock()  # re-entrant: the signal handler's stop() may interrupt start()
+        self.start_seconds = 0.0
+        self.stop_seconds = 0.0
+
+    # -- properties ------------------------------------------------------------------------------------------
+
+    @property
+    def cap_bytes(self) -> int:
+        return self.cap_mib * MIB
+
+    @property
+    def endpoint(self) -> str:
+        """`127.0.0.1:PORT`, the value for llama.cpp's `--rpc` (still readable after stop(), for reports)."""
+        if self._port is None:
+            raise EmulatedGpuError("emulated GPU endpoint: the server was never started (call start())")
+        return f"{HOST}:{self._port}"
+
+    @property
+    def device_name(self) -> str:
+        """The name llama.cpp gives this device's buffers and buffer type, e.g. `RPC0[127.0.0.1:50052]`.
+
+        The 0 is the device's index on this server (it serves one), so it stays 0 whatever other RPC servers
+        the client registers; the client's device list calls it `RPC<n>` with a client-wide counter.
+        """
+        return f"RPC0[{self.endpoint}]"
+
+    @property
+    def pid(self) -> int | None:
+        """The server child's pid while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> EmulatedGpu:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 30.0) -> EmulatedGpu:
+        """Start the server on a free port and return once it accepts TCP connections."""
+        with self._lock:
+            if self._proc is not None:
+                raise EmulatedGpuError(f"emulated GPU: already started at {self.endpoint}")
+            t0 = time.perf_counter()
+            shim = shim_library()
+            lib_dir = _llama_lib_dir()
+            self._final = None
+            self._dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
+            try:
+                self._start(shim, lib_dir, timeout)
+            except BaseException:
+                self._teardown()
+                raise
+            process.register(id(self), self.stop)
+            self.start_seconds = time.perf_counter() - t0
+        return self
+
+    def _start(self, shim: Path, lib_dir: Path, timeout: float) -> None:
+        assert self._dir is not None
+        stats_path, log_path = self._dir / "stats", self._dir / "server.log"
+        failures: list[str] = []
+        for _ in range(_START_ATTEMPTS):
+            stats_path.write_bytes(bytes(STATS_SIZE))
+            port = _pick_free_port()
+            env = server_env(os.environ, shim, stats_path, self.cap_bytes)
+            cmd = server_command(f"{HOST}:{port}", self.threads, os.getpid(), lib_dir)
+            with log_path.open("wb") as log:
+                # Its own session: a terminal's Ctrl-C reaches the parent, whose handler decides (and stops it).
+                self._proc = process.spawn(cmd, env=env, stdout=log, stderr=log)
+            self._port = port
+            why = self._wait_ready(port, timeout)
+            if why is None:
+                self._open_stats(stats_path)
+                return
+            self._kill()
+            failures.append(why)
+            if "Failed to create server socket" not in why:  # only a lost port race is worth another try
+                break
+        raise EmulatedGpuError(f"emulated GPU ({self.cap_mib} MiB) did not start: {failures[-1]}")
+
+    def _wait_ready(self, port: int, timeout: float) -> str | None:
+        """None once the child listens on `port` and accepts a connection; else why not."""
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rc = self._proc.poll()
+            if rc is not None:
+                return f"the server exited with status {rc}: {self._log_tail()}"
+            if _listens(self._proc.pid, port) and _accepts(port):
+                return None
+            time.sleep(_READY_POLL_S)
+        return f"the server did not listen on {HOST}:{port} within {timeout:g} s: {self._log_tail()}"
+
+    def _open_stats(self, path: Path) -> None:
+        with path.open("r+b") as f:
+            self._stats_file = mmap.mmap(f.fileno(), STATS_SIZE)
+        st = self._read_stats()
+        if st is None or st.server_pid != self.pid:
+            raise EmulatedGpuError(
+                f"emulated GPU: the memory cap shim was not loaded into the server (pid {self.pid}); "
+                f"its counters read {st}: {self._log_tail()}"
+            )
+
+    def stop(self) -> None:
+        """Stop the server (idempotent). stats() keeps answering with the last counters."""
+        with self._lock:
+            if self._proc is None and self._dir is None:
+                return
+            t0 = time.perf_counter()
+            process.unregister(id(self))
+            if self._stats_file is not None:
+                self._final = self._read_stats() or self._final
+            self._teardown()
+            self.stop_seconds = time.perf_counter() - t0
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            process.stop(proc, grace_s=5)  # the child keeps SIGTERM's default action: it dies at once, even in ggml
+
+    def _teardown(self) -> None:
+        self._kill()
+        if self._stats_file is not None:
+            self._stats_file.close()
+            self._stats_file = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def _log_tail(self) -> str:
+        if self._dir is None:
+            return ""
+        try:
+            text = (self._dir / "server.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return text.strip()[-_LOG_TAIL:] or "(no output)"
+
+    # -- counters --------------------------------------------------------------------------------------------
+
+    def _read_stats(self) -> EmulatedGpuStats | None:
+        return read_stats(self._stats_file) if self._stats_file is not None else None
+
+    def stats(self) -> EmulatedGpuStats:
+        """The cap's counters now (after stop(): as they were when it stopped)."""
+        st = self._read_stats() if self._stats_file is not None else self._final
+        if st is None:
+            raise EmulatedGpuError("emulated GPU stats: the server was never started or its counters are unreadable")
+        return st
+
+    def reset_peak(self) -> None:
+        """Restart the peak counter from the bytes in use now."""
+        f = self._stats_file
+        if f is None:
+            raise EmulatedGpuError("emulated GPU reset_peak: the server is not running")
+        request_peak_reset(f)

@@ -1,0 +1,81 @@
+"""`fitter bench`: one measurement as CONTRACTS.md shapes it, every logged buffer beside fitter's estimate.
+
+The measurement comes from fitter's worker (llama-cpp-python) or the user's own llama-server; the estimate is
+the pure estimator's for the same flags and devices. Peak device memory is the device's own count (the emulated
+GPU's cap counter), never the estimate.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from fitter.measure.types import Measurement
+from fitter.memory.estimator import MemoryPlan
+from fitter.units import MIB
+
+NOISY = 0.10  # stddev / avg above which a speed is flagged noisy
+
+
+def _device_of(buft: str, device_names: set[str]) -> str:
+    return buft if buft in device_names else "CPU"
+
+
+def bench_json(
+    m: Measurement, backend: str, plan: MemoryPlan | None, emulated: bool, peak_vram: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    out = m.to_json()
+    out["backend"] = backend
+    out["emulated"] = emulated
+    for test in ("pp", "tg"):
+        if test in out:
+            s = out[test]
+            s["noisy"] = bool(s["avg_ts"] and s["stddev_ts"] / s["avg_ts"] > NOISY)
+    names = {d.name for d in plan.devices} if plan is not None else set()
+    # the estimate's buffers, matched in order within each (buffer type, kind)
+    estimated: dict[tuple[str, str], list[int]] = defaultdict(list)
+    if plan is not None:
+        for eb in plan.buffers:
+            estimated[(eb.buft, eb.kind)].append(eb.bytes)
+    taken: dict[tuple[str, str], int] = defaultdict(int)
+    buffers = []
+    devices: dict[str, dict[str, int]] = {}
+    for lb in m.buffers:
+        key = (lb.buft, lb.kind)
+        i = taken[key]
+        taken[key] += 1
+        est = estimated[key][i] if i < len(estimated[key]) else None
+        logged = round(lb.mib * MIB)
+        buffers.append({"buft": lb.buft, "kind": lb.kind, "bytes": logged, "estimated_bytes": est})
+        dev = devices.setdefault(_device_of(lb.buft, names), {"model": 0, "kv": 0, "compute": 0, "output": 0})
+        dev[lb.kind] += logged
+    out["buffers"] = buffers
+    totals = plan.totals() if plan is not None else {}
+    out["devices"] = {
+        name: {**d, "total": sum(d.values()), "estimated_total": totals[name].total if name in totals else None}
+        for name, d in devices.items()
+    }
+    out["peak_vram"] = peak_vram
+    return out
+
+
+def bench_table(result: dict[str, Any]) -> str:
+    lines = []
+    if result["emulated"]:
+        lines.append("device: emulated GPU (a capped llama.cpp RPC device on 127.0.0.1): its speed is CPU speed")
+    lines.append(f"backend {result['backend']}  outcome {result['outcome']}"
+                 + (f": {result['reason']}" if result["reason"] else ""))
+    for key, label in (("pp", "prefill"), ("tg", "decode")):
+        if key in result:
+            s = result[key]
+            lines.append(f"{label:<8} {s['avg_ts']:10.2f} ± {s['stddev_ts']:.2f} t/s  ({s['n']} tokens at depth "
+                         f"{s['depth']}, {len(s['samples_ts'])} runs{', NOISY' if s.get('noisy') else ''})")
+    lines += ["", f"{'buffer':<28}{'kind':<9}{'MiB':>10}{'estimate':>10}"]
+    for b in result["buffers"]:
+        est = f"{b['estimated_bytes'] / MIB:10.2f}" if b["estimated_bytes"] is not None else f"{'-':>10}"
+        lines.append(f"{b['buft']:<28}{b['kind']:<9}{b['bytes'] / MIB:10.2f}{est}")
+    for name, peak in result["peak_vram"].items():
+        lines.append(f"peak on {name}: {peak['bytes'] / MIB:.2f} MiB ({peak['source']})")
+    if result.get("peak_rss"):
+        lines.append(f"peak RSS {result['peak_rss'] / MIB:.1f} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,205 @@
+"""What runs a trial: one configuration in, one measurement (with its peak VRAM) out.
+
+`fitter bench`, `fitter tune` and `fitter check` talk to a `TrialRunner` only, so the same command runs on fitter's
+worker (`WorkerRunner`: llama-cpp-python in a persistent child), the user's llama-server (`ServerRunner`) or
+llama-bench (`LlamaBenchRunner`), a simulated machine (fitter.sim) or a fake in a test. Each is a context manager
+(what it starts lives inside the `with`), knows the llama.cpp build that measures before it starts, and is handed
+the memory plan the caller already screened the config with (a simulated machine measures that plan instead of
+estimating again; the real runners measure what llama.cpp allocates). The real runners share the emulated GPU
+(started on enter, its peak counter restarted before each trial) and NVML's per-process peak sampled during each
+trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+from fitter.flags import LaunchConfig, ProcessFlags
+from fitter.machine.llama_cpp import llama_cpp_python_build
+from fitter.measure.types import BenchSpec, Measurement, TrialResult
+from fitter.measure.worker import Worker
+from fitter.memory.devices import RPC, Device
+from fitter.memory.estimator import MemoryPlan
+
+DEFAULT_TIMEOUT_S = 600.0  # a user's llama-server or llama-bench, when the caller gives no limit
+
+
+class TrialRunner(Protocol):
+    backend: str  # "llama-cpp-python" | "llama-server" | "llama-bench" | "sim", as in `fitter bench --json`
+    emulated: bool  # the device is fitter's emulated GPU
+    deployed_context: bool  # the trial allocates the deployed context (so the memory plan is what it measures)
+
+    @property
+    def rpc(self) -> tuple[str, ...]:
+        """The RPC endpoints every trial's config must carry (the emulated GPU's)."""
+        ...
+
+    def devices(self) -> tuple[Device, ...]:
+        """The devices this runner brings (an emulated or simulated GPU); () means the machine's own."""
+        ...
+
+    def build(self) -> dict[str, str]:
+        """The llama.cpp build that measures ({"commit", "source"}), known before the runner starts."""
+        ...
+
+    def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
+            plan: MemoryPlan | None = None) -> TrialResult: ...
+
+    def __enter__(self) -> TrialRunner: ...
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None: ...
+
+
+# How commands make runners: factory(emulated_gpu_mib=MiB | None, cpus=(cpu, …) | None).
+RunnerFactory = Callable[..., TrialRunner]
+
+
+def with_rpc(config: LaunchConfig, endpoints: tuple[str, ...]) -> LaunchConfig:
+    """`config` with the runner's RPC endpoints added, as `--rpc` on its command line would add them."""
+    if not endpoints or config.rpc == endpoints:
+        return config
+    return replace(config, rpc=endpoints, flags=(*config.flags, "--rpc", ",".join(endpoints)))
+
+
+class _Devices:
+    """The emulated GPU and NVML peak sampling every real runner shares."""
+
+    backend = ""
+    deployed_context = True
+
+    def __init__(self, emulated_gpu_mib: int | None = None, nvml: bool = False) -> None:
+        self.emulated = emulated_gpu_mib is not None
+        self._cap_mib = emulated_gpu_mib
+        self._gpu: Any = None
+        self._nvml = nvml
+        self.trials_run = 0
+        self.model_loads = 0
+
+    def __enter__(self) -> Any:
+        if self._cap_mib is not None:
+            from fitter.measure.emulated_gpu import EmulatedGpu
+
+            self._gpu = EmulatedGpu(cap_mib=self._cap_mib).start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if self._gpu is not None:
+            self._gpu.stop()
+
+    @property
+    def rpc(self) -> tuple[str, ...]:
+        return (self._gpu.endpoint,) if self._gpu is not None else ()
+
+    def devices(self) -> tuple[Device, ...]:
+        """The emulated device as the estimator sees it (its free memory is its cap)."""
+        if self._gpu is None:
+            return ()
+        cap = self._gpu.cap_bytes
+        return (Device(self._gpu.device_name, RPC, cap, cap),)
+
+    def _measured(self, measure: Callable[[], Measurement]) -> TrialResult:
+        """Run `measure` with the emulated GPU's peak restarted and NVML sampling; the device peaks it reached."""
+        from fitter.machine.nvml_peak import NvmlPeakSampler
+
+        if self._gpu is not None:
+            self._gpu.reset_peak()
+        sampler: Any = NvmlPeakSampler() if self._nvml else contextlib.nullcontext()
+        with sampler:
+            m = measure()
+        self.trials_run += 1
+        self.model_loads += 0 if m.reused_model else 1
+        peak: dict[str, dict[str, Any]] = {}
+        if self._gpu is not None:
+            peak[self._gpu.device_name] = {"bytes": self._gpu.stats().peak_bytes, "source": "emulator"}
+        if isinstance(sampler, NvmlPeakSampler):
+            peak.update({name: {"bytes": b, "source": "nvml"} for name, b in sampler.peaks.items()})
+        return TrialResult(m, peak)
+
+
+class WorkerRunner(_Devices):
+    """fitter's persistent worker (llama-cpp-python), pinned to `cpus` when given."""
+
+    backend = "llama-cpp-python"
+
+    def __init__(self, emulated_gpu_mib: int | None = None, cpus: tuple[int, ...] | None = None,
+                 nvml: bool = False, log_path: str | Path | None = None, build: dict[str, str] | None = None) -> None:
+        super().__init__(emulated_gpu_mib, nvml)
+        self._worker = Worker(log_path=log_path, cpus=cpus)
+        self._build = build  # the machine snapshot's reading, when the caller has one
+
+    def __enter__(self) -> WorkerRunner:
+        super().__enter__()
+        self._worker.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self._worker.close()
+        super().__exit__(et, ev, tb)
+
+    def build(self) -> dict[str, str]:
+        """Read from the libggml-base llama-cpp-python loads (the worker's own), without starting the worker."""
+        info = self._build or llama_cpp_python_build()
+        return {"commit": info["commit"], "source": info["source"]}
+
+    def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
+            plan: MemoryPlan | None = None) -> TrialResult:
+        if self._gpu is not None and self._worker.will_reload(model, config):
+            self._worker.unload()  # else the old model's bytes are still in use when the peak restarts
+        return self._measured(lambda: self._worker.run(model, config, spec, timeout))
+
+
+class ServerRunner(_Devices):
+    """The user's llama-server binary, started for each trial with the config's flags as given, the bench spec's
+    threads and the affinity of `process`."""
+
+    backend = "llama-server"
+
+    def __init__(self, binary: str, emulated_gpu_mib: int | None = None, process: ProcessFlags | None = None,
+                 nvml: bool = False, vocab_size: int = 256) -> None:
+        super().__init__(emulated_gpu_mib, nvml)
+        self.binary = binary
+        self._process = process or ProcessFlags()
+        self._vocab_size = vocab_size
+
+    def build(self) -> dict[str, str]:
+        from fitter.measure.server import server_build
+
+        return server_build(self.binary)
+
+    def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
+            plan: MemoryPlan | None = None) -> TrialResult:
+        from fitter.measure.server import measure_server
+
+        process = replace(self._process, threads=spec.threads, threads_batch=spec.threads_batch or spec.threads)
+        flags = [*config.flags, *process.flags()]
+        return self._measured(lambda: measure_server(self.binary, model, flags, spec, timeout or DEFAULT_TIMEOUT_S,
+                                                     vocab_size=self._vocab_size))
+
+
+class LlamaBenchRunner(_Devices):
+    """The user's llama-bench binary. It sizes its context at p+n+d for one sequence, not the deployed one."""
+
+    backend = "llama-bench"
+    deployed_context = False
+
+    def __init__(self, binary: str, emulated_gpu_mib: int | None = None, cpu_mask: str | None = None,
+                 nvml: bool = False) -> None:
+        super().__init__(emulated_gpu_mib, nvml)
+        self.binary = binary
+        self._cpu_mask = cpu_mask
+
+    def build(self) -> dict[str, str]:
+        return {"commit": "unknown", "source": "llama-bench reports its build with each result (build_commit)"}
+
+    def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
+            plan: MemoryPlan | None = None) -> TrialResult:
+        from fitter.measure.llama_bench import measure_llama_bench
+
+        return self._measured(lambda: measure_llama_bench(self.binary, model, config, spec,
+                                                          timeout or DEFAULT_TIMEOUT_S, cpu_mask=self._cpu_mask))

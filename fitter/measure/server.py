@@ -1,0 +1,138 @@
+"""Measure the binary a user deploys: start their llama-server with the flags on 127.0.0.1, measure, stop it.
+
+Prefill and decode speeds come from llama-server's own `/completion` timings (`prompt_per_second`,
+`predicted_per_second`, tools/server/server-common.cpp), measuring what llama-bench measures: for a depth d the
+context is first filled with d tokens (cached by the slot); a prefill repetition sends those d tokens plus p new ones,
+so only the p new tokens are prefilled, at depth d; a decode repetition sends the d tokens alone (the slot re-evaluates
+the last one) and decodes n tokens after them, at depth d, as llama-bench's tg test does. At d = 0 the decode prompt
+is one token. The buffers come from the server's log, the build from `llama-server --version`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from fitter.machine.rss import peak_rss
+from fitter.measure import process
+from fitter.measure.logs import classify_exit, parse_buffer_lines
+from fitter.measure.types import BenchSpec, Measurement, SpeedStats
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def server_argv(binary: str, model: str, flags: list[str], port: int) -> list[str]:
+    """The command line (pure): the user's flags, on loopback, with a port of fitter's choosing. Log verbosity 4 makes
+    llama-server print llama.cpp's buffer lines (its default of 3 hides them)."""
+    verbosity = [] if any(f in ("-lv", "--verbosity", "--log-verbosity") for f in flags) else ["-lv", "4"]
+    return [binary, "-m", model, *flags, *verbosity, "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+
+
+def completion_request(tokens: list[int], n_predict: int) -> dict[str, Any]:
+    return {"prompt": tokens, "n_predict": n_predict, "cache_prompt": True, "ignore_eos": True,
+            "temperature": 0.0, "samplers": ["top_k"], "top_k": 1, "stream": False}
+
+
+def _post(port: int, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+        return out
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def server_build(binary: str) -> dict[str, str]:
+    """The build the binary reports (`version: 0.5.0-dev (build 1, commit 0c1e570)`, common/build-info)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": "unknown", "source": f"{binary} --version failed"}
+    match = re.search(r"commit ([0-9a-f]+|unknown)", out.stdout + out.stderr)
+    return {"commit": match.group(1) if match else "unknown", "source": f"{Path(binary).name} --version"}
+
+
+def _stats(n: int, depth: int, samples_ts: list[float]) -> SpeedStats:
+    return SpeedStats.from_ns(n, depth, [round(n * 1e9 / ts) for ts in samples_ts])
+
+
+def measure_server(
+    binary: str, model: str, flags: list[str], spec: BenchSpec, timeout: float = 600.0, vocab_size: int = 256,
+) -> Measurement:
+    """Run the user's llama-server once and measure; the server is always stopped."""
+    n_prompt, n_gen, n_depth, repetitions = spec.n_prompt, spec.n_gen, spec.n_depth, spec.repetitions
+    port = free_port()
+    t0 = time.perf_counter()
+    with tempfile.NamedTemporaryFile("w+", prefix="fitter-llama-server-", suffix=".log", delete=False) as logf:
+        log_path = Path(logf.name)
+        proc = process.spawn(server_argv(binary, model, flags, port), env=dict(os.environ), stdout=logf,
+                             stderr=subprocess.STDOUT)
+    try:
+        while not _healthy(port):
+            if proc.poll() is not None:
+                log = log_path.read_text(errors="replace")
+                outcome, reason = classify_exit(proc.returncode, log)
+                return _failed(outcome, reason, log, t0, spec, flags)
+            if time.perf_counter() - t0 > timeout:
+                return _failed("timeout", f"llama-server not healthy after {timeout:.0f} s",
+                               log_path.read_text(errors="replace"), t0, spec, flags)
+            time.sleep(0.2)
+        load_s = time.perf_counter() - t0
+        # token ids from the byte range every generated vocabulary has; deterministic
+        depth_tokens = [(7 * i) % (vocab_size - 10) + 10 for i in range(n_depth)]
+        prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(n_prompt)]
+        decode_prompt = depth_tokens or [10]
+        if n_depth:
+            _post(port, "/completion", completion_request(depth_tokens, 0), timeout)
+        pp: list[float] = []
+        tg: list[float] = []
+        for r in range(-1, repetitions):  # r = -1: the warm-up, not recorded
+            if n_prompt:
+                # a different first new token each time: the slot keeps the depth prefix but prefills all p tokens
+                new = [(prompt[0] + r + 2) % (vocab_size - 10) + 10, *prompt[1:]]
+                out = _post(port, "/completion", completion_request(depth_tokens + new, 1), timeout)
+                if r >= 0:
+                    pp.append(float(out["timings"]["prompt_per_second"]))
+            if n_gen:
+                out = _post(port, "/completion", completion_request(decode_prompt, n_gen), timeout)
+                if r >= 0:
+                    tg.append(float(out["timings"]["predicted_per_second"]))
+        log = log_path.read_text(errors="replace")
+        return Measurement("ok", "", spec, tuple(flags), _stats(n_prompt, n_depth, pp) if pp else None,
+                           _stats(n_gen, n_depth, tg) if tg else None, buffers=tuple(parse_buffer_lines(log)),
+                           load_s=load_s, wall_s=time.perf_counter() - t0, llama_cpp=server_build(binary),
+                           peak_rss=peak_rss(proc.pid), log=log[-3000:])
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        proc.poll()
+        log = log_path.read_text(errors="replace")
+        outcome, reason = classify_exit(proc.returncode, log) if proc.returncode is not None else ("timeout", str(e))
+        return _failed(outcome, reason, log, t0, spec, flags)
+    finally:
+        process.stop(proc)
+        log_path.unlink(missing_ok=True)
+
+
+def _failed(outcome: str, reason: str, log: str, t0: float, spec: BenchSpec, flags: list[str]) -> Measurement:
+    return Measurement(outcome, reason, spec, tuple(flags), buffers=tuple(parse_buffer_lines(log)),
+                       wall_s=time.perf_counter() - t0, log=log[-3000:])

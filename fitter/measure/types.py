@@ -1,0 +1,129 @@
+"""What a measurement is: the bench spec it ran with, its speeds, the buffers llama.cpp logged, how it ended.
+
+Shared by every runner (fitter's worker, a user's llama-server or llama-bench, a simulated machine) and by what reads
+their results (tune, check, bench's output). Outcomes: `ok`, `oom` (an allocation refused: which buffer, which
+device, how many bytes), `crash` (the process died: signal or exit status and the log tail) or `timeout`. A failed
+outcome carries no speeds, never zeros.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from fitter.errors import FitterError
+from fitter.units import MIB
+
+OUTCOMES = ("ok", "oom", "crash", "timeout")
+
+
+@dataclass(frozen=True)
+class LoggedBuffer:
+    """One buffer llama.cpp reported: its (buffer or buffer type) name, what it holds, and its size in MiB."""
+
+    buft: str
+    kind: str  # model | kv | compute | output
+    mib: float
+
+
+class WorkerError(FitterError):
+    """A trial llama.cpp rejected for a reason other than memory (an unknown buffer type, a test that does not fit
+    the context), or a worker that could not be started."""
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """llama-bench's -p -n -d -r -t (and llama-server's -tb) for one trial."""
+
+    n_prompt: int = 512
+    n_gen: int = 128
+    n_depth: int = 0
+    repetitions: int = 3
+    threads: int = 1
+    threads_batch: int | None = None  # None: = threads (llama-bench has one count)
+    warmup: bool = True
+    seed: int = 0  # random tokens (llama-bench uses std::rand() unseeded, i.e. seed 1)
+
+    def __post_init__(self) -> None:
+        if min(self.n_prompt, self.n_gen, self.n_depth) < 0 or self.repetitions < 1 or self.threads < 1:
+            raise WorkerError(f"bench spec {self}: counts must be >= 0, repetitions and threads >= 1")
+
+
+@dataclass(frozen=True)
+class SpeedStats:
+    """One test's repetitions, as llama-bench reports them."""
+
+    n: int  # tokens per repetition
+    depth: int
+    samples_ns: tuple[int, ...]
+    samples_ts: tuple[float, ...]
+    avg_ts: float
+    stddev_ts: float
+
+    @staticmethod
+    def from_ns(n: int, depth: int, samples_ns: list[int]) -> SpeedStats:
+        ts = tuple(n * 1e9 / max(ns, 1) for ns in samples_ns)
+        std = statistics.stdev(ts) if len(ts) > 1 else 0.0
+        return SpeedStats(n, depth, tuple(samples_ns), ts, statistics.fmean(ts), std)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"n": self.n, "depth": self.depth, "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts,
+                "samples_ts": list(self.samples_ts)}
+
+    def __str__(self) -> str:
+        return f"{self.avg_ts:.2f} ± {self.stddev_ts:.2f} t/s"
+
+
+@dataclass(frozen=True)
+class OomInfo:
+    """The allocation llama.cpp could not make."""
+
+    stage: str  # model | kv | compute | output | unknown
+    buft: str | None  # buffer (type) name: "RPC0[127.0.0.1:50052]", "CUDA0", "CPU"
+    requested_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    outcome: str  # ok | oom | crash | timeout
+    reason: str
+    spec: BenchSpec
+    flags: tuple[str, ...]
+    pp: SpeedStats | None = None  # None unless ok (or the test was not asked for)
+    tg: SpeedStats | None = None
+    oom: OomInfo | None = None
+    buffers: tuple[LoggedBuffer, ...] = ()
+    load_s: float | None = None  # model load of this trial; 0.0 when the loaded model was reused
+    context_s: float | None = None
+    wall_s: float = 0.0  # the whole trial as the parent saw it
+    reused_model: bool = False
+    peak_rss: int | None = None  # bytes: the worker's VmHWM during this trial
+    returncode: int | None = None  # crash: the child's status (negative: the signal)
+    llama_cpp: dict[str, str] = field(default_factory=dict)
+    log: str = field(default="", repr=False)  # llama.cpp's log of this trial
+
+    def to_json(self) -> dict[str, Any]:
+        """The `fitter bench --json` fields a worker knows (CONTRACTS.md); device totals and estimates come later."""
+        out: dict[str, Any] = {"outcome": self.outcome, "reason": self.reason, "flags": list(self.flags),
+                               "backend": "llama-cpp-python"}
+        if self.pp is not None:
+            out["pp"] = self.pp.to_json()
+        if self.tg is not None:
+            out["tg"] = self.tg.to_json()
+        out.update({
+            "load_s": self.load_s, "wall_s": self.wall_s, "reused_model": self.reused_model,
+            "buffers": [{"buft": b.buft, "kind": b.kind, "bytes": round(b.mib * MIB)} for b in self.buffers],
+            "peak_rss": self.peak_rss, "llama_cpp": dict(self.llama_cpp),
+        })
+        if self.oom is not None:
+            out["oom"] = {"stage": self.oom.stage, "buft": self.oom.buft, "bytes": self.oom.requested_bytes}
+        return out
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    measurement: Measurement
+    peak_vram: dict[str, dict[str, Any]] = field(default_factory=dict)  # device → {"bytes", "source"}
+
+

@@ -1,0 +1,14 @@
+"""The memory estimate: a pure function of (model spec, launch config, devices) → every buffer llama.cpp allocates
+(`estimate`), with the devices' buffer rules, the compute-graph replay behind compute buffers, the budgets a plan
+must fit, and `fit`, the placement that uses the most device memory within them."""
+
+from __future__ import annotations
+
+from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, parse_fit_targets
+from fitter.memory.devices import CUDA, RPC, CpuProfile, Device, DeviceProfile, parse_devices, rpc_devices
+from fitter.memory.estimator import Buffer, DeviceTotals, MemoryPlan, estimate
+from fitter.memory.fit import FitResult, fit
+
+__all__ = ["CUDA", "DEFAULT_FIT_TARGET_MIB", "RPC", "Buffer", "CpuProfile", "Device", "DeviceProfile", "DeviceTotals",
+           "FitResult", "MemoryPlan", "device_budgets", "estimate", "fit", "parse_devices", "parse_fit_targets",
+           "rpc_devices"]

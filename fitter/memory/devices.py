@@ -1,0 +1,88 @@
+"""Devices an estimate reasons about: their buffer rules (pure data), and the targets `--devices` names.
+
+Buffer rules mirror ggml's backends: CUDA buffers align to 128 bytes and pad the last row of quantized matrices to
+512 elements (ggml/src/ggml-cuda/ggml-cuda.cu `ggml_backend_cuda_buffer_type_get_alloc_size`, MATRIX_ROW_PADDING
+in common.cuh) and own a pinned host buffer type `CUDA_Host`; an RPC device forwards to the remote CPU backend
+(32-byte alignment, TENSOR_ALIGNMENT in ggml-impl.h) and has no host buffer type (ggml/src/ggml-rpc/ggml-rpc.cpp).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fitter.errors import LaunchConfigError
+from fitter.units import MIB
+
+CPU_ALIGNMENT = 32  # TENSOR_ALIGNMENT, ggml/src/ggml-impl.h
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    kind: str  # "cuda" | "rpc"
+    alignment: int
+    row_padding: int  # elements the last row of a quantized matrix is padded to; 0 = none
+    host_buft: str | None  # pinned host buffer type offered to the CPU buffer list
+    op_offload: bool  # does the scheduler copy CPU weights over for large batches (ggml-backend.cpp)
+    validated: str  # how this profile was checked against llama.cpp
+
+
+CUDA = DeviceProfile("cuda", 128, 512, "CUDA_Host", True, "not yet validated against a CUDA build")
+RPC = DeviceProfile("rpc", CPU_ALIGNMENT, 0, None, False, "validated against llama.cpp's RPC backend")
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # as llama.cpp names its buffer type: "CUDA0", "RPC0[127.0.0.1:50052]"
+    profile: DeviceProfile
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    """What decides CPU_REPACK (ggml/src/ggml-cpu/repack.cpp `ggml_repack_get_optimal_repack_type`)."""
+
+    # Which weight types the CPU backend repacks, with the row multiple (ne[1] % n == 0) each requires.
+    repack_types: tuple[tuple[str, int], ...]
+    description: str
+
+
+# x86-64 with AVX2 and without AVX-512 (llama-cpp-python built with GGML_NATIVE=OFF compiles AVX2 in).
+CPU_AVX2 = CpuProfile((("Q4_0", 8), ("Q4_K", 8), ("IQ4_NL", 8), ("MXFP4", 8)), "x86-64 AVX2")
+CPU_AVX512 = CpuProfile((*CPU_AVX2.repack_types, ("Q2_K", 8)), "x86-64 AVX-512")
+CPU_NO_REPACK = CpuProfile((), "no repacking kernels")
+
+
+def parse_devices(spec: str) -> tuple[Device, ...]:
+    """`--devices none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]` (CONTRACTS.md)."""
+    spec = spec.strip()
+    if spec == "none":
+        return ()
+    kind, sep, rest = spec.partition(":")
+    if kind == "cuda" and sep:
+        devices = []
+        for i, mib in enumerate(rest.split(",")):
+            if not re.fullmatch(r"\d+", mib) or int(mib) <= 0:
+                raise LaunchConfigError(f"--devices {spec!r}: {mib!r} is not a positive number of MiB")
+            size = int(mib) * MIB
+            devices.append(Device(f"CUDA{i}", CUDA, size, size))
+        return tuple(devices)
+    if kind == "rpc" and sep:
+        return rpc_devices(rest.split(","), flag="--devices")
+    raise LaunchConfigError(f"--devices {spec!r}: expected none, cuda:MiB[,MiB...] or rpc:HOST:PORT[,...]")
+
+
+def rpc_devices(endpoints: list[str], flag: str = "--rpc") -> tuple[Device, ...]:
+    devices = []
+    for i, endpoint in enumerate(endpoints):
+        if not re.fullmatch(r"[\w.\-\[\]:]+:\d+", endpoint):
+            raise LaunchConfigError(f"{flag} {endpoint!r}: expected HOST:PORT")
+        devices.append(Device(f"RPC{i}[{endpoint}]", RPC))
+    return tuple(devices)
+
+
+def cpu_profile_for(isa_flags: frozenset[str] | set[str]) -> CpuProfile:
+    """The repack rules of a CPU with these ISA flags (/proc/cpuinfo spellings). The pinned wheel is built with
+    GGML_NATIVE=OFF: AVX2 kernels are compiled in, AVX-512 ones are not."""
+    return CPU_AVX2 if "avx2" in isa_flags else CPU_NO_REPACK

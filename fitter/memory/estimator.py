@@ -1,0 +1,381 @@
+"""The memory estimate: a pure function of (model spec, launch config, devices) → every buffer llama.cpp allocates.
+
+No files, no GPU, no subprocess. Each rule names the llama.cpp source it mirrors (llama.cpp 0c1e570, the copy
+vendored in llama-cpp-python 0.3.36).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from fitter.errors import LaunchConfigError
+from fitter.flags import KV_CACHE_TYPES, ContextParams, LaunchConfig, resolve_context
+from fitter.gguf._constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from fitter.gguf.model_spec import ModelSpec, Role, TensorSpec
+from fitter.memory.compute import auto_flash_attn_mismatch, backend_map, compute_bytes_by_device
+from fitter.memory.devices import CPU_ALIGNMENT, CPU_AVX2, CpuProfile, Device
+from fitter.memory.graphs import GRAPH_ARCHS, BackendMap
+
+CPU = "CPU"
+KINDS = ("model", "kv", "compute", "output")
+
+
+@dataclass(frozen=True)
+class Buffer:
+    buft: str  # as llama.cpp logs it: CPU_Mapped, CPU_REPACK, CPU, CUDA_Host, CUDA0, RPC0[...]
+    kind: str  # model | kv | compute | output
+    device: str  # "CPU" for every host buffer type, else the device name
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    tensor: TensorSpec
+    buft: str
+
+
+@dataclass(frozen=True)
+class DeviceTotals:
+    model: int
+    kv: int
+    compute: int
+    output: int
+
+    @property
+    def total(self) -> int:
+        return self.model + self.kv + self.compute + self.output
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model: ModelSpec
+    config: LaunchConfig
+    context: ContextParams
+    devices: tuple[Device, ...]
+    buffers: tuple[Buffer, ...]
+    placements: tuple[Placement, ...]
+    layer_devices: tuple[str, ...]  # per layer, plus the output layer last
+    warnings: tuple[str, ...]
+
+    def totals(self) -> dict[str, DeviceTotals]:
+        sums: dict[str, dict[str, int]] = {CPU: dict.fromkeys(KINDS, 0)}
+        for d in self.devices:
+            sums[d.name] = dict.fromkeys(KINDS, 0)
+        for b in self.buffers:
+            sums[b.device][b.kind] += b.bytes
+        return {name: DeviceTotals(**s) for name, s in sums.items()}
+
+
+def _pad(x: int, n: int) -> int:
+    return (x + n - 1) // n * n
+
+
+def row_bytes(type_name: str, n: int) -> int:
+    """ggml_row_size: bytes of n elements of a type."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
+    return n // block * size
+
+
+def alloc_size(device: Device | None, type_name: str, ne: tuple[int, ...], n_bytes: int) -> int:
+    """ggml_backend_buft_get_alloc_size padded to the buffer's alignment (ggml-alloc.c)."""
+    if device is None:
+        return _pad(n_bytes, CPU_ALIGNMENT)
+    size = n_bytes
+    quantized = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]][0] > 1
+    pad = device.profile.row_padding
+    if pad and quantized and ne[0] % pad:
+        size += row_bytes(type_name, pad - ne[0] % pad)  # [TAG_ALLOC_SIZE_EXPAND] in ggml-cuda.cu
+    return _pad(size, device.profile.alignment)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layer → device (src/llama-model.cpp `llama_model_base::load_tensors`)
+
+
+def layer_devices(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...]) -> tuple[Device | None, ...]:
+    """Device of each layer 0..n_layer (index n_layer is the output layer); None = CPU."""
+    n_layer = spec.n_layer
+    if not devices:
+        return (None,) * (n_layer + 1)
+    # llama_model::n_gpu_layers: a negative count (auto, all) means every layer, the output layer included.
+    n_gpu = config.n_gpu_layers if config.n_gpu_layers >= 0 else n_layer + 1
+    i_gpu_start = max(n_layer + 1 - n_gpu, 0)
+    act_gpu_layers = min(n_gpu, n_layer + 1)
+    weights = list(config.tensor_split[: len(devices)]) if any(config.tensor_split) else [
+        float(d.free_bytes or d.total_bytes or 1) for d in devices
+    ]
+    weights += [0.0] * (len(devices) - len(weights))
+    splits, acc = [], 0.0
+    for w in weights:
+        acc += w
+        splits.append(acc)
+    splits = [s / acc for s in splits]
+    out: list[Device | None] = []
+    for il in range(n_layer + 1):
+        if il < i_gpu_start or il - i_gpu_start >= act_gpu_layers:
+            out.append(None)
+            continue
+        k = bisect.bisect_right(splits, (il - i_gpu_start) / act_gpu_layers)
+        out.append(devices[min(k, len(devices) - 1)])
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weights → buffer types (src/llama-model-loader.cpp `create_tensor`, src/llama-model.cpp `make_cpu_buft_list`)
+
+
+def _weight_op(t: TensorSpec) -> str:
+    """The op llama.cpp tests a weight's buffer type with (llm_tensor_info_for in src/llama-arch.cpp)."""
+    if t.name.endswith(".bias"):
+        return "add"
+    if t.role is Role.EMBEDDING:
+        return "get_rows"
+    if t.role is Role.EXPERT:
+        return "mul_mat_id"
+    if t.role in (Role.ATTENTION, Role.DENSE_FFN, Role.SHARED_EXPERT, Role.OUTPUT, Role.ROUTER) and len(t.ne) == 2:
+        return "mul_mat"
+    return "other"
+
+
+def _repacks(t: TensorSpec, op: str, cpu: CpuProfile) -> bool:
+    """ggml-cpu/repack.cpp: extra_buffer_type::supports_op + ggml_repack_get_optimal_repack_type."""
+    dims_ok = (op == "mul_mat" and len(t.ne) == 2) or (op == "mul_mat_id" and len(t.ne) == 3)
+    if not dims_ok:
+        return False
+    return any(t.type == type_name and t.ne[1] % multiple == 0 for type_name, multiple in cpu.repack_types)
+
+
+def _cpu_buft(t: TensorSpec, config: LaunchConfig, devices: tuple[Device, ...], cpu: CpuProfile) -> str:
+    """First buffer type of the CPU list that accepts the weight: host buffer, CPU_REPACK, CPU."""
+    host = next((d.profile.host_buft for d in devices if d.profile.host_buft), None)
+    if host is not None:
+        # "avoid using a host buffer when using mmap": the pinned host type becomes plain CPU.
+        return CPU if config.mmap else host
+    op = _weight_op(t)
+    if not config.no_repack and _repacks(t, op, cpu):
+        return "CPU_REPACK"
+    return CPU
+
+
+def place_tensors(
+    spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...], layer_dev: tuple[Device | None, ...],
+    cpu: CpuProfile,
+) -> list[Placement]:
+    by_name = {d.name: d for d in devices}
+    placements = []
+    tensors = list(spec.tensors)
+    # A model without output.weight reuses token_embd for the output; llama.cpp creates a duplicate tensor in the
+    # output layer's buffer (TENSOR_DUPLICATED in llama-model-loader.cpp).
+    if not any(t.name == "output.weight" for t in tensors):
+        embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
+        if embd is not None:
+            tensors.append(TensorSpec("output.weight (tied token_embd)", embd.type, embd.ne, embd.n_bytes, None,
+                                      Role.OUTPUT, embd.shard, embd.offset))
+    for t in tensors:
+        buft = None
+        for rule in config.overrides:
+            if rule.matches(t.name):
+                if rule.buft == CPU:
+                    buft = _cpu_buft(t, config, devices, cpu)
+                elif rule.buft in by_name:
+                    buft = rule.buft
+                else:
+                    allowed = ", ".join([CPU, *by_name]) or CPU
+                    raise LaunchConfigError(
+                        f"-ot {rule.pattern}={rule.buft}: unknown buffer type {rule.buft!r}; available: {allowed}"
+                    )
+                break
+        if buft is None:
+            if t.role is Role.EMBEDDING:
+                dev = None  # the input layer always stays on the CPU
+            elif t.layer is None:
+                dev = layer_dev[spec.n_layer]
+            else:
+                dev = layer_dev[t.layer]
+            buft = dev.name if dev is not None else _cpu_buft(t, config, devices, cpu)
+        placements.append(Placement(t, buft))
+    return placements
+
+
+def model_buffers(placements: list[Placement], config: LaunchConfig, devices: tuple[Device, ...]) -> list[Buffer]:
+    by_name = {d.name: d for d in devices}
+    buffers: list[Buffer] = []
+    grouped: dict[str, list[TensorSpec]] = defaultdict(list)
+    for p in placements:
+        grouped[p.buft].append(p.tensor)
+    for buft, tensors in grouped.items():
+        if buft == CPU and config.mmap:
+            # With mmap the CPU buffer is the byte range of each shard spanning its CPU tensors, so it includes
+            # any other tensors lying between them (llama_model_loader::get_mapping_range).
+            ranges: dict[int, tuple[int, int]] = {}
+            for t in tensors:
+                lo, hi = ranges.get(t.shard, (t.offset, t.offset + t.n_bytes))
+                ranges[t.shard] = (min(lo, t.offset), max(hi, t.offset + t.n_bytes))
+            for shard in sorted(ranges):
+                lo, hi = ranges[shard]
+                buffers.append(Buffer("CPU_Mapped", "model", CPU, hi - lo))
+            continue
+        dev = by_name.get(buft)
+        size = sum(alloc_size(dev, t.type, t.ne, t.n_bytes) for t in tensors)
+        buffers.append(Buffer(buft, "model", dev.name if dev else CPU, size))
+    return buffers
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV cache (src/llama-kv-cache.cpp, src/llama-kv-cache-iswa.cpp)
+
+
+def kv_cache_sizes(spec: ModelSpec, ctx: ContextParams) -> tuple[int, int]:
+    """Cells of the full-attention cache and of the sliding-window cache (0 when the model has no SWA layers)."""
+    size_base = ctx.n_ctx_seq
+    if not any(spec.swa_layers):
+        return size_base, 0
+    # llama_kv_cache_iswa: the SWA cache holds the window per sequence plus one ubatch, padded to 256.
+    unified = ctx.n_stream == 1
+    size_swa = _pad(min(size_base, spec.n_swa * (ctx.n_seq_max if unified else 1) + ctx.n_ubatch), 256)
+    if ctx.swa_full:
+        size_swa = size_base
+    return size_base, size_swa
+
+
+def kv_buffers(
+    spec: ModelSpec, config: LaunchConfig, ctx: ContextParams, layer_dev: tuple[Device | None, ...]
+) -> list[Buffer]:
+    size_base, size_swa = kv_cache_sizes(spec, ctx)
+    v_trans = ctx.v_trans
+    v_width_max = max(spec.n_embd_v_gqa(il) for il in range(spec.n_layer))
+    # One cache per kind (base, swa), one buffer per buffer type within it, in name order (std::map by name).
+    caches: dict[tuple[bool, str], int] = defaultdict(int)
+    devs: dict[str, Device | None] = {}
+    for il in range(spec.n_layer):
+        is_swa = spec.swa_layers[il]
+        cells = size_swa if is_swa else size_base
+        dev = None if config.no_kv_offload else layer_dev[il]
+        name = dev.name if dev is not None else CPU
+        devs[name] = dev
+        k_width = spec.n_embd_k_gqa(il)
+        k = (config.cache_type_k, (k_width, cells, ctx.n_stream))
+        tensors = [k]
+        if not spec.is_mla:  # MLA caches only K (has_v = !is_mla)
+            v_width = v_width_max if v_trans else spec.n_embd_v_gqa(il)
+            tensors.append((config.cache_type_v, (v_width, cells, ctx.n_stream)))
+        for type_name, ne in tensors:
+            n_bytes = row_bytes(type_name, ne[0]) * ne[1] * ne[2]
+            caches[(is_swa, name)] += alloc_size(dev, type_name, ne, n_bytes)
+    buffers = []
+    for (_, name), size in sorted(caches.items()):
+        dev = devs[name]
+        buffers.append(Buffer(name, "kv", dev.name if dev else CPU, size))
+    return buffers
+
+
+def compute_buffers(
+    spec: ModelSpec,
+    ctx: ContextParams,
+    layer_dev: tuple[Device | None, ...],
+    devices: tuple[Device, ...],
+    backends: BackendMap,
+    cache_types: tuple[str, str],
+) -> list[Buffer]:
+    """One compute buffer per backend (src/llama-context.cpp: the CPU backend uses the first device's pinned host
+    buffer type when it has one)."""
+    by_dev = compute_bytes_by_device(spec, ctx, devices, layer_dev, backends, kv_cache_sizes(spec, ctx), cache_types)
+    buffers = [Buffer(d.name, "compute", d.name, by_dev[d.name]) for d in devices if d.name in by_dev]
+    host = next((d.profile.host_buft for d in devices if d.profile.host_buft), None)
+    buffers.append(Buffer(host or CPU, "compute", CPU, by_dev[CPU]))
+    return buffers
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output buffer (src/llama-context.cpp `output_reserve`)
+
+
+def output_buffer(spec: ModelSpec, ctx: ContextParams, layer_dev: tuple[Device | None, ...]) -> Buffer:
+    # Reserved at construction for n_seq_max outputs: logits n_vocab floats per output.
+    n_outputs_max = ctx.n_seq_max
+    size = spec.n_vocab * n_outputs_max * 4
+    out_dev = layer_dev[spec.n_layer]
+    host = out_dev.profile.host_buft if out_dev is not None else None
+    return Buffer(host or CPU, "output", CPU, size)
+
+
+def check_cache_types(spec: ModelSpec, config: LaunchConfig, ctx: ContextParams) -> None:
+    """The KV-type rules llama_init_from_model checks against the model (src/llama-context.cpp)."""
+    ctk, ctv = config.cache_type_k, config.cache_type_v
+    if spec.is_mla and ctk != ctv:
+        raise LaunchConfigError(
+            f"-ctk {ctk} -ctv {ctv}: {spec.arch} uses MLA, whose V lives inside the K cache, so llama.cpp requires "
+            "the same K and V cache type"
+        )
+    if not ctx.flash_attn:
+        return
+    for flag, type_name, head in (("-ctk", ctk, spec.head_dim_k), ("-ctv", ctv, spec.head_dim_v)):
+        block = KV_CACHE_TYPES[type_name][0]
+        if block > 1 and head % block:
+            raise LaunchConfigError(
+                f"{flag} {type_name}: its block of {block} does not divide the model's head size {head} "
+                "(llama.cpp refuses quantized caches that do not tile the heads)"
+            )
+
+
+def first_failure(plan: MemoryPlan, device: str, cap_bytes: int) -> str | None:
+    """The stage at which a device with cap_bytes runs out, in llama.cpp's order of allocation: model buffers
+    (load_tensors), then each KV buffer (llama_kv_cache), then compute (sched_reserve). None if everything fits."""
+    used = 0
+    for kind in ("model", "kv", "compute"):
+        for b in plan.buffers:
+            if b.kind == kind and b.device == device:
+                used += b.bytes
+                if used > cap_bytes:
+                    return kind
+    return None
+
+
+def estimate(
+    spec: ModelSpec,
+    config: LaunchConfig,
+    devices: tuple[Device, ...] = (),
+    cpu: CpuProfile = CPU_AVX2,
+) -> MemoryPlan:
+    """Every buffer llama.cpp will allocate for this model, these flags and these devices."""
+    ctx = resolve_context(config, spec.n_ctx_train)
+    check_cache_types(spec, config, ctx)
+    warnings = list(ctx.warnings)
+    if devices and config.n_gpu_layers == -1 and config.fit:
+        warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
+    layer_dev = layer_devices(spec, config, devices)
+    placements = place_tensors(spec, config, devices, layer_dev, cpu)
+    host_weights = any(p.buft in (CPU, "CPU_REPACK") and p.tensor.role is not Role.EMBEDDING for p in placements)
+    if any(d.profile.op_offload for d in devices) and not config.no_op_offload and ctx.n_ubatch >= 32 and host_weights:
+        warnings.append(
+            "op offload: for batches of 32+ tokens llama.cpp copies CPU-resident weights to the GPU, growing its "
+            "compute buffer (llama.cpp issue #22319); those copies are not in this estimate until a CUDA golden run "
+            "validates them (--no-op-offload avoids them)"
+        )
+    if devices and spec.arch not in GRAPH_ARCHS:
+        warnings.append(f"{spec.arch}: compute buffers come from fitter's phase model, not a graph replay")
+    cache_types = (config.cache_type_k, config.cache_type_v)
+    backends = backend_map(devices, layer_dev, {p.tensor.name: p.buft for p in placements}, config.no_kv_offload)
+    bad_layer = auto_flash_attn_mismatch(spec, ctx, backends, kv_cache_sizes(spec, ctx), cache_types)
+    if bad_layer is not None:
+        ctx = replace(ctx, flash_attn=False)
+        warnings.append(
+            f"-fa auto: layer {bad_layer}'s flash attention would run off the layer's device, so llama.cpp turns "
+            "flash attention off (its V cache stays untransposed); pin it with -fa on or off"
+        )
+    buffers = model_buffers(placements, config, devices)
+    buffers += kv_buffers(spec, config, ctx, layer_dev)
+    buffers += compute_buffers(spec, ctx, layer_dev, devices, backends, cache_types)
+    buffers.append(output_buffer(spec, ctx, layer_dev))
+    return MemoryPlan(
+        model=spec,
+        config=config,
+        context=ctx,
+        devices=devices,
+        buffers=tuple(buffers),
+        placements=tuple(placements),
+        layer_devices=tuple(d.name if d else CPU for d in layer_dev),
+        warnings=tuple(warnings),
+    )

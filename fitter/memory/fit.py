@@ -1,0 +1,233 @@
+"""`fitter fit`: the placement that puts the most useful bytes on the GPU(s) within free memory minus a target.
+
+Every candidate is judged by the estimator alone (no model is loaded). For a MoE model the search starts from the
+seeds' recipe, all layers on the GPU and the smallest `-ncmoe N` that fits, and also tries llama.cpp's `--fit` order
+(the experts of the last layers on the CPU), whichever expert tensors of the boundary layer still fit (`-ot`), and a
+few lower `-ngl` values once every expert on the CPU fits; of all placements that fit it keeps the one that uses the
+most device memory, then the most weights. A dense model gets the largest `-ngl`; an `-ngl` the user gives is kept,
+and then "nothing fits" is a real answer, with what would fit instead. With `-c 0` the placement is found at
+`--fit-ctx` (default 4096, as llama.cpp's `--fit-ctx`) and the context then grows to the largest that still fits,
+up to the model's training context.
+
+llama.cpp's own `--fit` (common/fit.cpp) only ever moves the experts of the highest-numbered layers and whole layers;
+placements differ in their compute buffers (the graph splits differently), so fitter judges both orders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fitter.errors import FitterError
+from fitter.flags import LaunchConfig
+from fitter.flags.overrides import EXPERT_KINDS, experts_rules, ncmoe_rules
+from fitter.gguf.model_spec import ModelSpec, Role
+from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, device_budgets
+from fitter.memory.devices import CPU_AVX2, CpuProfile, Device
+from fitter.memory.estimator import MemoryPlan, estimate
+from fitter.units import MIB
+
+
+@dataclass(frozen=True)
+class FitResult:
+    fits: bool
+    config: LaunchConfig
+    plan: MemoryPlan
+    budgets: dict[str, int]  # device → free memory minus the fit target
+    expert_layers_on_device: int
+    shortfall: int | None  # bytes over budget on the worst device, when nothing fits
+    suggestions: tuple[str, ...]
+
+
+def _device_bytes(plan: MemoryPlan) -> dict[str, int]:
+    totals = plan.totals()
+    return {d.name: totals[d.name].total for d in plan.devices}
+
+
+def _over(plan: MemoryPlan, budgets: dict[str, int]) -> int:
+    """Bytes by which the worst device exceeds its budget (≤ 0 when everything fits)."""
+    used = _device_bytes(plan)
+    return max(used[name] - budget for name, budget in budgets.items())
+
+
+class _Search:
+    def __init__(self, spec: ModelSpec, devices: tuple[Device, ...], budgets: dict[str, int], cpu: CpuProfile):
+        self.spec, self.devices, self.budgets, self.cpu = spec, devices, budgets, cpu
+        self.tried = 0
+
+    def plan(self, config: LaunchConfig) -> MemoryPlan:
+        self.tried += 1
+        return estimate(self.spec, config, self.devices, self.cpu)
+
+    def fits(self, config: LaunchConfig) -> tuple[bool, MemoryPlan]:
+        plan = self.plan(config)
+        return _over(plan, self.budgets) <= 0, plan
+
+
+def _expert_layers_on_device(plan: MemoryPlan) -> int:
+    """Layers with at least one expert tensor on a device."""
+    names = {d.name for d in plan.devices}
+    return len({p.tensor.layer for p in plan.placements if p.tensor.role is Role.EXPERT and p.buft in names})
+
+
+def _place(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
+    return (_place_moe if s.spec.n_expert else _place_layers)(s, base)
+
+
+def _cpu_layers(n_layer: int, n: int, from_top: bool) -> list[int]:
+    """The n layers whose experts go to the CPU: the first n (-ncmoe) or the last n (llama.cpp's --fit)."""
+    return list(range(n_layer - n, n_layer)) if from_top else list(range(n))
+
+
+def _better(a: tuple[LaunchConfig, MemoryPlan] | None, b: tuple[LaunchConfig, MemoryPlan]) -> bool:
+    """More device memory put to use, then more weights on the devices."""
+    if a is None:
+        return True
+    def key(p: MemoryPlan) -> tuple[int, int]:
+        totals = p.totals()
+        return (sum(totals[d.name].total for d in p.devices), sum(totals[d.name].model for d in p.devices))
+    return key(b[1]) > key(a[1])
+
+
+def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
+    """Search layers on the GPU × how many layers' experts go to the CPU (first or last ones, as -ncmoe or as
+    llama.cpp's --fit) × which expert tensors of the boundary layer come back, keeping the placement that fits and
+    uses the most device memory. For each -ngl the count of expert layers is found by bisection (more experts on the
+    CPU never needs more device memory); -ngl is only lowered below the first value where every expert on the CPU
+    fits by two more steps, where whole layers' KV traded for experts can still pay."""
+    n_layer = s.spec.n_layer
+    fixed = base.n_gpu_layers != -1
+    ngl_values = [base.n_gpu_layers] if fixed else list(range(n_layer + 1, -1, -1))
+    best: tuple[LaunchConfig, MemoryPlan] | None = None
+    first_fitting_ngl: int | None = None
+    for ngl in ngl_values:
+        if first_fitting_ngl is not None and ngl < first_fitting_ngl - 2:
+            break
+        layered = replace(base, n_gpu_layers=-2 if ngl == n_layer + 1 and not fixed else ngl)
+        all_cpu = replace(layered, overrides=experts_rules(list(range(n_layer))))
+        ok_all_cpu, plan_all_cpu = s.fits(all_cpu)
+        if not ok_all_cpu:
+            continue
+        first_fitting_ngl = ngl if first_fitting_ngl is None else first_fitting_ngl
+        if _better(best, (all_cpu, plan_all_cpu)):
+            best = (all_cpu, plan_all_cpu)
+        for from_top in (False, True):
+            lo, hi = 0, n_layer  # the smallest count of CPU expert layers that fits lies in [lo, hi]
+            found: dict[int, tuple[LaunchConfig, MemoryPlan]] = {n_layer: (all_cpu, plan_all_cpu)}
+            while lo < hi:
+                mid = (lo + hi) // 2
+                config = replace(layered, overrides=experts_rules(_cpu_layers(n_layer, mid, from_top)))
+                ok, plan = s.fits(config)
+                if ok:
+                    hi, found[mid] = mid, (config, plan)
+                else:
+                    lo = mid + 1
+            n = lo
+            if _better(best, found[n]):
+                best = found[n]
+            if n == 0:
+                continue
+            # the boundary layer: whichever of its expert tensors still fit go back to the device
+            cpu_layers = _cpu_layers(n_layer, n, from_top)
+            boundary = cpu_layers[0] if from_top else cpu_layers[-1]
+            rest = [i for i in cpu_layers if i != boundary]
+            for stay in [*((a, b) for i, a in enumerate(EXPERT_KINDS) for b in EXPERT_KINDS[i + 1:]),
+                         *((k,) for k in EXPERT_KINDS)]:
+                config = replace(layered, overrides=experts_rules(rest, boundary, stay))
+                ok, plan = s.fits(config)
+                if ok and _better(best, (config, plan)):
+                    best = (config, plan)
+    if best is None and not fixed:
+        return None
+    return best
+
+
+def _place_layers(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
+    """The most layers that fit; an -ngl the user gave is kept as it is."""
+    choices = range(s.spec.n_layer + 1, -1, -1) if base.n_gpu_layers == -1 else (base.n_gpu_layers,)
+    for ngl in choices:
+        config = replace(base, n_gpu_layers=ngl)
+        ok, plan = s.fits(config)
+        if ok:
+            return config, plan
+    return None
+
+
+def _grow_context(s: _Search, config: LaunchConfig, plan: MemoryPlan) -> tuple[LaunchConfig, MemoryPlan]:
+    """The largest context (a multiple of 256, up to the training context) that still fits this placement."""
+    lo, hi = config.ctx_size // 256, s.spec.n_ctx_train // 256
+    best = (config, plan)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        candidate = replace(config, ctx_size=mid * 256)
+        ok, candidate_plan = s.fits(candidate)
+        if ok:
+            lo, best = mid, (candidate, candidate_plan)
+        else:
+            hi = mid - 1
+    return best
+
+
+def _lightest(s: _Search, base: LaunchConfig) -> LaunchConfig:
+    """The least a placement can put on the devices: every expert on the CPU, and no layers unless -ngl was given."""
+    ngl = 0 if base.n_gpu_layers == -1 else base.n_gpu_layers
+    return replace(base, n_gpu_layers=ngl, overrides=ncmoe_rules(s.spec.n_layer) if s.spec.n_expert else ())
+
+
+def _suggestions(s: _Search, base: LaunchConfig, plan: MemoryPlan) -> tuple[str, ...]:
+    """What would fit instead, each checked with the estimator at the lightest placement."""
+    lightest = _lightest(s, base)
+    ctx = plan.context.n_ctx
+    variants: list[tuple[str, LaunchConfig]] = [
+        (f"-c {max(256, ctx // 2 // 256 * 256)}", replace(base, ctx_size=max(256, ctx // 2 // 256 * 256))),
+        ("-c 4096", replace(base, ctx_size=4096)),
+        ("-fa on", replace(base, flash_attn="on")),
+        ("-ctk q8_0 -ctv q8_0 -fa on", replace(base, cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on")),
+        ("-ub 256", replace(base, ubatch_size=256)),
+        ("-ub 128", replace(base, ubatch_size=128)),
+        ("-nkvo", replace(base, no_kv_offload=True)),
+    ]
+    out = []
+    for label, variant in variants:
+        if variant == base:
+            continue
+        try:
+            placed = _place(s, variant)
+        except FitterError:
+            continue
+        if placed is not None:
+            used = max(_device_bytes(placed[1]).values())
+            out.append(f"{label}: fits ({used / MIB:.0f} MiB on the busiest device)")
+    if not out:
+        used = max(_device_bytes(s.plan(lightest)).values())
+        out.append(f"even with nothing offloaded the devices need {used / MIB:.0f} MiB: lower --fit-target")
+    return tuple(out)
+
+
+def fit(
+    spec: ModelSpec,
+    base: LaunchConfig,
+    devices: tuple[Device, ...],
+    targets_mib: tuple[int, ...] = (DEFAULT_FIT_TARGET_MIB,),
+    fit_ctx: int = DEFAULT_FIT_CTX,
+    cpu: CpuProfile = CPU_AVX2,
+) -> FitResult:
+    if not devices:
+        raise FitterError("fitter fit: no GPU to fit onto (no NVIDIA GPU found); give --devices cuda:MiB, "
+                          "--emulated-gpu MiB or --rpc HOST:PORT")
+    budgets: dict[str, int] = {}
+    for name, budget in device_budgets(devices, targets_mib).items():
+        if budget is None:
+            raise FitterError(f"{name}: its free memory is unknown; give --devices cuda:MiB or --emulated-gpu MiB")
+        budgets[name] = budget
+    s = _Search(spec, devices, budgets, cpu)
+    auto_ctx = base.ctx_size == 0
+    start = replace(base, ctx_size=min(fit_ctx, spec.n_ctx_train)) if auto_ctx else base
+    placed = _place(s, start)
+    if placed is None:
+        lightest = _lightest(s, start)
+        plan = s.plan(lightest)
+        return FitResult(False, lightest, plan, budgets, 0, _over(plan, budgets), _suggestions(s, start, plan))
+    config, plan = placed
+    if auto_ctx:
+        config, plan = _grow_context(s, config, plan)
+    return FitResult(True, config, plan, budgets, _expert_layers_on_device(plan), None, ())

@@ -1,0 +1,153 @@
+"""Rendering a memory plan: the JSON shape of CONTRACTS.md and a human table. Pure functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fitter.memory.estimator import MemoryPlan
+from fitter.memory.fit import FitResult
+from fitter.units import MIB
+
+
+def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
+    spec = plan.model
+    return {
+        "model": {
+            "path": spec.path,
+            "arch": spec.arch,
+            "shards": spec.n_shards,
+            "n_params": spec.n_params,
+            "tensor_bytes": spec.tensor_bytes,
+            "identity": spec.identity,
+        },
+        "context": {
+            "n_ctx": plan.context.n_ctx,
+            "n_ctx_seq": plan.context.n_ctx_seq,
+            "n_seq_max": plan.context.n_seq_max,
+            "kv_unified": plan.context.n_stream == 1,
+            "n_batch": plan.context.n_batch,
+            "n_ubatch": plan.context.n_ubatch,
+            "flash_attn": plan.context.flash_attn,
+            "swa_full": plan.context.swa_full,
+        },
+        "devices": {
+            name: {"model": t.model, "kv": t.kv, "compute": t.compute, "output": t.output, "total": t.total}
+            for name, t in plan.totals().items()
+        },
+        "device_profiles": {d.name: {"kind": d.profile.kind, "validated": d.profile.validated}
+                            for d in plan.devices},
+        "buffers": [{"buft": b.buft, "kind": b.kind, "bytes": b.bytes} for b in plan.buffers],
+        "tensors": [
+            {
+                "name": p.tensor.name,
+                "type": p.tensor.type,
+                "shape": p.tensor.shape,
+                "bytes": p.tensor.n_bytes,
+                "layer": p.tensor.layer,
+                "role": p.tensor.role.value,
+                "buft": p.buft,
+            }
+            for p in plan.placements
+        ],
+        "warnings": list(plan.warnings),
+        "llama_cpp": dict(llama_cpp),
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:10.2f}"
+
+
+def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = False) -> str:
+    spec, ctx = plan.model, plan.context
+    lines = [
+        f"model   {spec.path}  ({spec.arch}, {spec.n_layer} layers, {spec.n_params / 1e9:.2f} B params, "
+        f"{spec.tensor_bytes / MIB:.2f} MiB in {spec.n_shards} file{'s' if spec.n_shards > 1 else ''})",
+        f"context n_ctx {ctx.n_ctx} ({ctx.n_seq_max} slot{'s' if ctx.n_seq_max > 1 else ''}, "
+        f"{'unified' if ctx.n_stream == 1 else 'per-slot'} KV of {ctx.n_ctx_seq} cells), -b {ctx.n_batch}, "
+        f"-ub {ctx.n_ubatch}, flash attention {'on' if ctx.flash_attn else 'off'}",
+        f"flags   {' '.join(plan.config.flags) or '(llama-server defaults)'}",
+        "",
+        f"{'buffer':<28}{'kind':<9}{'MiB':>10}",
+    ]
+    for b in plan.buffers:
+        lines.append(f"{b.buft:<28}{b.kind:<9}{_mib(b.bytes)}")
+    lines += ["", f"{'device':<28}{'model':>10}{'kv':>10}{'compute':>10}{'output':>10}{'total':>10}"]
+    for name, t in plan.totals().items():
+        lines.append(f"{name:<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.output)}{_mib(t.total)}")
+    for d in plan.devices:
+        if "not yet validated" in d.profile.validated:
+            lines.append(f"note: {d.name}: {d.profile.validated}")
+    if per_tensor:
+        lines += ["", f"{'tensor':<40}{'type':<8}{'role':<14}{'buffer':<24}{'MiB':>10}"]
+        for p in plan.placements:
+            lines.append(
+                f"{p.tensor.name:<40}{p.tensor.type:<8}{p.tensor.role.value:<14}{p.buft:<24}{_mib(p.tensor.n_bytes)}"
+            )
+    lines.append(f"\nrules matched against llama.cpp {llama_cpp['commit']} ({llama_cpp['source']})")
+    return "\n".join(lines)
+
+
+def fit_json(
+    result: FitResult, flags: list[str], command: str, emulated: bool, verify: dict[str, Any] | None
+) -> dict[str, Any]:
+    """CONTRACTS.md `fitter fit --json`, plus the command line, the budgets and an optional verification load."""
+    totals = result.plan.totals()
+    devices = {}
+    for d in result.plan.devices:
+        t = totals[d.name]
+        free = d.free_bytes if d.free_bytes is not None else d.total_bytes or 0
+        devices[d.name] = {
+            "model": t.model, "kv": t.kv, "compute": t.compute, "output": t.output, "total": t.total,
+            "free": free, "free_after": free - t.total, "budget": result.budgets[d.name],
+        }
+    out: dict[str, Any] = {
+        "fits": result.fits,
+        "flags": flags,
+        "command": command,
+        "emulated": emulated,
+        "devices": devices,
+        "host": {"model": totals["CPU"].model, "kv": totals["CPU"].kv, "compute": totals["CPU"].compute,
+                 "output": totals["CPU"].output, "total": totals["CPU"].total},
+        "layers": {"expert_layers_on_device": result.expert_layers_on_device, "n_layer": result.plan.model.n_layer},
+        "shortfall": result.shortfall,
+        "suggestions": list(result.suggestions),
+        "warnings": list(result.plan.warnings),
+    }
+    if verify is not None:
+        out["verify"] = verify
+    return out
+
+
+def fit_table(result: FitResult, command: str, emulated: bool, verify: dict[str, Any] | None) -> str:
+    plan = result.plan
+    lines = [f"model   {plan.model.path}  ({plan.model.arch}, {plan.model.n_layer} layers)"]
+    if emulated:
+        lines.append("device  emulated GPU (a capped llama.cpp RPC device on 127.0.0.1): real placement and "
+                     "out-of-memory behaviour, CPU speed")
+    lines += ["", f"{'device':<28}{'model':>10}{'kv':>10}{'compute':>10}{'total':>10}{'free':>10}{'after':>10}"]
+    totals = plan.totals()
+    for d in plan.devices:
+        t = totals[d.name]
+        free = d.free_bytes if d.free_bytes is not None else d.total_bytes or 0
+        lines.append(f"{d.name:<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.total)}{_mib(free)}"
+                     f"{_mib(free - t.total)}")
+    t = totals["CPU"]
+    lines.append(f"{'host (RAM)':<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.total)}")
+    lines.append("")
+    if result.fits:
+        lines.append(f"fits: experts of {result.expert_layers_on_device}/{plan.model.n_layer} layers on the GPU, "
+                     f"context {plan.context.n_ctx}")
+        lines.append(command)
+    else:
+        assert result.shortfall is not None
+        ngl = result.config.n_gpu_layers
+        ngl_text = "all" if ngl < 0 else str(ngl)
+        lightest = "with nothing offloaded" if ngl == 0 else f"at -ngl {ngl_text} with every expert on the CPU"
+        lines.append(f"does not fit: {result.shortfall / MIB:.0f} MiB over budget {lightest}")
+        lines += [f"  try {s}" for s in result.suggestions]
+    if verify is not None:
+        state = "loaded" if verify["loaded"] else f"FAILED to load: {verify['error']}"
+        lines.append(f"verify: {state}; device peak {verify['device_peak_bytes'] / MIB:.2f} MiB of "
+                     f"{verify['device_cap_bytes'] / MIB:.0f} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""ggml_backend_sched's backend assignment and graph splitting, on fitter's shape-only graphs.
+
+Mirrors ggml/src/ggml-backend.cpp `ggml_backend_sched_split_graph` for one device plus the CPU, or several devices
+without pipeline parallelism: pass 1 puts ops next to their weights (and graph inputs on the CPU), pass 2 spreads
+device assignments up and down the graph, pass 4 gives views and sources their producer's backend, pass 5 cuts the
+graph where the backend changes and copies every input a split reads from another backend into that split's
+buffer. The copy of a graph as ggml-alloc then sees it (input dependency, input copy, split nodes) is returned with
+each tensor's buffer, so `fitter.memory.ggml_graph.allocate_buffers` gives each backend's compute buffer.
+
+Backends are indices, devices first and the CPU last; every buffer type belongs to exactly one backend (the CPU
+backend accepts all host buffer types), and every backend accepts every op fitter builds (RPC supports all ops,
+ggml-rpc.cpp). Op offload (CUDA copying CPU weights for large batches) is not modelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fitter.memory.ggml_graph import VIEW_OPS, Graph, Tensor
+
+
+def _buffer_backend(t: Tensor) -> int:
+    """Backend owning the buffer a tensor already lives in (weights, KV cache, views of them), or -1."""
+    root = t.view_src if t.view_src is not None else t
+    return root.backend if root.has_data else -1
+
+
+def schedule(graph: Graph, n_backends: int) -> tuple[Graph, Callable[[Tensor], int]]:
+    cpu = n_backends - 1
+    backend: dict[int, int] = {}
+
+    def get(t: Tensor | None) -> int:
+        return -1 if t is None else backend.get(id(t), -1)
+
+    def from_cur(t: Tensor) -> int:
+        """ggml_backend_sched_backend_id_from_cur."""
+        b = _buffer_backend(t)
+        if b != -1:
+            return b
+        if t.is_input:
+            return cpu
+        if t.op not in ("ROPE", "FLASH_ATTN_EXT"):
+            for s in t.src:
+                if s is not None and s.has_data and s.is_weight:
+                    return s.backend
+        return -1
+
+    # pass 1
+    for leaf in graph.leafs:
+        backend[id(leaf)] = from_cur(leaf)
+    for node in graph.nodes:
+        backend[id(node)] = node.pinned if node.pinned != -1 else from_cur(node)
+    # pass 2: spread devices down and up, then any backend down and up
+    compute_nodes = [n for n in graph.nodes if n.op not in VIEW_OPS]
+    for order, skip_cpu in ((compute_nodes, True), (compute_nodes[::-1], True), (compute_nodes, False),
+                            (compute_nodes[::-1], False)):
+        cur = -1
+        for node in order:
+            b = backend[id(node)]
+            if b != -1:
+                cur = -1 if (skip_cpu and b == cpu) else b
+            elif cur != -1:
+                backend[id(node)] = cur
+
+    def supported(t: Tensor, b: int) -> bool:
+        """ggml_backend_sched_buffer_supported: can backend b read t where it is?"""
+        owner = _buffer_backend(t)
+        if owner == -1:
+            owner = get(t)
+            if owner == -1 and t.view_src is not None:
+                owner = get(t.view_src)
+        return owner == b
+
+    # pass 3: nodes still unassigned go where most of their inputs are
+    for node in compute_nodes:
+        if backend[id(node)] == -1:
+            best, best_n = -1, -1
+            for b in range(n_backends):
+                n = sum(1 for s in node.src if s is not None
+                        and (get(s) != -1 or get(s.view_src) != -1) and supported(s, b))
+                if n > best_n:
+                    best, best_n = b, n
+            backend[id(node)] = best
+    # pass 4: views and remaining sources
+    for node in graph.nodes:
+        if node.view_src is not None and backend[id(node)] == -1:
+            backend[id(node)] = get(node.view_src)
+        for s in node.src:
+            if s is not None and get(s) == -1:
+                backend[id(s)] = get(s.view_src) if s.view_src is not None else backend[id(node)]
+        if backend[id(node)] == -1:
+            backend[id(node)] = 0
+    # pass 5: splits and input copies
+    copy = Graph()
+    copy.leafs = list(graph.leafs)
+    copies: dict[tuple[int, int], Tensor] = {}
+    pending: list[Tensor] = []  # nodes of the current split
+    inputs: list[Tensor] = []
+    first = next((n for n in graph.nodes if n.op not in VIEW_OPS), None)
+    cur = backend[id(first)] if first is not None else cpu
+
+    def flush() -> None:
+        for inp in inputs:
+            dep = Tensor(inp.type, inp.ne, inp.nb, "NONE", (inp,),
+                         inp.view_src if inp.view_src is not None else inp)
+            backend[id(dep)] = get(inp)
+            copy.nodes.append(dep)  # keeps the source alive until it is copied
+            cpy = copies[(id(inp), split_backend)]
+            copy.nodes.append(cpy)  # allocated at the start of the split
+        copy.nodes.extend(pending)
+        pending.clear()
+        inputs.clear()
+
+    split_backend = cur
+    for node in graph.nodes:
+        if node.op in VIEW_OPS:
+            pending.append(node)
+            continue
+        b = backend[id(node)]
+        new_split = b != split_backend
+        if not new_split and inputs:
+            new_split = any(s is not None and s.has_data and s.is_weight and get(s) != split_backend
+                            and not supported(s, split_backend) for s in node.src)
+        if new_split:
+            flush()
+            split_backend = b
+        srcs = list(node.src)
+        for j, s in enumerate(srcs):
+            if s is None:
+                continue
+            if get(s) != split_backend and not supported(s, split_backend):
+                key = (id(s), split_backend)
+                if key not in copies:
+                    cpy = Tensor(s.type, s.ne, s.nb, "NONE", name=s.name + "#copy")
+                    backend[id(cpy)] = split_backend
+                    copies[key] = cpy
+                    inputs.append(s)
+                srcs[j] = copies[key]
+        node.src = tuple(srcs)
+        pending.append(node)
+    flush()
+    return copy, lambda t: backend.get(id(t), cpu)

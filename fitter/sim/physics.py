@@ -1,0 +1,187 @@
+"""Simulated machines: a deterministic performance model of llama.cpp on a GPU+CPU machine, driven by the
+estimator's memory plan, for tuning without hardware (`--backend sim --machine NAME|FILE`).
+
+A machine profile (`fitter/sim/machines/*.toml`, or any TOML file of the same keys) holds physical parameters only;
+nothing in it refers to a flag or a configuration. Where each tensor lives, the KV cache, the context and the
+device totals all come from `fitter.memory.estimator.estimate`. The equations, for one ubatch of m tokens whose queries
+attend n_kv cells on average:
+
+    ubatch(m)  = Σ_work max(flops / F_dev, bytes / B_dev)          roofline of each weight and each layer's attention
+               + Σ_cpu-resident weights bytes_w / B_pcie            op offload only: m ≥ 32 and a GPU (ggml-cuda.cu
+                                                                     offload_op), the weights copied per ubatch
+               + hand_offs · t_split                                changes of device along the graph: the token
+                                                                     embedding (CPU), then per layer its attention
+                                                                     weights, attention, router, FFN or experts, and
+                                                                     the output (graph splits − 1)
+               + ops_gpu · t_launch + ops_cpu · t_sync · threads    kernel launches; a CPU barrier per op
+
+  weight w:  bytes = its size (experts: × u, the share of experts any of the m tokens routes to,
+             u = 1 − (1 − k/E)^m for top-k of E), flops = 2 · elements · m (experts: × k/E; output: one row, as
+             llama-bench asks logits of the last token only). It runs where it lives; under op offload the
+             CPU-resident ones (not the token embedding, a row lookup) run on the first GPU.
+  attention: on the device of the layer's KV (the CPU with -nkvo), bytes = n_kv' · (K + V row bytes of the cache
+             types: q8_0 reads 34/64 of f16) + without flash attention 3 passes over the f32 scores
+             (4 · n_head · m · n_kv'), flops = 2 · m · n_kv' · n_head · (d_k + d_v) + 2 per quantized KV element
+             (dequantisation); n_kv' = min(n_kv, window) on sliding-window layers.
+  GPU:       F = tflops, B = bandwidth (achieved, not nominal).
+  CPU:       threads fill P-cores, then E-cores (speed e), then SMT siblings (gain s on compute, nothing on
+             bandwidth: siblings share their core's miss slots); past the logical CPUs, time slicing scales both by
+             logical / threads. With c and b those P-core equivalents, F = c · core_gflops and
+             B = min(b · core_gbps, channels · MT/s · 8 B · efficiency): decode saturates at the memory limit.
+
+    decode t/s  = 1 / ubatch(1) at n_kv = depth + n/2                         (threads: -t)
+    prefill t/s = n_prompt / Σ ubatch(m_i) over the -b/-ub chunks at n_kv = their mean position (-tb, else -t)
+
+Each repetition's time is multiplied by 1 + noise · N(0, 1), drawn from a generator seeded by (the profile's seed,
+the config however its flags are spelled, the threads, the test, the repetition): the same config gives the same
+samples in any order. A model load takes file bytes / disk + GPU weight bytes / PCIe, and none when the model-level
+flags repeat the previous trial's (llama-bench's rule, fitter.measure.worker.MODEL_LEVEL).
+Memory is the plan: a GPU whose buffers plus the CUDA context exceed its free memory (total − reserved), or host
+buffers (the model mapping included) over the RAM, fail with `oom` at the first buffer, in llama.cpp's order of
+allocation (model, KV, compute, output), that does not fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from fitter.flags import KV_CACHE_TYPES
+from fitter.gguf.model_spec import Role
+from fitter.measure.types import BenchSpec, OomInfo
+from fitter.memory.estimator import CPU, KINDS, Buffer, MemoryPlan, row_bytes
+from fitter.sim.profile import Cpu, Machine
+from fitter.units import GIB, MIB
+
+OP_OFFLOAD_MIN_BATCH = 32  # ggml-cuda.cu ggml_backend_cuda_device_offload_op: get_op_batch_size(op) >= 32
+FA_OFF_PASSES = 3  # without flash attention the f32 KQ scores are written, soft-maxed in place, then read
+DEQUANT_FLOPS = 2.0  # per element of a quantized KV cache read
+# Order of a layer's work (for counting splits): attention weights and norms, the attention itself, then the FFN.
+_STEP = {Role.ROUTER: 2, Role.SHARED_EXPERT: 3, Role.DENSE_FFN: 4, Role.EXPERT: 4}
+
+
+def thread_capacity(cpu: Cpu, threads: int) -> tuple[float, float]:
+    """(compute, bandwidth) of `threads` threads in P-core equivalents."""
+    p = min(threads, cpu.p_cores)
+    e = min(max(threads - cpu.p_cores, 0), cpu.e_cores)
+    s = min(max(threads - cpu.p_cores - cpu.e_cores, 0), cpu.p_cores * (cpu.smt - 1))
+    compute, bandwidth = p + e * cpu.e_core_speed + s * cpu.smt_gain, p + e * cpu.e_core_speed
+    logical = cpu.p_cores * cpu.smt + cpu.e_cores
+    scale = min(1.0, logical / threads)
+    return compute * scale, bandwidth * scale
+
+
+def _rates(m: Machine, dev: str, threads: int) -> tuple[float, float]:
+    """(FLOP/s, bytes/s) of a device."""
+    if dev == CPU:
+        compute, bandwidth = thread_capacity(m.cpu, threads)
+        return compute * m.cpu.core_gflops * 1e9, min(bandwidth * m.cpu.core_gbps, m.ram.gbps) * 1e9
+    assert m.gpu is not None
+    return m.gpu.tflops * 1e12, m.gpu.bandwidth_gbps * 1e9
+
+
+def ubatch_seconds(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, threads: int) -> float:
+    """One llama_decode of n_tokens whose queries attend n_kv cells on average (the module's equation)."""
+    spec, config = plan.model, plan.config
+    gpus = [d.name for d in plan.devices]
+    offload = bool(gpus) and not config.no_op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH
+    k_share = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
+    used = 1 - (1 - k_share) ** n_tokens
+    work: list[tuple[tuple[int, int], str, float, float]] = []  # (order, device, flops, bytes)
+    pcie = 0.0
+    for p in plan.placements:
+        t = p.tensor
+        if t.role is Role.EMBEDDING:
+            continue  # get_rows on the CPU: a row per token
+        n_el = 1
+        for d in t.ne:
+            n_el *= d
+        rows: float = 1 if t.role is Role.OUTPUT else n_tokens
+        size: float = t.n_bytes
+        if t.role is Role.EXPERT:
+            rows, size = n_tokens * k_share, t.n_bytes * used
+        dev = p.buft if p.buft in gpus else CPU
+        if dev == CPU and offload:
+            dev, pcie = gpus[0], pcie + size
+        layer = spec.n_layer if t.layer is None else t.layer
+        work.append(((layer, _STEP.get(t.role, 0)), dev, 2.0 * n_el * rows, size))
+    for il in range(spec.n_layer):
+        work.append(((il, 1), *_attention(plan, il, n_tokens, n_kv)))
+    work.sort(key=lambda w: w[0])
+    seconds = pcie / m.gpu.pcie_gbps / 1e9 if m.gpu and pcie else 0.0
+    rates = {dev: _rates(m, dev, threads) for dev in {CPU, *gpus}}
+    for _, dev, flops, size in work:
+        f, b = rates[dev]
+        seconds += max(flops / f, size / b)
+    path = [CPU] + [w[1] for w in work]  # the token embedding is looked up on the CPU
+    hand_offs = sum(a != b for a, b in itertools.pairwise(path))
+    cpu_ops = sum(w[1] == CPU for w in work)
+    if m.gpu is not None:
+        seconds += (hand_offs * m.gpu.split_sync_us + (len(work) - cpu_ops) * m.gpu.launch_us) * 1e-6
+    return seconds + cpu_ops * m.cpu.sync_us * threads * 1e-6
+
+
+def _attention(plan: MemoryPlan, il: int, n_tokens: int, n_kv: float) -> tuple[str, float, float]:
+    """(device, flops, bytes) of layer il's attention over its KV cache."""
+    spec, config, ctx = plan.model, plan.config, plan.context
+    dev = CPU if config.no_kv_offload else plan.layer_devices[il]
+    cells = min(n_kv, spec.n_swa) if spec.swa_layers[il] and spec.n_swa else n_kv
+    k_el, v_el = spec.n_embd_k_gqa(il), 0 if spec.is_mla else spec.n_embd_v_gqa(il)
+    cell_bytes = row_bytes(config.cache_type_k, k_el) + (row_bytes(config.cache_type_v, v_el) if v_el else 0)
+    heads = spec.n_head[il]
+    flops = 2.0 * n_tokens * cells * heads * (spec.head_dim_k + spec.head_dim_v)
+    quantized = sum(el for el, t in ((k_el, config.cache_type_k), (v_el, config.cache_type_v))
+                    if KV_CACHE_TYPES[t][0] > 1)
+    flops += DEQUANT_FLOPS * cells * quantized
+    size = cells * cell_bytes + n_tokens * cell_bytes  # read the cache, write the new cells
+    if not ctx.flash_attn:
+        size += FA_OFF_PASSES * 4.0 * heads * n_tokens * cells
+    return dev, flops, size
+
+
+def decode_seconds(m: Machine, plan: MemoryPlan, bench: BenchSpec) -> float:
+    """-n tokens generated one at a time after -d tokens of context."""
+    return bench.n_gen * ubatch_seconds(m, plan, 1, bench.n_depth + bench.n_gen / 2, bench.threads)
+
+
+def prefill_seconds(m: Machine, plan: MemoryPlan, n_prompt: int, depth: int, threads: int) -> float:
+    """n_prompt tokens after depth tokens, in batches of -b split into ubatches of -ub (llama_decode)."""
+    ctx = plan.context
+    seconds, done = 0.0, 0
+    while done < n_prompt:
+        batch = min(n_prompt - done, ctx.n_batch)
+        for start in range(0, batch, ctx.n_ubatch):
+            n = min(ctx.n_ubatch, batch - start)
+            seconds += ubatch_seconds(m, plan, n, depth + done + start + n / 2, threads)
+        done += batch
+    return seconds
+
+
+def speeds(m: Machine, plan: MemoryPlan, bench: BenchSpec) -> tuple[float, float]:
+    """Noise-free (prefill, decode) tokens per second."""
+    tb = bench.threads_batch or bench.threads
+    pp = bench.n_prompt / prefill_seconds(m, plan, bench.n_prompt, bench.n_depth, tb) if bench.n_prompt else 0.0
+    tg = bench.n_gen / decode_seconds(m, plan, bench) if bench.n_gen else 0.0
+    return pp, tg
+
+
+def out_of_memory(m: Machine, plan: MemoryPlan) -> tuple[OomInfo, str, int, list[Buffer]] | None:
+    """The first buffer, in llama.cpp's order of allocation, that a GPU (free memory less the CUDA context) or the
+    RAM cannot hold: (what failed, its device, that device's capacity, the buffers allocated before); None: fits."""
+    caps = {CPU: round(m.ram.gib * GIB)}
+    for d in plan.devices:
+        caps[d.name] = (d.free_bytes or 0) - _context_bytes(m)
+    used = dict.fromkeys(caps, 0)
+    done: list[Buffer] = []
+    for kind in KINDS:
+        for b in plan.buffers:
+            if b.kind != kind:
+                continue
+            if used[b.device] + b.bytes > caps[b.device]:
+                return OomInfo(kind, b.buft, b.bytes), b.device, caps[b.device], done
+            used[b.device] += b.bytes
+            done.append(b)
+    return None
+
+
+def _context_bytes(m: Machine) -> int:
+    return round(m.gpu.context_mib * MIB) if m.gpu else 0

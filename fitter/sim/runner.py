@@ -1,0 +1,138 @@
+"""A `TrialRunner` on a simulated machine: the memory plan it is handed (else the estimator's) for memory, the
+performance model (fitter.sim.physics) for speed, seeded noise per repetition."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+from fitter.errors import FitterError
+from fitter.flags import LaunchConfig
+from fitter.flags.vocabulary import MODEL_LEVEL
+from fitter.gguf.model_spec import ModelSpec
+from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, OomInfo, SpeedStats, TrialResult, WorkerError
+from fitter.memory.devices import CUDA, CpuProfile, Device
+from fitter.memory.estimator import CPU, Buffer, MemoryPlan, estimate
+from fitter.sim.physics import _context_bytes, decode_seconds, out_of_memory, prefill_seconds
+from fitter.sim.profile import CPU_PROFILES, Machine
+from fitter.units import GIB, MIB
+
+
+def _noise_factors(seed: int, key: str, n: int, noise: float) -> list[float]:
+    out = []
+    for rep in range(n):
+        digest = hashlib.sha256(f"{seed}|{key}|{rep}".encode()).digest()
+        out.append(max(0.2, 1.0 + noise * random.Random(digest).gauss(0.0, 1.0)))
+    return out
+
+
+class SimRunner:
+    """A `TrialRunner` on a simulated machine: the plan it is handed (else the estimator's) for memory, the
+    performance model for speed. Nothing to start: entering it is a no-op."""
+
+    backend = "sim"
+    emulated = False
+    deployed_context = True
+    rpc: tuple[str, ...] = ()
+
+    def __init__(self, machine: Machine, spec: ModelSpec, seed: int | None = None) -> None:
+        self.machine = machine
+        self.spec = spec
+        self.seed = machine.seed if seed is None else seed
+        self.trials_run = 0
+        self.model_loads = 0
+        self._loaded: tuple[Any, ...] | None = None
+
+    def devices(self) -> tuple[Device, ...]:
+        g = self.machine.gpu
+        if g is None:
+            return ()
+        total = round(g.memory_gib * GIB)
+        return tuple(Device(f"CUDA{i}", CUDA, total, total - round(g.reserved_gib * GIB)) for i in range(g.count))
+
+    def cpu_profile(self) -> CpuProfile:
+        return CPU_PROFILES[self.machine.cpu.isa]
+
+    def build(self) -> dict[str, str]:
+        return {"commit": f"sim-{self.machine.name}",
+                "source": f"fitter.sim model of {self.machine.path or self.machine.name}"}
+
+    def __enter__(self) -> SimRunner:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        pass
+
+    def plan(self, config: LaunchConfig) -> MemoryPlan:
+        try:
+            return estimate(self.spec, config, self.devices(), self.cpu_profile())
+        except FitterError as e:
+            raise WorkerError(f"llama.cpp rejected {' '.join(config.flags) or 'the config'}: {e}") from e
+
+    def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
+            plan: MemoryPlan | None = None) -> TrialResult:
+        """One simulated trial of `config`: the caller's plan of it (the screen's) is measured as it is, so the
+        config is not estimated twice."""
+        m, plan = self.machine, plan if plan is not None else self.plan(config)
+        self.trials_run += 1
+        key = (model, *(getattr(config, k) for k in MODEL_LEVEL))
+        reused = key == self._loaded
+        self.model_loads += 0 if reused else 1
+        on_gpu = sum(b.bytes for b in plan.buffers if b.kind == "model" and b.device != CPU)
+        load_s = 0.0 if reused else sum(self.spec.shard_sizes) / (m.disk_gbps * 1e9) + (
+            on_gpu / (m.gpu.pcie_gbps * 1e9) if m.gpu else 0.0)
+        base = Measurement("ok", "", spec=spec, flags=config.flags, load_s=round(load_s, 3), wall_s=round(load_s, 3),
+                           reused_model=reused, llama_cpp=self.build())
+        failed = out_of_memory(m, plan)
+        if failed is not None:
+            self._loaded = None if failed[0].stage == "model" else key  # a failed context leaves the model loaded
+            return TrialResult(self._oom(base, *failed))
+        need = spec.n_depth + max(spec.n_prompt, spec.n_gen)
+        if need > plan.context.n_ctx_seq:
+            raise WorkerError(f"the test needs {need} cells (depth {spec.n_depth} + max(-p, -n)) but a sequence of "
+                              f"this context holds {plan.context.n_ctx_seq}")
+        self._loaded = key
+        result = self._measure(plan, spec, base)
+        if timeout is not None and result.wall_s > timeout:
+            self._loaded = None
+            why = f"killed after {timeout:g} s (the limit): the simulated trial takes {result.wall_s:.1f} s"
+            result = replace(result, outcome="timeout", reason=why, pp=None, tg=None)
+        peak = {d.name: {"bytes": plan.totals()[d.name].total + _context_bytes(m), "source": "sim"}
+                for d in plan.devices}
+        return TrialResult(result, peak)
+
+    def _oom(self, base: Measurement, oom: OomInfo, device: str, cap: int, allocated: list[Buffer]) -> Measurement:
+        held = sum(b.bytes for b in allocated if b.device == device)
+        context = _context_bytes(self.machine)
+        where = "of RAM" if device == CPU else f"free on {device} less {context / MIB:.0f} MiB of CUDA context"
+        reason = (f"out of memory allocating the {oom.stage} buffer: {oom.buft} refused {oom.requested_bytes} "
+                  f"bytes ({(oom.requested_bytes or 0) / MIB:.2f} MiB) with {held / MIB:.2f} MiB held, of the "
+                  f"{cap / MIB:.2f} MiB {where} (sim machine {self.machine.name})")
+        logged = tuple(LoggedBuffer(b.buft, b.kind, b.bytes / MIB) for b in allocated)
+        return replace(base, outcome="oom", reason=reason, oom=oom, buffers=logged)
+
+    def _measure(self, plan: MemoryPlan, spec: BenchSpec, base: Measurement) -> Measurement:
+        """pp and tg samples, one per repetition, and the trial's simulated wall time."""
+        m, tb = self.machine, spec.threads_batch or spec.threads
+        pp_s = prefill_seconds(m, plan, spec.n_prompt, spec.n_depth, tb)
+        tg_s = decode_seconds(m, plan, spec)
+        config_key = repr(replace(plan.config, flags=()))  # the config, however its flags were spelled
+
+        def stats(test: str, n: int, seconds: float) -> SpeedStats | None:
+            if not n:
+                return None
+            key = f"{config_key}|t{spec.threads}|tb{tb}|{test}"
+            factors = _noise_factors(self.seed, key, spec.repetitions, m.noise)
+            return SpeedStats.from_ns(n, spec.n_depth, [round(seconds * f * 1e9) for f in factors])
+
+        pp, tg = stats("pp", spec.n_prompt, pp_s), stats("tg", spec.n_gen, tg_s)
+        wall = base.wall_s + (pp_s + tg_s / max(spec.n_gen, 1) if spec.warmup else 0.0)
+        depth_s = prefill_seconds(m, plan, spec.n_depth, 0, tb)  # each repetition refills the context first
+        for s in (pp, tg):
+            if s is not None:
+                wall += sum(s.samples_ns) / 1e9 + spec.repetitions * depth_s
+        return replace(base, pp=pp, tg=tg, wall_s=round(wall, 3), peak_rss=plan.totals()[CPU].total,
+                       buffers=tuple(LoggedBuffer(b.buft, b.kind, b.bytes / MIB) for b in plan.buffers))

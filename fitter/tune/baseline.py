@@ -1,0 +1,116 @@
+"""Trial 0 of every study: what llama.cpp does on its own. With a GPU, its `--fit` placement (llama-fit-params built
+from the same source, fitter.measure.llama_fit) with llama-server's default batch, KV and threads; without one,
+llama-server's defaults. A resumed study keeps its baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from optuna.trial import FrozenTrial
+
+from fitter.errors import LaunchConfigError
+from fitter.flags import LaunchConfig, parse_flags
+from fitter.flags.parse import parse_launch_flags, without
+from fitter.measure.llama_fit import LlamaFit, LlamaFitError, baseline_flags, run_llama_fit
+from fitter.memory.estimator import estimate
+from fitter.tune.request import Candidate, TuneRequest
+from fitter.tune.study import Tuner
+from fitter.units import MIB
+
+NAME = "llama.cpp --fit"
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The baseline as pareto.json records it (`data`) and, when it ran, the candidate it ran as."""
+
+    data: dict[str, Any]
+    candidate: Candidate | None = None
+
+
+def _recorded(req: TuneRequest, t: FrozenTrial) -> Baseline:
+    flags = t.user_attrs.get("flags")
+    data = {"name": NAME, "trial": t.number, "flags": flags, "measurement": t.user_attrs.get("measurement")}
+    return Baseline(data, _candidate(req, flags, "the recorded baseline's flags") if flags else None)
+
+
+def _candidate(req: TuneRequest, flags: list[str], where: str) -> Candidate:
+    """A baseline's flags as a trial (read once, at the storage or the fit tool's boundary)."""
+    try:
+        config, process = parse_flags(flags)
+    except LaunchConfigError as e:
+        raise LaunchConfigError(f"{where}: {e}") from None
+    threads = process.threads or req.default_threads
+    spec = replace(req.bench, threads=threads, threads_batch=process.threads_batch or threads)
+    return Candidate({}, config, spec, tuple(flags))
+
+
+def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tuple[int, ...],
+                 fit_devices: Callable[[], Any], log: Callable[[str], None],
+                 unavailable: str | None = None) -> Baseline:
+    """Measure the baseline as trial 0, unless the study has one. `fit_devices()` is the context manager the fit runs
+    in (yields the RPC endpoints it sees); `unavailable` says why llama.cpp's fit cannot run here (then no baseline)."""
+    for t in tuner.study.get_trials(deepcopy=False):
+        if t.user_attrs.get("phase") == "baseline":
+            return _recorded(req, t)
+    flags = list(req.fixed_flags)
+    if req.devices:
+        if tool is None or unavailable is not None:
+            why = unavailable or "llama-fit-params not found"
+            log(f"fitter: {why} (python -m fitter.measure.tools llama-fit-params, or --llama-fit-params PATH): "
+                "no baseline, so no ratios over llama.cpp's own choice")
+            return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
+        # the deployed context, explicitly: the fit must place the model for the context every trial runs with
+        # (with -c 0 llama-fit-params resolves a context of its own, not llama-server's)
+        n_ctx = estimate(req.spec, req.base, (), req.cpu).context.n_ctx
+        flags = [*without(flags, "ctx_size"), "-c", str(n_ctx)]
+        try:
+            fitted = _llama_fit(tool, req, flags, targets, fit_devices)
+        except LlamaFitError as e:
+            log(f"fitter: llama.cpp's --fit failed, no baseline: {e}")
+            return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": str(e)})
+        base_flags = baseline_flags(fitted, flags)
+        if req.rpc and "--rpc" not in base_flags:
+            base_flags += ["--rpc", ",".join(req.rpc)]
+        config: LaunchConfig = parse_launch_flags(base_flags)  # the fit tool's answer, read once
+    else:
+        base_flags, config = flags, req.base
+    threads = req.default_threads
+    cand = Candidate({}, config, replace(req.bench, threads=threads, threads_batch=threads),
+                     (*base_flags, "-t", str(threads), "-tb", str(threads)))
+    s = tuner.screener(cand)
+    trial = tuner.ask()
+    # Measured even when fitter predicts it over the fit target: it is llama.cpp's choice, the reference point.
+    tuner.launch(trial, cand, s, "baseline")
+    t = tuner.study._storage.get_trial(trial._trial_id)
+    return Baseline({"name": NAME, "trial": t.number, "flags": t.user_attrs.get("flags"),
+                     "measurement": t.user_attrs.get("measurement")}, cand)
+
+
+def _llama_fit(tool: Path, req: TuneRequest, flags: list[str], targets: tuple[int, ...],
+               fit_devices: Callable[[], Any]) -> LlamaFit:
+    """llama.cpp's fit on the devices the trials use (`fit_devices()`: a context manager yielding the RPC endpoints
+    the fit must see)."""
+    with fit_devices() as rpc:
+        return run_llama_fit(tool, req.model, flags, rpc, targets, threads=req.default_threads)
+
+
+def sim_fit_devices(req: TuneRequest) -> Any:
+    """A simulated GPU stood in for by an emulated one with the same free memory: the fit only queries memory and
+    projects (no_alloc), so a header-only model is enough."""
+    import contextlib
+
+    from fitter.measure.emulated_gpu import EmulatedGpu
+
+    @contextlib.contextmanager
+    def devices() -> Any:
+        if len(req.devices) != 1:
+            raise LlamaFitError(f"the simulated machine has {len(req.devices)} GPUs; the baseline fit emulates one")
+        free = req.devices[0].free_bytes or req.devices[0].total_bytes or 0
+        with EmulatedGpu(cap_mib=free // MIB) as gpu:
+            yield (gpu.endpoint,)
+
+    return devices

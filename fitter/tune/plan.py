@@ -1,0 +1,161 @@
+"""The structure a person would use to search: the estimator's verdict on each candidate (cached), the placement
+that reads the fewest weight bytes from RAM per token for each batch/KV combination, the first trials (decode
+first, prefill first, least VRAM) and the one-parameter neighbours of a trial."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fitter.tune.request import (
+    PLACEMENT_KEYS,
+    THREAD_KEYS,
+    Candidate,
+    TuneRequest,
+    _choices,
+    _default_choice,
+    _default_distance,
+    candidate,
+    combos,
+)
+from fitter.tune.screen import Screen, cpu_bytes_per_token, device_totals, screen
+from fitter.tune.space import is_valid_combination
+
+
+class Screener:
+    """The estimator's verdicts, cached by launch config (threads never change memory); and the best placement of
+    each combo."""
+
+    def __init__(self, req: TuneRequest) -> None:
+        self.req = req
+        self._cache: dict[object, Screen] = {}
+        self.budgets = req.budgets
+
+    def learn_margin(self, device: str, margin: int) -> None:
+        self.budgets = self.budgets.with_margin(device, margin)
+        self._cache.clear()
+
+    def __call__(self, cand: Candidate) -> Screen:
+        key: object = cand.config if cand.error is None else cand.key
+        if key not in self._cache:
+            reason = cand.error or is_valid_combination(cand.params)
+            if reason is not None:
+                self._cache[key] = Screen(None, {}, reason)
+            else:
+                self._cache[key] = screen(self.req.spec, cand.config, self.req.devices, self.req.cpu, self.budgets)
+        return self._cache[key]
+
+    def placement(self, params: dict[str, Any]) -> dict[str, Any] | None:
+        """`params` completed with the placement that reads the fewest bytes from RAM and still fits: the smallest
+        `-ncmoe` or the largest `-ngl` in the space (memory is monotone in both, so bisection). None: nothing fits."""
+        dists = self.req.distributions
+        for key, smallest_first in (("n-cpu-moe", True), ("n-gpu-layers", False)):
+            if key in dists:
+                values = sorted(_choices(dists[key]), reverse=not smallest_first)
+                return self._first_fitting(params, key, values)
+        cand = candidate(self.req, self._with_threads(params))
+        return params if self(cand).feasible else None
+
+    def _first_fitting(self, params: dict[str, Any], key: str, values: list[int]) -> dict[str, Any] | None:
+        def fits(i: int) -> bool:
+            return self(candidate(self.req, self._with_threads({**params, key: values[i]}))).feasible
+
+        if not values or not fits(len(values) - 1):
+            return None
+        lo, hi = 0, len(values) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return {**params, key: values[lo]}
+
+    def _with_threads(self, params: dict[str, Any]) -> dict[str, Any]:
+        out = dict(params)
+        for key in THREAD_KEYS:
+            if key in self.req.distributions and key not in out:
+                out[key] = _default_choice(self.req.distributions[key], self.req.default_threads)
+        return out
+
+
+# -- the structured plan ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedTrial:
+    phase: str  # decode-first | prefill-first | min-vram | neighbour | tpe
+    params: dict[str, Any]
+
+
+def structured_start(req: TuneRequest, screener: Screener) -> list[PlannedTrial]:
+    """The first trials a person would run: best decode guess, best prefill guess, the lightest placement."""
+    placed = []
+    for combo in combos(req):
+        params = screener.placement(screener._with_threads(combo))
+        if params is not None:
+            cand = candidate(req, params)
+            plan = screener(cand).plan
+            assert plan is not None
+            placed.append((params, plan))
+    if not placed:
+        return []
+    decode = min(placed, key=lambda p: (cpu_bytes_per_token(p[1]), _default_distance(p[0])))[0]
+    prefill = max(placed, key=lambda p: (p[0].get("ubatch-size", 0),
+                                         -cpu_bytes_per_token(p[1]), -_default_distance(p[0])))[0]
+    out = [PlannedTrial("decode-first", decode), PlannedTrial("prefill-first", prefill)]
+    if "vram" in req.objectives and req.devices:
+        lightest = _lightest(req, screener, [p for p, _ in placed])
+        if lightest is not None:
+            out.append(PlannedTrial("min-vram", lightest))
+    return out
+
+
+def _lightest(req: TuneRequest, screener: Screener, placed: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The feasible config with the least predicted device memory: each combo with its lightest placement."""
+    best: tuple[int, dict[str, Any]] | None = None
+    for params in placed:
+        light = dict(params)
+        if "n-cpu-moe" in req.distributions:
+            light["n-cpu-moe"] = max(_choices(req.distributions["n-cpu-moe"]))
+        if "n-gpu-layers" in req.distributions:
+            light["n-gpu-layers"] = min(_choices(req.distributions["n-gpu-layers"]))
+        s = screener(candidate(req, light))
+        if s.feasible and s.plan is not None:
+            used = sum(v for k, v in device_totals(s.plan).items() if k != "CPU")
+            if best is None or used < best[0]:
+                best = (used, light)
+    return best[1] if best else None
+
+
+def neighbours(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Configs one context-level or thread choice away from `params`, each at its own best placement, most
+    promising first (fewest CPU bytes per token, then closest to llama-server's defaults)."""
+    found = []
+    for key, dist in req.distributions.items():
+        if key in PLACEMENT_KEYS:
+            continue
+        for value in _choices(dist):
+            if value == params.get(key):
+                continue
+            base = {k: v for k, v in params.items() if k not in PLACEMENT_KEYS}
+            base[key] = value
+            if key == "batch-size" and "ubatch-size" in base and base["ubatch-size"] > value:
+                continue
+            if key == "batch-size" and min(value, params.get(key, value)) >= req.bench.n_prompt:
+                continue  # both batches take the whole prompt at once: the measurement cannot tell them apart
+            if key in THREAD_KEYS:
+                placed = {**params, key: value}
+            else:
+                placed_or_none = screener.placement(base)
+                if placed_or_none is None:
+                    continue
+                placed = {**placed_or_none, **{k: params[k] for k in THREAD_KEYS if k in params and k != key}}
+            s = screener(candidate(req, placed))
+            if s.feasible and s.plan is not None:
+                found.append((cpu_bytes_per_token(s.plan), _default_distance(placed), placed))
+    for _, _, placed in sorted(found, key=lambda f: (f[0], f[1])):
+        yield placed
+
+

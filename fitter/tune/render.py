@@ -1,0 +1,85 @@
+"""A tuning result and a planned study as text: the table `fitter tune` prints, and `--dry-run`'s report."""
+
+from __future__ import annotations
+
+from fitter.flags.vocabulary import SEARCHED
+from fitter.tune.plan import Screener, structured_start
+from fitter.tune.request import TuneRequest, candidate, combos
+from fitter.tune.result import ParetoDoc, vram_bytes
+from fitter.tune.screen import device_totals
+from fitter.units import MIB
+
+
+def pareto_table(result: ParetoDoc) -> str:
+    """The result as `fitter tune` prints it: the baseline, the front with picks and ratios, what was dropped."""
+    doc = result.data
+    picks_by_trial: dict[int, list[str]] = {}
+    for name, n in result.picks.items():
+        picks_by_trial.setdefault(n, []).append(name)
+    lines = [f"{'trial':>5}  {'pp t/s':>9} {'tg t/s':>8} {'VRAM MiB':>9} {'pp×':>6} {'tg×':>6}  picks / flags"]
+    base = doc["baseline"]
+    bm = base.get("measurement")
+    if bm and bm.get("outcome") == "ok":
+        vram = vram_bytes(bm) / MIB
+        lines.append(f"{'base':>5}  {bm['pp']['avg_ts']:9.1f} {bm['tg']['avg_ts']:8.1f} {vram:9.1f} {'1.000':>6} "
+                     f"{'1.000':>6}  llama.cpp --fit: {' '.join(base['flags'] or [])}")
+    elif base.get("flags") or base.get("reason") or bm:
+        lines.append(f"{'base':>5}  llama.cpp --fit: {(bm or {}).get('outcome') or base.get('reason')}")
+    for e in doc["pareto"]:
+        m, r = e["measurement"], e["ratios"]
+        lines.append(f"{e['trial']:>5}  {m['pp']['avg_ts']:9.1f} {m['tg']['avg_ts']:8.1f} "
+                     f"{e['vram_bytes'] / MIB:9.1f} {_ratio(r['pp'])} {_ratio(r['tg'])}  "
+                     f"{','.join(picks_by_trial.get(e['trial'], [])) or '-'}: "
+                     + ("llama.cpp --fit (the baseline) " if e.get("phase") == "baseline" else "")
+                     + " ".join(_short(e["flags"])))
+    for d in doc["dropped"]:
+        if d["outcome"] == "dominated":
+            lines.append(f"{d['trial']:>5}  dropped: {d['reason']}")
+        else:
+            lines.append(f"{d['trial']:>5}  dropped: its confirm run ended {d['outcome']}: {d['reason']}")
+    s = doc["study"]
+    lines.append(f"\n{s['trials']} trials: {s['launched']} launched, {s['screened_out']} screened out by the "
+                 f"estimator, {s['answered_from_storage']} answered from storage; {s['model_loads_this_run']} model "
+                 f"loads this run; {s['wall_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:6.3f}" if x is not None else f"{'-':>6}"
+
+
+def _short(flags: list[str]) -> list[str]:
+    """The searched part of pinned flags, for the table (the export has them all)."""
+    out = []
+    for i, f in enumerate(flags):
+        if f in SEARCHED and i + 1 < len(flags):
+            out += [f, flags[i + 1]]
+    return out
+
+
+def dry_run_text(req: TuneRequest, source: str) -> str:
+    """The space, the feasible region and the planned first trials; nothing launched."""
+    screener = Screener(req)
+    lines = [f"space {source}:"]
+    for k, d in req.distributions.items():
+        lines.append(f"  {k}: {d}")
+    lines.append("feasible region (each batch/KV/flash-attention combination at its best placement):")
+    n_feasible = 0
+    for c in combos(req):
+        placed = screener.placement(screener._with_threads(c))
+        label = " ".join(f"{k}={v}" for k, v in c.items())
+        if placed is None:
+            lines.append(f"  {label}: nothing fits")
+            continue
+        n_feasible += 1
+        place = {k: placed[k] for k in ("n-cpu-moe", "n-gpu-layers") if k in placed}
+        plan = screener(candidate(req, placed)).plan
+        used = ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in device_totals(plan).items()) if plan else ""
+        lines.append(f"  {label}: {place or 'fits'} ({used})")
+    lines.append(f"{n_feasible} of {len(combos(req))} combinations fit; budgets: "
+                 + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in req.budgets.devices.items())
+                 + f", host {(req.budgets.host or 0) / MIB:.0f} MiB")
+    lines.append("planned first trials (after the baseline, llama.cpp's own --fit):")
+    for p in structured_start(req, screener):
+        lines.append(f"  {p.phase}: {' '.join(candidate(req, p.params).flags)}")
+    return "\n".join(lines)

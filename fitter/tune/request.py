@@ -1,0 +1,134 @@
+"""What a tune asks for (`TuneRequest`) and what one configuration of its search space stands for (`Candidate`):
+the launch config (the user's fixed flags with the searched parameters applied: parsed once, carried typed), the
+bench spec with its threads, and the flags a trial records."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+
+from fitter.errors import FitterError, LaunchConfigError
+from fitter.flags import LaunchConfig, ProcessFlags
+from fitter.flags.parse import has_flag, with_params
+from fitter.gguf.model_spec import ModelSpec
+from fitter.measure.types import BenchSpec
+from fitter.memory.devices import CpuProfile, Device
+from fitter.tune.screen import Budgets
+from fitter.tune.space import is_valid_combination, params_to_flags
+
+OBJECTIVES: dict[str, str] = {"tg": "maximize", "pp": "maximize", "vram": "minimize"}
+PLACEMENT_KEYS = ("n-cpu-moe", "n-gpu-layers")
+THREAD_KEYS = ("threads", "threads-batch")
+# llama-server's own defaults, the tie-breaker when the physics prior cannot tell two combos apart
+SERVER_DEFAULTS: dict[str, Any] = {"batch-size": 2048, "ubatch-size": 512, "cache-type-k": "f16",
+                                   "cache-type-v": "f16", "flash-attn": "auto"}
+
+
+class TuneError(FitterError):
+    pass
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    model: str
+    spec: ModelSpec
+    base: LaunchConfig  # the user's llama.cpp flags (context, slots, anything not searched), parsed; .flags as given
+    distributions: dict[str, BaseDistribution]  # the resolved search space, llama.cpp long flag names
+    devices: tuple[Device, ...]
+    budgets: Budgets
+    cpu: CpuProfile
+    objectives: tuple[str, ...] = ("tg", "pp", "vram")
+    bench: BenchSpec = field(default_factory=BenchSpec)
+    n_trials: int = 12  # launched trials, the baseline included, in the whole study (a resumed one too)
+    timeout_s: float | None = None
+    trial_timeout_s: float | None = None
+    seed: int = 0
+    rpc: tuple[str, ...] = ()
+    space_source: str = ""  # where the search space came from (a file, or shipped:<name>)
+
+    @property
+    def default_threads(self) -> int:
+        """Threads of a trial whose params do not choose them: the bench spec's."""
+        return self.bench.threads
+
+    @property
+    def fixed_flags(self) -> tuple[str, ...]:
+        return self.base.flags
+
+
+@dataclass
+class Candidate:
+    params: dict[str, Any]
+    config: LaunchConfig
+    spec: BenchSpec
+    flags: tuple[str, ...]  # the llama.cpp flags of this trial as recorded (fixed flags, the searched ones, -t -tb)
+    error: str | None = None  # llama.cpp refuses these flags (e.g. a quantized V cache without flash attention)
+
+    @property
+    def key(self) -> str:
+        return " ".join(self.flags)
+
+    @property
+    def process(self) -> ProcessFlags:
+        return ProcessFlags(self.spec.threads, self.spec.threads_batch or self.spec.threads)
+
+
+# -- candidates -------------------------------------------------------------------------------------------------
+
+
+def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
+    """The config and bench spec a param dict stands for: the searched flags applied to the user's config (as if
+    they followed it on the command line), threads to the bench spec (-t/-tb)."""
+    searched = {k: v for k, v in params.items() if k not in THREAD_KEYS}
+    flags = [*req.fixed_flags, *params_to_flags(searched)]
+    extra: dict[str, Any] = {}
+    if req.spec.n_expert and "n-gpu-layers" not in params and not has_flag(req.fixed_flags, "n_gpu_layers"):
+        flags += ["-ngl", "all"]  # experts placed explicitly: every layer on the GPU, as the seeds' recipe
+        extra["n_gpu_layers"] = -2
+    if req.rpc and not has_flag(req.fixed_flags, "rpc"):
+        flags += ["--rpc", ",".join(req.rpc)]
+        extra["rpc"] = req.rpc
+    launch = tuple(flags)
+    threads = int(params.get("threads", req.default_threads))
+    threads_batch = int(params.get("threads-batch", req.bench.threads_batch or threads))
+    flags += ["-t", str(threads), "-tb", str(threads_batch)]
+    spec = replace(req.bench, threads=threads, threads_batch=threads_batch)
+    try:
+        config = replace(with_params(replace(req.base, **extra), searched), flags=launch)
+    except LaunchConfigError as e:  # llama.cpp would refuse it: screened out like a config that does not fit
+        return Candidate(dict(params), LaunchConfig(), spec, tuple(flags), error=str(e))
+    return Candidate(dict(params), config, spec, tuple(flags))
+
+
+def combos(req: TuneRequest) -> list[dict[str, Any]]:
+    """Every combination of the context-level choices (batch sizes, KV types, flash attention) llama.cpp accepts."""
+    keys = [k for k in req.distributions if k not in PLACEMENT_KEYS and k not in THREAD_KEYS]
+    choices = [_choices(req.distributions[k]) for k in keys]
+    out = []
+    for values in itertools.product(*choices):
+        params = dict(zip(keys, values, strict=True))
+        if is_valid_combination(params) is None:
+            out.append(params)
+    return out
+
+
+def _choices(d: BaseDistribution) -> list[Any]:
+    if isinstance(d, CategoricalDistribution):
+        return list(d.choices)
+    if isinstance(d, IntDistribution):
+        return list(range(d.low, d.high + 1, d.step))
+    raise TuneError(f"search space: {d!r} is not a finite distribution")
+
+
+def _default_choice(d: BaseDistribution, preferred: Any) -> Any:
+    choices = _choices(d)
+    return preferred if preferred in choices else choices[0]
+
+
+def _default_distance(params: dict[str, Any]) -> int:
+    return sum(1 for k, v in SERVER_DEFAULTS.items() if k in params and params[k] != v)
+
+

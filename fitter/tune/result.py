@@ -1,0 +1,219 @@
+"""A tuning result, `pareto.json` (CONTRACTS.md): typed entries over the JSON as written, with one loader for tune,
+export, check and report, and one definition of a measurement's VRAM.
+
+VRAM, everywhere fitter reports or optimizes it, is what the devices measured: the peak each device reached during
+the run (its own counter: NVML's per-process accounting, the emulated GPU's cap counter, the simulated machine),
+summed over devices; where no device counted (no NVML, CPU only), the device buffers llama.cpp logged. Never the
+estimate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fitter.errors import FitterError
+
+POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram")
+RESULT_FILE = "pareto.json"
+
+
+class ResultError(FitterError):
+    """A pareto.json fitter cannot use: `source` is the file, `reason` what is wrong with it."""
+
+    def __init__(self, source: str, reason: str) -> None:
+        super().__init__(f"{source}: {reason}")
+        self.source, self.reason = source, reason
+
+
+def vram_bytes(measurement: dict[str, Any] | None) -> int:
+    """A measurement's VRAM (see the module docstring): the devices' measured peaks, else their logged buffers."""
+    m = measurement or {}
+    peak = m.get("peak_vram") or {}
+    if peak:
+        return sum(int(p["bytes"]) for p in peak.values())
+    return sum(int(d["total"]) for name, d in (m.get("devices") or {}).items() if name != "CPU" and "total" in d)
+
+
+def speed(measurement: dict[str, Any] | None, key: str) -> float | None:
+    """The average t/s of `pp` or `tg`; None when the measurement has none (a failed outcome)."""
+    value = ((measurement or {}).get(key) or {}).get("avg_ts")
+    return float(value) if isinstance(value, int | float) else None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One configuration of the result: a Pareto entry (its confirm run) or the baseline."""
+
+    trial: int | None
+    flags: tuple[str, ...] | None  # the pinned llama-server flags (None: the baseline did not run)
+    measurement: dict[str, Any] | None  # `fitter bench --json` of its confirm run
+    phase: str | None = None
+    vram_bytes: int | None = None
+    ratios: dict[str, float | None] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict, compare=False)  # the entry as written
+
+    @property
+    def ok(self) -> bool:
+        return (self.measurement or {}).get("outcome") == "ok"
+
+    def speed(self, key: str) -> float | None:
+        return speed(self.measurement, key)
+
+    @staticmethod
+    def from_json(data: dict[str, Any], source: str) -> Entry:
+        flags = data.get("flags")
+        trial = data.get("trial")
+        if flags is not None and (not isinstance(flags, list) or not all(isinstance(f, str) for f in flags)):
+            raise ResultError(source, f"trial {trial}: \"flags\" must be a list of strings, got {flags!r}")
+        m = data.get("measurement")
+        vram = data.get("vram_bytes")
+        return Entry(trial if isinstance(trial, int) else None, tuple(flags) if flags is not None else None,
+                     m if isinstance(m, dict) else None, data.get("phase"),
+                     int(vram) if isinstance(vram, int | float) else None, dict(data.get("ratios") or {}), data)
+
+
+@dataclass(frozen=True)
+class ParetoDoc:
+    """pareto.json, read once: its typed parts, and the document as written (`data`)."""
+
+    source: str  # the file it was read from (for every error message)
+    data: dict[str, Any]
+    pareto: tuple[Entry, ...]
+    baseline: Entry
+    picks: dict[str, int]
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return dict(self.data.get("model") or {})
+
+    @property
+    def machine(self) -> dict[str, Any]:
+        return dict(self.data.get("machine") or {})
+
+    @property
+    def llama_cpp(self) -> dict[str, Any]:
+        return dict(self.data.get("llama_cpp") or {})
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.data.get("emulated"))
+
+    @property
+    def objectives(self) -> tuple[str, ...]:
+        return tuple(self.data.get("objectives") or ())
+
+    @property
+    def dropped(self) -> list[dict[str, Any]]:
+        return list(self.data.get("dropped") or [])
+
+    @property
+    def study(self) -> dict[str, Any]:
+        return dict(self.data.get("study") or {})
+
+    def fit_targets(self) -> tuple[int, ...]:
+        raw = self.data.get("fit_target_mib")
+        if raw is None:
+            return ()
+        if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            raise ResultError(self.source, f"\"fit_target_mib\" must be a list of integers (MiB), got {raw!r}")
+        return tuple(raw)
+
+    @staticmethod
+    def from_json(data: Any, source: str) -> ParetoDoc:
+        if not isinstance(data, dict):
+            raise ResultError(source, "expected a JSON object written by `fitter tune`")
+        pareto = data.get("pareto")
+        if not isinstance(pareto, list):
+            raise ResultError(source, f"no \"pareto\" list; is this a {RESULT_FILE} written by `fitter tune`?")
+        entries = tuple(Entry.from_json(e, source) for e in pareto if isinstance(e, dict))
+        base = data.get("baseline")
+        picks = data.get("picks")
+        return ParetoDoc(source, data, entries, Entry.from_json(base if isinstance(base, dict) else {}, source),
+                         {k: v for k, v in picks.items() if isinstance(v, int)} if isinstance(picks, dict) else {})
+
+    def entry(self, policy: str, purpose: str = "export") -> Entry:
+        """The Pareto entry the `policy` pick names; errors name the file, the pick and what to do."""
+        if policy not in POLICIES:
+            raise FitterError(f"--policy {policy!r}: unknown policy; choose one of {', '.join(POLICIES)}")
+        if not self.picks:
+            raise ResultError(self.source, f"no \"picks\" (the tune found no confirmed configuration?); nothing "
+                              f"to {purpose}")
+        trial = self.picks.get(policy)
+        if trial is None:
+            listing = ", ".join(f"{k}={v}" for k, v in sorted(self.picks.items()))
+            raise ResultError(self.source, f"no {policy} pick (picks: {listing}); choose another --policy")
+        for e in self.pareto:
+            if e.trial == trial:
+                return e
+        trials = ", ".join(str(e.trial) for e in self.pareto) or "none"
+        raise ResultError(self.source, f"the {policy} pick is trial {trial}, which is not in \"pareto\" "
+                                       f"(trials: {trials})")
+
+
+def result_file(path: Path) -> Path:
+    """RESULT as commands take it: the results folder, or its pareto.json."""
+    return path / RESULT_FILE if path.is_dir() else path
+
+
+def load_result(path: str | Path) -> ParetoDoc:
+    """Read a tuning result (the folder or its pareto.json); one-line errors name the file."""
+    file = result_file(Path(path))
+    try:
+        data = json.loads(file.read_text())
+    except OSError as e:
+        raise ResultError(str(file), f"cannot read the tuning result: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ResultError(str(file), f"not valid JSON ({e})") from None
+    return ParetoDoc.from_json(data, str(file))
+
+
+def write_result(folder: Path, data: dict[str, Any]) -> Path:
+    """pareto.json, written to a temporary name and renamed: never a half-written result."""
+    path = folder / RESULT_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+# -- picks and ratios --------------------------------------------------------------------------------------------
+
+
+def picks(entries: list[Entry]) -> dict[str, int]:
+    """max-decode, max-prefill, balanced (highest min(pp/pp_best, tg/tg_best), never a sum) and min-vram (least
+    VRAM within 5 % of the best decode), over confirmed Pareto entries, by trial number."""
+    if not entries:
+        return {}
+
+    def tg(e: Entry) -> float:
+        return e.speed("tg") or 0.0
+
+    def pp(e: Entry) -> float:
+        return e.speed("pp") or 0.0
+
+    tg_best, pp_best = max(map(tg, entries)), max(map(pp, entries))
+
+    def trial(e: Entry) -> int:
+        assert e.trial is not None
+        return e.trial
+
+    out = {"max-decode": trial(max(entries, key=tg)), "max-prefill": trial(max(entries, key=pp)),
+           "balanced": trial(max(entries, key=lambda e: min(pp(e) / pp_best, tg(e) / tg_best)))}
+    close = [e for e in entries if tg(e) >= 0.95 * tg_best]
+    out["min-vram"] = trial(min(close, key=lambda e: (e.vram_bytes or 0, -tg(e))))
+    return out
+
+
+def ratios(measurement: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, float | None]:
+    """Speed over the baseline's (None when the baseline did not run or failed)."""
+    out: dict[str, float | None] = {}
+    ok = baseline is not None and baseline.get("outcome") == "ok"
+    for k in ("pp", "tg"):
+        base = speed(baseline, k) if ok else None
+        value = speed(measurement, k)
+        out[k] = round(value / base, 3) if base and value is not None else None
+    return out

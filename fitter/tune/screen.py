@@ -1,0 +1,87 @@
+"""Screening a configuration before anything is launched: the estimator's memory plan against the budgets.
+
+A trial's constraints (Optuna's `trial.set_constraint`, feasible when ≤ 0) are MiB over budget: one per device
+(predicted device total plus the margin learned from measured OOMs, minus free memory less the fit target) and one
+for host RAM (the model mapping plus every host buffer, minus available RAM). Pure: no files, no processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fitter.errors import FitterError
+from fitter.gguf.model_spec import ModelSpec, Role
+from fitter.memory.devices import CpuProfile, Device
+from fitter.memory.estimator import CPU, MemoryPlan, estimate
+from fitter.units import MIB
+
+
+@dataclass(frozen=True)
+class Budgets:
+    devices: dict[str, int]  # device name → bytes the plan may use (free memory minus the fit target)
+    host: int | None  # bytes of RAM the model mapping and host buffers may use; None: not checked
+    margins: dict[str, int]  # device name → bytes added to every prediction (learned from measured OOMs)
+
+    def with_margin(self, device: str, margin: int) -> Budgets:
+        margins = dict(self.margins)
+        margins[device] = max(margins.get(device, 0), margin)
+        return replace(self, margins=margins)
+
+
+@dataclass(frozen=True)
+class Screen:
+    plan: MemoryPlan | None
+    constraints: dict[str, float]  # "vram:CUDA0" / "ram" → MiB over budget (≤ 0 feasible)
+    error: str | None = None  # llama.cpp would refuse the config (e.g. quantized V without flash attention)
+
+    @property
+    def feasible(self) -> bool:
+        return self.error is None and all(v <= 0 for v in self.constraints.values())
+
+    def reason(self) -> str:
+        if self.error:
+            return self.error
+        over = {k: v for k, v in self.constraints.items() if v > 0}
+        return "predicted over budget: " + ", ".join(f"{k} by {v:.1f} MiB" for k, v in sorted(over.items()))
+
+
+def device_totals(plan: MemoryPlan) -> dict[str, int]:
+    totals = plan.totals()
+    return {name: t.total for name, t in totals.items()}
+
+
+def screen(spec: ModelSpec, config: Any, devices: tuple[Device, ...], cpu: CpuProfile, budgets: Budgets) -> Screen:
+    try:
+        plan = estimate(spec, config, devices, cpu)
+    except FitterError as e:
+        return Screen(None, {}, str(e))
+    totals = device_totals(plan)
+    constraints: dict[str, float] = {}
+    for name, budget in budgets.devices.items():
+        used = totals.get(name, 0) + budgets.margins.get(name, 0)
+        constraints[f"vram:{name}"] = (used - budget) / MIB
+    if budgets.host is not None:
+        constraints["ram"] = (totals[CPU] - budgets.host) / MIB
+    return Screen(plan, constraints)
+
+
+def cpu_bytes_per_token(plan: MemoryPlan) -> float:
+    """Weight bytes the CPU reads to decode one token: every CPU-resident tensor once, experts only for the
+    `n_expert_used` of `n_expert` the router picks, the token embedding one row. Decode is memory-bound, so fewer
+    bytes read from RAM is the physical prior for a faster decode (what puts experts on the GPU first)."""
+    spec = plan.model
+    share = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
+    total = 0.0
+    device_names = {d.name for d in plan.devices}
+    for p in plan.placements:
+        if p.buft in device_names:
+            continue
+        t = p.tensor
+        if t.role == Role.EMBEDDING:
+            total += t.n_bytes / max(1, t.ne[-1])
+        elif t.role == Role.EXPERT:
+            total += t.n_bytes * share
+        else:
+            total += t.n_bytes
+    return total

@@ -1,0 +1,224 @@
+"""`fitter tune` as a library call: the target, the budgets, the space, the storage, the baseline, the study, the
+confirm runs and the files, in an order that refuses bad input before anything starts or is created:
+
+1. the flags, model, objectives, fit targets and space (parsed by the caller or here), the target's devices before
+   anything starts (an emulated GPU's placeholder of the same size), whether anything fits;
+2. what the run will need: the emulated GPU's pieces (llama-cpp-python with RPC, a C compiler) when trials run on
+   one, llama-fit-params for the baseline;
+3. the storage: the results folder and its study.db (a corrupt one is refused, nothing changed), the study opened
+   or created;
+4. then the runner (the worker, the emulated GPU), the baseline, the search, the confirm runs, pareto.json and
+   trials.csv.
+
+The search itself is fitter.tune.study; this module does the I/O around it. Nothing here prints: progress and notes
+go to the caller's `log`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from fitter.errors import FitterError
+from fitter.flags import LaunchConfig, ProcessFlags, placement_flags
+from fitter.flags.vocabulary import fixing
+from fitter.gguf.model_spec import ModelSpec
+from fitter.machine.snapshot import MachineSnapshot
+from fitter.measure.types import BenchSpec
+from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, check_target_count, device_budgets
+from fitter.memory.devices import Device
+from fitter.memory.fit import fit
+from fitter.tune.baseline import run_baseline, sim_fit_devices
+from fitter.tune.confirm import confirm_baseline, confirm_pareto, final_front, result_doc
+from fitter.tune.plan import Screener
+from fitter.tune.render import dry_run_text
+from fitter.tune.request import OBJECTIVES, TuneRequest, candidate, combos
+from fitter.tune.result import RESULT_FILE, ParetoDoc, write_result
+from fitter.tune.screen import Budgets
+from fitter.tune.space import default_space_name, load_space, params_to_flags, resolve, shipped_space
+from fitter.tune.storage import StudyKey, ensure_writable, open_study, result_dir, storage_url
+from fitter.tune.study import StudyCallback, Tuner
+from fitter.tune.targets import Target, local_target, sim_target
+from fitter.tune.trials import write_trials_csv
+from fitter.units import MIB
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """What `fitter tune` was asked, parsed (fitter.cli.tune builds it from argv)."""
+
+    model: str
+    spec: ModelSpec
+    base: LaunchConfig  # the user's llama.cpp flags, parsed once
+    demo: bool = False  # the model is the demo model (no GPU: it tunes on the emulated GPU by itself)
+    process: ProcessFlags = field(default_factory=ProcessFlags)  # -t/-tb fix the threads; -C/-Cr the affinity
+    objectives: tuple[str, ...] = ("tg", "pp", "vram")
+    fit_targets: tuple[int, ...] | None = None  # None: the target's default (1024 MiB, llama.cpp's)
+    space: str | None = None  # a search-space file; None: the shipped one for the model and machine
+    trials: int = 12
+    timeout_s: float | None = None
+    trial_timeout_s: float | None = None
+    seed: int = 0
+    n_prompt: int = 512
+    n_gen: int = 128
+    n_depth: int = 0
+    repetitions: int = 3
+    storage: str | None = None
+    results: Path = Path("results")
+    emulated_gpu_mib: int | None = None
+    llama_fit_params: str | None = None
+    backend: str = "llama-cpp-python"
+    machine: str | None = None  # --backend sim: the simulated machine
+
+
+@dataclass(frozen=True)
+class TuneOutcome:
+    result: ParetoDoc | None  # None for a dry run
+    folder: Path | None
+    dry_run: str | None = None
+
+
+def parse_objectives(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in OBJECTIVES]
+    if not names or bad or len(set(names)) != len(names):
+        raise FitterError(f"--objectives {text!r}: give a comma list of distinct objectives from "
+                          f"{', '.join(OBJECTIVES)} (tg: decode t/s, pp: prefill t/s, vram: peak VRAM)")
+    return names
+
+
+def _target(o: TuneOptions, snapshot: MachineSnapshot | None) -> Target:
+    if o.backend == "sim":
+        return sim_target(o.machine, o.emulated_gpu_mib, o.spec, o.seed)
+    assert snapshot is not None, "a tune on this machine needs its snapshot"
+    return local_target(snapshot, o.base, o.process, o.emulated_gpu_mib, o.demo, o.fit_targets)
+
+
+def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rpc: tuple[str, ...],
+                 log: Callable[[str], None] = lambda _: None) -> TuneRequest:
+    """The request for the target's devices: objectives, the resolved space less what the flags fix, budgets."""
+    objectives = o.objectives
+    if "vram" in objectives and not target.has_gpu:
+        objectives = tuple(x for x in objectives if x != "vram")
+        log("fitter: no GPU: the vram objective is dropped")
+    space = load_space(o.space) if o.space else shipped_space(default_space_name(o.spec.n_expert, target.has_gpu))
+    distributions = resolve(space, n_layer=o.spec.n_layer, physical_cores=target.physical_cores,
+                            performance_cores=target.performance_cores)
+    fixed = set(o.base.flags)
+    distributions = {k: d for k, d in distributions.items() if not fixed & set(fixing(k))}
+    if o.process.threads is not None:
+        distributions.pop("threads", None)
+    if o.process.threads_batch is not None:
+        distributions.pop("threads-batch", None)
+    if o.process.threads_batch is not None and o.process.threads is None:
+        raise FitterError("-tb without -t: give both, or neither to search them")
+    bench = BenchSpec(n_prompt=o.n_prompt, n_gen=o.n_gen, n_depth=o.n_depth, repetitions=o.repetitions,
+                      threads=o.process.threads or target.default_threads, threads_batch=o.process.threads_batch)
+    targets = fit_targets(o, target)
+    budgets: dict[str, int] = {}
+    for name, budget in device_budgets(devices, targets).items():
+        if budget is None:
+            raise FitterError(f"{name}: its free memory is unknown, so tune has no VRAM budget for it; give "
+                              "--emulated-gpu MiB, or tune on the machine that has the GPU")
+        budgets[name] = budget
+    return TuneRequest(model=o.model, spec=o.spec, base=o.base, distributions=distributions, devices=devices,
+                       budgets=Budgets(budgets, target.host_budget, {}), cpu=target.cpu_profile,
+                       objectives=objectives, bench=bench, n_trials=o.trials, timeout_s=o.timeout_s,
+                       trial_timeout_s=o.trial_timeout_s, seed=o.seed, rpc=rpc, space_source=space.source)
+
+
+def fit_targets(o: TuneOptions, target: Target) -> tuple[int, ...]:
+    return o.fit_targets or target.default_fit_target or (DEFAULT_FIT_TARGET_MIB,)
+
+
+def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
+    """A model that cannot fit even with every expert on the CPU: no trials; by how much, and what would fit."""
+    screener = Screener(req)
+    all_combos = combos(req)
+    if any(screener.placement(c) is not None for c in all_combos):
+        return
+    lightest: tuple[float, str] | None = None
+    for c in all_combos:
+        params = screener._with_threads(c)
+        if "n-cpu-moe" in req.distributions:
+            params["n-cpu-moe"] = req.spec.n_layer
+        if "n-gpu-layers" in req.distributions:
+            params["n-gpu-layers"] = 0
+        s = screener(candidate(req, params))
+        if s.error is None and s.constraints:
+            worst = max(s.constraints.items(), key=lambda kv: kv[1])
+            if lightest is None or worst[1] < lightest[0]:
+                lightest = (worst[1], f"{worst[0]} by {worst[1]:.1f} MiB with {' '.join(params_to_flags(params))}")
+    detail = f" the lightest configuration is over budget on {lightest[1]};" if lightest else ""
+    if req.devices:
+        result = fit(req.spec, req.base, req.devices, targets, cpu=req.cpu)
+        if result.fits:
+            detail += f" fitter fit finds a placement outside the space: {' '.join(placement_flags(result.config))}"
+        elif result.suggestions:
+            detail += " would fit: " + "; ".join(result.suggestions)
+    raise FitterError(f"{req.model}: no configuration of the search space fits ({req.spec.n_layer} layers; budgets "
+                      + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in req.budgets.devices.items())
+                      + f"; host RAM {(req.budgets.host or 0) / MIB:.0f} MiB);{detail}; nothing was launched")
+
+
+def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str], None] = lambda _: None,
+             progress: Callable[[TuneRequest], StudyCallback] | None = None, dry_run: bool = False) -> TuneOutcome:
+    """Tune `o.model` on this machine (`snapshot`) or a simulated one; see the module docstring for the order."""
+    from fitter.measure.emulated_gpu import emulated_gpu_problem
+    from fitter.measure.llama_fit import find_llama_fit_params
+
+    t_start = time.monotonic()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # fitter reports its own progress
+    tool = find_llama_fit_params(o.llama_fit_params)  # a wrong path stops here, before any study is opened
+    target = _target(o, snapshot)
+    for note in target.notes:
+        log(f"fitter: {note}")
+    targets = fit_targets(o, target)
+    check_target_count(len(target.planned_devices), targets)
+    planned = plan_request(o, target, target.planned_devices, target.planned_rpc, log)
+    check_something_fits(planned, targets)
+    if dry_run:
+        return TuneOutcome(None, None, dry_run_text(planned, planned.space_source))
+
+    # what the run needs, before anything is created: trials on the emulated GPU need it; so does the baseline of
+    # a simulated GPU (llama.cpp's fit runs on an emulated one of the same size), which is skipped without it
+    if target.emulated_mib is not None and (problem := emulated_gpu_problem()) is not None:
+        raise FitterError(f"--emulated-gpu: {problem}")
+    baseline_unavailable = emulated_gpu_problem() if target.sim is not None and planned.devices else None
+
+    runner = target.make_runner()
+    build = runner.build()
+    folder = result_dir(o.results, o.model, target.machine_dir, build["commit"])
+    ensure_writable(folder)
+    url = o.storage or storage_url(folder)
+    settings = {"objectives": list(planned.objectives), "space": planned.space_source,
+                "fixed_flags": list(o.base.flags), "fit_target_mib": list(targets),
+                "bench": {"p": o.n_prompt, "n": o.n_gen, "d": o.n_depth, "r": o.repetitions}}
+    sampler = optuna.samplers.TPESampler(seed=o.seed, multivariate=True, constant_liar=True)
+    key = StudyKey(o.spec.identity, target.machine["fingerprint"], build["commit"])
+    study = open_study(url, key, [OBJECTIVES[x] for x in planned.objectives], sampler, settings)
+    log(f"fitter: study {url} ({len(study.trials)} trials so far); space {planned.space_source}; "
+        f"{planned.n_trials} launched trials")
+
+    with runner:
+        req = plan_request(o, target, target.devices(runner), runner.rpc)
+        tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5)
+        fit_devices: Any = sim_fit_devices(req) if target.sim is not None else (
+            lambda: contextlib.nullcontext(req.rpc))
+        baseline = run_baseline(req, tuner, tool, targets, fit_devices, log, baseline_unavailable)
+        tuner.run()
+        log("")
+        entries, dropped = confirm_pareto(req, tuner, runner, log)
+        baseline = confirm_baseline(req, tuner.screener, runner, baseline, log)
+        entries, dropped = final_front(req, tuner.screener, entries, dropped, baseline)
+    doc = result_doc(req, target.machine, build, targets, target.emulated_mib is not None, baseline, entries,
+                     dropped, tuner, time.monotonic() - t_start, url, str(folder / RESULT_FILE))
+    write_result(folder, doc.data)
+    write_trials_csv(folder, study)
+    return TuneOutcome(doc, folder)

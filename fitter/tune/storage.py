@@ -1,0 +1,135 @@
+"""Where a tune keeps its study: `results/<model>/<machine>/<llama.cpp build>/study.db` (Optuna, SQLite) or any
+Optuna storage URL, beside `trials.csv` and `pareto.json` (fitter.tune.trials, fitter.tune.result).
+
+A study is keyed by the model identity (sha256 of its GGUF headers), the machine fingerprint and the llama.cpp
+build; opening a study whose key differs is an error that names both values, and nothing is overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from fitter.errors import FitterError
+
+STUDY_NAME = "fitter"
+HEARTBEAT_S = 5
+GRACE_S = 20
+KEY_ATTRS = ("model_identity", "machine_fingerprint", "llama_cpp_commit")
+
+
+class ResultsError(FitterError):
+    pass
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "unknown"
+
+
+def machine_dir_name(machine: dict[str, Any], emulated_mib: int | None) -> str:
+    """GPUs (or cpu-only / an emulated cap) plus the fingerprint, so two machines never share a folder."""
+    if emulated_mib is not None:
+        gpus = f"emulated-{emulated_mib}MiB"
+    elif machine.get("gpus"):
+        gpus = "+".join(slug(g) for g in machine["gpus"])
+    else:
+        gpus = "cpu-only"
+    return f"{gpus}-{machine['fingerprint'][:8]}"
+
+
+def result_dir(root: Path, model_path: str, machine_dir: str, commit: str) -> Path:
+    return root / slug(Path(model_path).stem) / machine_dir / slug(commit)
+
+
+@dataclass(frozen=True)
+class StudyKey:
+    model_identity: str
+    machine_fingerprint: str
+    llama_cpp_commit: str
+
+    def attrs(self) -> dict[str, str]:
+        return {"model_identity": self.model_identity, "machine_fingerprint": self.machine_fingerprint,
+                "llama_cpp_commit": self.llama_cpp_commit}
+
+
+def storage_url(folder: Path) -> str:
+    return f"sqlite:///{folder / 'study.db'}"
+
+
+def ensure_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ResultsError(f"results folder {folder}: cannot create it: {e.strerror}; give --results DIR") from None
+    if not os.access(folder, os.W_OK):
+        raise ResultsError(f"results folder {folder}: not writable; give --results DIR")
+
+
+def open_study(url: str, key: StudyKey, directions: list[Any], sampler: optuna.samplers.BaseSampler,
+               settings: dict[str, Any], heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> optuna.Study:
+    """Create or resume the study at `url`. Heartbeats let a resumed study fail the trial a killed tune left
+    RUNNING (optuna.storages.fail_stale_trials) and keep every finished one."""
+    name = STUDY_NAME if url.startswith("sqlite:") else f"{STUDY_NAME}-{key.model_identity[:12]}-" \
+        f"{key.machine_fingerprint[:8]}-{slug(key.llama_cpp_commit)}"
+    if url.startswith("sqlite:///"):
+        db = Path(url.removeprefix("sqlite:///"))
+        if db.exists():
+            check_study_db(db, "move it away or give --results DIR; nothing was changed", require_tables=False)
+    try:
+        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9; fitter relies on them
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s)
+        study = optuna.create_study(storage=storage, study_name=name, directions=directions, sampler=sampler,
+                                    load_if_exists=True)
+    except (ImportError, ValueError) as e:
+        raise ResultsError(f"--storage {url}: cannot open it: {e}") from None
+    except Exception as e:  # sqlalchemy's errors for corrupt or foreign databases
+        raise ResultsError(f"{url}: not a readable Optuna study database ({type(e).__name__}: {e}); move it away "
+                           f"or give --storage URL; nothing was changed") from None
+    existing = study.user_attrs
+    if existing.get("model_identity"):
+        for attr in KEY_ATTRS:
+            if existing.get(attr) != key.attrs()[attr]:
+                raise ResultsError(f"{url}: the study there is for another {attr.replace('_', ' ')} "
+                                   f"({existing.get(attr)!r}, this run: {key.attrs()[attr]!r}); give --results DIR "
+                                   f"or --storage URL for a new study; nothing was changed")
+        if [d.name.lower() for d in study.directions] != directions:
+            raise ResultsError(f"{url}: the study there optimizes {existing.get('objectives')}, this run "
+                               f"{settings.get('objectives')}: give --results DIR for a new study")
+    else:
+        for k, v in {**key.attrs(), **settings}.items():
+            study.set_user_attr(k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+    return study
+
+
+def check_study_db(path: Path, advice: str, require_tables: bool) -> None:
+    """Refuse anything but an Optuna SQLite database before Optuna opens it: Optuna would add its tables to any
+    SQLite file. Read-only (a running tune may be writing to it). An empty SQLite file, or one without tables, is a
+    new study unless `require_tables`."""
+    with path.open("rb") as f:
+        head = f.read(16)
+    if not head and not require_tables:
+        return
+    if head != b"SQLite format 3\x00":
+        raise ResultsError(f"{path}: not an SQLite database (it starts with {head[:8]!r}); {advice}")
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        raise ResultsError(f"{path}: cannot read the SQLite database ({e}); {advice}") from None
+    if (tables or require_tables) and not {"studies", "trials", "version_info"} <= tables:
+        raise ResultsError(f"{path}: an SQLite database without Optuna's tables (it has: "
+                           f"{', '.join(sorted(tables)) or 'none'}); {advice}")

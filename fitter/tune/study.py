@@ -1,0 +1,321 @@
+"""`fitter tune`: a constrained multi-objective Optuna study over real trials.
+
+Objectives: decode t/s (`tg`, maximize), prefill t/s (`pp`, maximize), peak VRAM (`vram`, MiB, minimize).
+Constraints, not penalties (`trial.set_constraint`, feasible when ≤ 0): MiB over each device's budget (free memory
+minus `--fit-target`) and over available host RAM. How each sampled configuration ends:
+
+- the estimator predicts it over budget, or llama.cpp would refuse it → PRUNED with its violations; nothing launched;
+- it was measured before (this run or an earlier one on the same storage) → answered from storage, not re-run;
+- measured `ok` → COMPLETE with its values;
+- measured `oom` → PRUNED with the measured violation, and that device's margin becomes
+  max(measured − predicted) for the rest of the study (kept in the study's attributes, so a resumed study keeps it);
+- `crash` / `timeout` → FAIL with the reason in the trial's attributes (samplers ignore FAIL trials).
+
+The search uses the structure a person would. For a choice of batch sizes, KV types and flash attention (a "combo"),
+the fastest placement for decode is the one with the fewest weight bytes read from RAM per token, i.e. the smallest
+`-ncmoe` (largest `-ngl` for a dense model) the estimator says fits. So the study first measures llama.cpp's own
+choice (`--fit`, the baseline), then the combo with the fewest CPU bytes per token at its smallest fitting `-ncmoe`
+(decode first), the largest `-ub` that fits at its own placement (prefill first) and the lightest placement
+(least VRAM); then it walks one-parameter neighbours of the best decode and best prefill trials, each placed at its
+own smallest fitting `-ncmoe`; what budget is left goes to Optuna's multi-objective TPE sampler over the whole space.
+Neighbours that keep the placement (threads, a KV or batch change that fits at the same `-ncmoe`) read the same
+bytes per token, so they sort next to each other and the worker keeps the model loaded between them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from fitter.measure.render import bench_json
+from fitter.measure.runner import TrialRunner
+from fitter.measure.types import TrialResult
+from fitter.memory.devices import Device
+from fitter.tune.plan import Screener, neighbours, structured_start
+from fitter.tune.request import Candidate, TuneRequest, _choices, candidate
+from fitter.tune.result import vram_bytes
+from fitter.tune.screen import Screen, device_totals
+from fitter.units import MIB
+
+
+@dataclass
+class TuneProgress:
+    launched: int = 0
+    pruned: int = 0
+    answered: int = 0
+    failed: int = 0
+    asked: int = 0
+    model_loads: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+# -- the study --------------------------------------------------------------------------------------------------
+
+StudyCallback = Callable[[str, TuneProgress, optuna.Study], None]
+
+
+class Tuner:
+    def __init__(self, req: TuneRequest, study: optuna.Study, runner: TrialRunner,
+                 on_event: StudyCallback | None = None, heartbeat_s: float | None = None) -> None:
+        self.req = req
+        self.study = study
+        self.runner = runner
+        self.screener = Screener(req)
+        self.progress = TuneProgress()
+        self.on_event = on_event or (lambda *_: None)
+        self._heartbeat_s = heartbeat_s
+        self._loaded_key: tuple[Any, ...] | None = None
+        for device, margin in study.user_attrs.get("margins", {}).items():
+            self.screener.learn_margin(device, int(margin))
+        self._done: dict[str, FrozenTrial] = {}
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
+            key = t.user_attrs.get("key")
+            if key and t.user_attrs.get("launched"):
+                self._done.setdefault(key, t)
+        self.progress.launched = self.launched_so_far()
+
+    # counts over the whole study, so a resumed study continues where it stopped
+    def launched_so_far(self) -> int:
+        return sum(1 for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("launched"))
+
+    def _out_of_budget(self) -> bool:
+        if self.progress.launched >= self.req.n_trials:
+            return True
+        timeout = self.req.timeout_s
+        return timeout is not None and time.monotonic() - self.progress.started > timeout
+
+    # -- trial bookkeeping ------------------------------------------------------------------------------------
+
+    def _tell_screened(self, trial: optuna.Trial, cand: Candidate, s: Screen, phase: str) -> None:
+        self._attrs(trial, cand, phase)
+        if s.plan is not None:
+            trial.set_user_attr("predicted_bytes", {k: v for k, v in device_totals(s.plan).items()})
+        trial.set_user_attr("reason", s.reason())
+        for name, value in (s.constraints or {"invalid": 1.0}).items():
+            trial.set_constraint(name, value if s.error is None else max(value, 1.0))
+        self.study.tell(trial, state=TrialState.PRUNED)
+        self.progress.pruned += 1
+
+    def _attrs(self, trial: optuna.Trial, cand: Candidate, phase: str) -> None:
+        trial.set_user_attr("key", cand.key)
+        trial.set_user_attr("flags", list(cand.flags))
+        trial.set_user_attr("phase", phase)
+
+    def _answer_from_storage(self, trial: optuna.Trial, cand: Candidate, prior: FrozenTrial, phase: str) -> None:
+        self._attrs(trial, cand, phase)
+        trial.set_user_attr("same_as", prior.number)
+        for k in ("reason", "measurement", "predicted_bytes"):
+            if k in prior.user_attrs:
+                trial.set_user_attr(k, prior.user_attrs[k])
+        for name, value in prior.constraints.items() if isinstance(prior.constraints, dict) else ():
+            trial.set_constraint(name, value)
+        if prior.state == TrialState.COMPLETE:
+            self.study.tell(trial, prior.values)
+        else:
+            self.study.tell(trial, state=prior.state)
+        self.progress.answered += 1
+
+    def ask(self, distributions: dict[str, Any] | None = None) -> optuna.Trial:
+        """A new trial, its first heartbeat recorded at once: a tune killed while it screens or starts the trial (before
+        the heartbeat thread runs) still leaves a trial the next tune can fail as stale; Optuna never fails a RUNNING
+        trial without a heartbeat (RDBStorage._get_stale_trial_ids)."""
+        with warnings.catch_warnings():  # Optuna warns that heartbeats are meant for optimize(); fitter beats itself
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            trial = self.study.ask(distributions)
+        storage = self.study._storage
+        if self._heartbeat_s is not None and hasattr(storage, "record_heartbeat"):
+            storage.record_heartbeat(trial._trial_id)
+        return trial
+
+    def _heartbeat(self, trial: optuna.Trial) -> Callable[[], None]:
+        """Record the running trial's heartbeat while it runs, so a killed tune leaves a stale trial that the next
+        one fails (optuna.storages.fail_stale_trials) instead of a trial RUNNING forever."""
+        storage = self.study._storage
+        interval = self._heartbeat_s
+        if interval is None or not hasattr(storage, "record_heartbeat"):
+            return lambda: None
+        stop = threading.Event()
+
+        def beat() -> None:
+            while True:
+                try:
+                    storage.record_heartbeat(trial._trial_id)
+                except Exception:
+                    return
+                if stop.wait(interval):
+                    return
+
+        thread = threading.Thread(target=beat, name="fitter-heartbeat", daemon=True)
+        thread.start()
+
+        def done() -> None:
+            stop.set()
+            thread.join()
+
+        return done
+
+    def launch(self, trial: optuna.Trial, cand: Candidate, s: Screen | None, phase: str) -> TrialResult:
+        self._attrs(trial, cand, phase)
+        trial.set_user_attr("launched", True)
+        if s is not None and s.plan is not None:
+            trial.set_user_attr("predicted_bytes", device_totals(s.plan))
+        self.on_event("start", self.progress, self.study)
+        stop_heartbeat = self._heartbeat(trial)
+        try:
+            result = self.runner.run(self.req.model, cand.config, cand.spec, self.req.trial_timeout_s,
+                                     s.plan if s is not None else None)
+        finally:
+            stop_heartbeat()
+        m = result.measurement
+        self.progress.launched += 1
+        self.progress.model_loads += 0 if m.reused_model else 1
+        measurement = measurement_json(result, self.runner.backend, s.plan if s else None, self.runner.emulated)
+        trial.set_user_attr("measurement", measurement)
+        trial.set_user_attr("reason", m.reason)
+        trial.set_user_attr("outcome", m.outcome)
+        if m.outcome == "ok" and m.pp is not None and m.tg is not None:
+            vram = vram_bytes(measurement)  # the devices' measured peak, else their logged buffers
+            trial.set_user_attr("vram_bytes", vram)
+            for name, value in (s.constraints if s else {}).items():
+                trial.set_constraint(name, value)
+            values = [objective_value(measurement, o, vram) for o in self.req.objectives]
+            self.study.tell(trial, values)
+        elif m.outcome == "oom":
+            self._learn_from_oom(trial, m, s)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            self.progress.pruned += 1
+        else:
+            self.study.tell(trial, state=TrialState.FAIL)
+            self.progress.failed += 1
+        frozen = self.study._storage.get_trial(trial._trial_id)
+        self._done[cand.key] = frozen
+        self.on_event("end", self.progress, self.study)
+        return result
+
+    def _learn_from_oom(self, trial: optuna.Trial, m: Any, s: Screen | None) -> None:
+        """The device that refused an allocation: measured need = its logged buffers + the refused request."""
+        oom = m.oom
+        device = _oom_device(oom.buft if oom else None, self.req.devices)
+        if device is None or s is None or s.plan is None:
+            trial.set_constraint("oom", 1.0)
+            return
+        logged = sum(int(b.mib * MIB) for b in m.buffers if b.buft == device)
+        needed = logged + (oom.requested_bytes or 0)
+        predicted = device_totals(s.plan).get(device, 0)
+        margin = needed - predicted
+        if margin > 0:
+            self.screener.learn_margin(device, margin)
+            margins = dict(self.study.user_attrs.get("margins", {}))
+            margins[device] = max(int(margins.get(device, 0)), margin)
+            self.study.set_user_attr("margins", margins)
+        budget = self.screener.budgets.devices.get(device, 0)
+        trial.set_user_attr("oom_margin_bytes", margin)
+        trial.set_constraint(f"vram:{device}", max(1.0, (max(needed, predicted) - budget) / MIB))
+
+    # -- the search -------------------------------------------------------------------------------------------
+
+    def run_candidate(self, params: dict[str, Any], phase: str) -> FrozenTrial | None:
+        """Ask the study for exactly these params, then screen, answer from storage or launch. None: out of budget
+        or the config is not in the space."""
+        if self._out_of_budget():
+            return None
+        self.study.enqueue_trial(params, skip_if_exists=False)
+        return self._ask_and_run(phase)
+
+    def _ask_and_run(self, phase: str) -> FrozenTrial | None:
+        trial = self.ask(self.req.distributions)
+        self.progress.asked += 1
+        params = dict(trial.params)
+        cand = candidate(self.req, params)
+        s = self.screener(cand)
+        prior = self._done.get(cand.key)
+        if prior is not None:
+            self._answer_from_storage(trial, cand, prior, phase)
+        elif not s.feasible:
+            self._tell_screened(trial, cand, s, phase)
+        else:
+            self.launch(trial, cand, s, phase)
+        return self.study._storage.get_trial(trial._trial_id)
+
+    def run(self) -> None:
+        """Baseline is run by the caller (it is not in the space); then the structured start, neighbours, TPE."""
+        for planned in structured_start(self.req, self.screener):
+            self.run_candidate(planned.params, planned.phase)
+        self._walk_neighbours()
+        self._tpe()
+
+    def _walk_neighbours(self) -> None:
+        """Greedy one-parameter moves from the best decode and best prefill trial until none is left untried."""
+        tried: set[str] = set()
+        while not self._out_of_budget():
+            moved = False
+            for objective in ("tg", "pp"):
+                best = self.best(objective)
+                if best is None:
+                    continue
+                for params in neighbours(self.req, self.screener, dict(best.params)):
+                    key = candidate(self.req, params).key
+                    if key in tried or key in self._done:
+                        continue
+                    tried.add(key)
+                    self.run_candidate(params, "neighbour")
+                    moved = True
+                    break
+                if self._out_of_budget():
+                    return
+            if not moved:
+                return
+
+    def _tpe(self) -> None:
+        max_asks = 40 * self.req.n_trials  # screening is cheap, but a converged sampler repeats itself
+        asks = 0
+        while not self._out_of_budget() and asks < max_asks:
+            asks += 1
+            self._ask_and_run("tpe")
+            if self._space_exhausted():
+                return
+
+    def _space_exhausted(self) -> bool:
+        size = 1
+        for d in self.req.distributions.values():
+            size *= len(_choices(d))
+        return len({t.user_attrs.get("key") for t in self.study.get_trials(deepcopy=False)}) >= size
+
+    def best(self, objective: str) -> FrozenTrial | None:
+        """The COMPLETE feasible trial of the space with the best measured value of one objective."""
+        best: tuple[float, FrozenTrial] | None = None
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if not t.params or any(v > 0 for v in t.constraints.values()):
+                continue
+            value = objective_value(t.user_attrs["measurement"], objective, t.user_attrs.get("vram_bytes", 0))
+            score = -value if objective == "vram" else value
+            if best is None or score > best[0]:
+                best = (score, t)
+        return best[1] if best else None
+
+
+def measurement_json(result: TrialResult, backend: str, plan: Any, emulated: bool) -> dict[str, Any]:
+    """A trial's measurement as pareto.json and the study record it (`fitter bench --json`'s shape)."""
+    return bench_json(result.measurement, backend, plan, emulated=emulated, peak_vram=result.peak_vram)
+
+
+def objective_value(measurement: dict[str, Any], objective: str, vram: int) -> float:
+    if objective == "vram":
+        return round(vram / MIB, 3)
+    return float(measurement[objective]["avg_ts"])
+
+
+def _oom_device(buft: str | None, devices: tuple[Device, ...]) -> str | None:
+    if buft is None:
+        return None
+    for d in devices:
+        if buft == d.name or buft.startswith(d.name):
+            return d.name
+    return None

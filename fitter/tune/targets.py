@@ -1,0 +1,113 @@
+"""What a tune runs on: this machine (its GPUs, `--rpc` devices, or fitter's emulated GPU) or a simulated one.
+
+A `Target` says everything the study needs before anything starts: the runner to make, the devices the estimator
+plans for (placeholders for an emulated GPU whose port is not chosen yet: same size, so the same verdicts), the
+machine record that keys the results, cores and thread defaults, host RAM, the CPU's repack rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fitter.errors import FitterError
+from fitter.flags import LaunchConfig, ProcessFlags
+from fitter.gguf.model_spec import ModelSpec
+from fitter.machine.snapshot import MachineSnapshot
+from fitter.measure.runner import TrialRunner, WorkerRunner
+from fitter.memory.devices import RPC, CpuProfile, Device, rpc_devices
+from fitter.tune.storage import machine_dir_name
+from fitter.units import GIB, MIB
+
+# The README's first command tunes the demo model; without a GPU it runs on an emulated one this big, with a fit
+# target that leaves 80 MiB for the model (all of it on the device would need ~127 MiB: experts must be split).
+DEMO_EMULATED_GPU_MIB = 96
+DEMO_FIT_TARGET_MIB = 16
+HOST_RESERVE = 512 * MIB  # RAM left to the OS and fitter itself when judging host memory
+PLACEHOLDER_ENDPOINT = "127.0.0.1:50052"  # an emulated GPU's name before its server has chosen a port
+
+
+@dataclass
+class Target:
+    make_runner: Callable[[], TrialRunner]  # a fresh runner (started by the caller's `with`)
+    devices: Callable[[TrialRunner], tuple[Device, ...]]  # the devices the estimator plans for, given the runner
+    planned_devices: tuple[Device, ...]  # the same before anything starts (--dry-run, the checks before a study)
+    planned_rpc: tuple[str, ...]
+    machine: dict[str, Any]
+    machine_dir: str
+    physical_cores: int
+    performance_cores: int
+    default_threads: int
+    host_budget: int
+    cpu_profile: CpuProfile
+    has_gpu: bool
+    emulated_mib: int | None = None
+    default_fit_target: tuple[int, ...] | None = None
+    sim: Any = None  # the simulated Machine
+    notes: tuple[str, ...] = ()  # what the target decided on its own (the demo's emulated GPU, a reserved core)
+
+
+def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: ProcessFlags, emulated_mib: int | None,
+                 demo: bool, fit_targets: tuple[int, ...] | None) -> Target:
+    """This machine: its NVIDIA GPUs (free memory from the snapshot), the config's `--rpc` servers, or an emulated
+    GPU (`--emulated-gpu`, or by itself for the demo model on a machine without a GPU)."""
+    cpu, gpus = snapshot.cpu, snapshot.gpus
+    notes: list[str] = []
+    default_fit_target = None
+    if emulated_mib is None and not gpus and not base.rpc and demo:
+        emulated_mib = DEMO_EMULATED_GPU_MIB
+        default_fit_target = (DEMO_FIT_TARGET_MIB,)
+        shown = ",".join(map(str, fit_targets or default_fit_target))
+        notes.append(f"no GPU found: tuning the demo model on fitter's emulated GPU ({emulated_mib} MiB, fit target "
+                     f"{shown} MiB; its speed is CPU speed)")
+    # the emulated GPU's RPC server computes on the CPU too: its core is not the trials' to use
+    reserved = 1 if emulated_mib is not None and cpu.physical_cores > 1 else 0
+    if reserved and process.threads is None:
+        notes.append(f"one core left to the emulated GPU's server: trials use up to {cpu.physical_cores - reserved} "
+                     "threads")
+    machine = snapshot.record()
+    own = rpc_devices(list(base.rpc)) if base.rpc else snapshot.devices()
+    if emulated_mib is not None:
+        machine["emulated_gpu_mib"] = emulated_mib
+        cap = emulated_mib * MIB
+        planned: tuple[Device, ...] = (Device(f"RPC0[{PLACEHOLDER_ENDPOINT}]", RPC, cap, cap),)
+    else:
+        planned = own
+    cpus, nvml, build = process.cpus, bool(gpus), snapshot.llama_cpp or None
+    return Target(
+        make_runner=lambda: WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=nvml, build=build),
+        devices=lambda r: r.devices() or own, planned_devices=planned,
+        planned_rpc=(PLACEHOLDER_ENDPOINT,) if emulated_mib is not None else (),
+        machine=machine, machine_dir=machine_dir_name(machine, emulated_mib),
+        physical_cores=cpu.physical_cores - reserved, performance_cores=max(1, cpu.performance_cores - reserved),
+        default_threads=max(1, cpu.recommended_threads - reserved),
+        host_budget=snapshot.ram.available - HOST_RESERVE, cpu_profile=snapshot.cpu_profile,
+        has_gpu=bool(gpus or base.rpc or emulated_mib is not None), emulated_mib=emulated_mib,
+        default_fit_target=default_fit_target, notes=tuple(notes))
+
+
+def sim_target(machine_name: str | None, emulated_mib: int | None, spec: ModelSpec, seed: int) -> Target:
+    """A simulated machine (fitter.sim): its GPUs, cores and RAM stand in for this machine's."""
+    from fitter.sim import SimRunner, load_machine
+
+    if not machine_name:
+        raise FitterError("--backend sim: give --machine NAME|FILE (fitter machines lists the shipped ones)")
+    if emulated_mib is not None:
+        raise FitterError("--backend sim and --emulated-gpu: the simulated machine has its own GPUs")
+    m = load_machine(machine_name)
+    fingerprint = hashlib.sha256(Path(m.path).read_bytes() if m.path else m.name.encode()).hexdigest()[:16]
+    machine = {"sim": m.name, "description": m.description, "profile": m.path, "fingerprint": fingerprint,
+               "physical_cores": m.cpu.p_cores + m.cpu.e_cores, "performance_cores": m.cpu.p_cores,
+               "ram_bytes": int(m.ram.gib * GIB), "gpus": [f"sim GPU {m.gpu.memory_gib:g} GiB"] * m.gpu.count
+               if m.gpu else []}
+    probe_runner = SimRunner(m, spec, seed=seed)
+    return Target(
+        make_runner=lambda: SimRunner(m, spec, seed=seed), devices=lambda r: r.devices(),
+        planned_devices=probe_runner.devices(), planned_rpc=(), machine=machine,
+        machine_dir=f"sim-{m.name}-{fingerprint[:8]}", physical_cores=m.cpu.p_cores + m.cpu.e_cores,
+        performance_cores=m.cpu.p_cores, default_threads=m.cpu.p_cores,
+        host_budget=int(m.ram.gib * GIB) - HOST_RESERVE, cpu_profile=probe_runner.cpu_profile(),
+        has_gpu=m.gpu is not None, sim=m)

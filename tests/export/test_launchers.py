@@ -1,0 +1,409 @@
+"""fitter.export.launchers: every format is parsed back the way its launcher reads it and gives the measured flags."""
+
+from __future__ import annotations
+
+import configparser
+import copy
+import json
+import shlex
+from typing import Any
+
+import pytest
+import yaml
+
+from fitter.errors import FitterError
+from fitter.export.launchers import FORMATS, PYTHON_NOTE
+from fitter.export.launchers import render as render_result
+from fitter.flags import (
+    LaunchConfig,
+    ProcessFlags,
+    TensorOverride,
+    ncmoe_rules,
+    parse_launch_flags,
+    pin,
+    resolve_context,
+)
+from fitter.tune.result import POLICIES, ParetoDoc
+
+MODEL = "/home/me/models/fitter-demo-gpt-oss.gguf"
+SOURCE = "results/fitter-demo-gpt-oss/cpu-only-1a2b3c4d/0c1e570/pareto.json"
+LAYER12_UP_GATE = TensorOverride(r"blk\.12\.ffn_(up|gate)_(ch|)exps", "CPU")  # what `fitter fit` adds after -ncmoe
+
+
+def _flags(config: LaunchConfig, threads: int, threads_batch: int) -> list[str]:
+    """As the tuner builds them: pinned with the model's resolved context, plus -t/-tb."""
+    return pin(config, resolve_context(config, 131072), ProcessFlags(threads, threads_batch))
+
+
+def render(result: dict[str, Any], policy: str, fmt: str, source: str) -> str:
+    """An export of a pareto.json as the one loader reads it."""
+    return render_result(ParetoDoc.from_json(result, source), policy, fmt)
+
+
+def pinned_flags(config: LaunchConfig, threads: int, threads_batch: int) -> list[str]:
+    """An export's pinning: the config's own values (no model context), -t/-tb as measured."""
+    return pin(config, process=ProcessFlags(threads, threads_batch))
+
+
+def _measurement(pp: float, tg: float) -> dict[str, Any]:
+    return {"outcome": "ok", "reason": "", "emulated": False, "backend": "llama-cpp-python",
+            "pp": {"n": 512, "avg_ts": pp, "stddev_ts": 1.5, "samples_ts": [pp] * 3},
+            "tg": {"n": 128, "depth": 0, "avg_ts": tg, "stddev_ts": 0.4, "samples_ts": [tg] * 3},
+            "peak_vram": {}, "llama_cpp": {"commit": "0c1e570", "source": "llama-cpp-python 0.3.36"}}
+
+
+# Three Pareto entries of a MoE tune: decode-first (q8_0 KV, one slot), prefill-first (big batches, 4 slots with
+# separate streams) and the smallest (q4_0 V, full SWA cache, no repacking, mlock).
+CONFIGS = {
+    3: (LaunchConfig(ctx_size=4096, cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on", n_gpu_layers=-2,
+                     overrides=(*ncmoe_rules(12), LAYER12_UP_GATE), parallel=1, kv_unified=True, fit=False), 2, 2),
+    5: (LaunchConfig(ctx_size=16384, batch_size=4096, ubatch_size=2048, flash_attn="on", n_gpu_layers=-2,
+                     overrides=ncmoe_rules(16), parallel=4, kv_unified=False, fit=False), 2, 4),
+    7: (LaunchConfig(ctx_size=8192, cache_type_k="q8_0", cache_type_v="q4_0", flash_attn="on", n_gpu_layers=-2,
+                     overrides=ncmoe_rules(24), parallel=2, kv_unified=True, swa_full=True, no_repack=True,
+                     load_mode="mlock", fit=False), 1, 1),
+}
+PICKS = {"max-decode": 3, "max-prefill": 5, "balanced": 3, "min-vram": 7}
+
+
+def _result() -> dict[str, Any]:
+    speeds = {3: (812.0, 41.25), 5: (1630.5, 35.0), 7: (640.0, 40.0)}
+    return {
+        "model": {"path": MODEL, "name": "fitter-demo-gpt-oss", "arch": "gpt-oss", "shards": 1},
+        "machine": {"cpu": "Example CPU", "gpus": [], "fingerprint": "1a2b3c4d5e6f7a8b"},
+        "llama_cpp": {"commit": "0c1e570", "source": "llama-cpp-python 0.3.36"},
+        "objectives": ["tg", "pp", "vram"], "fit_target_mib": [1024],
+        "baseline": {"name": "llama.cpp --fit", "flags": ["-fit", "on"], "measurement": _measurement(700.0, 30.0)},
+        "pareto": [{"trial": n, "flags": _flags(c, t, tb), "measurement": _measurement(*speeds[n]),
+                    "vram_bytes": 1000 * n} for n, (c, t, tb) in CONFIGS.items()],
+        "picks": dict(PICKS),
+    }
+
+
+def _entry(result: dict[str, Any], policy: str) -> dict[str, Any]:
+    return next(e for e in result["pareto"] if e["trial"] == result["picks"][policy])
+
+
+def _split_threads(flags: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(llama.cpp flags, {"--threads": N, "--threads-batch": N}) with long or short spellings."""
+    names = {"-t": "--threads", "--threads": "--threads",
+             "-tb": "--threads-batch", "--threads-batch": "--threads-batch"}
+    rest: list[str] = []
+    threads: dict[str, str] = {}
+    it = iter(flags)
+    for f in it:
+        if f in names:
+            threads[names[f]] = next(it)
+        else:
+            rest.append(f)
+    return rest, threads
+
+
+def _expected(policy: str) -> tuple[LaunchConfig, dict[str, str]]:
+    config, t, tb = CONFIGS[PICKS[policy]]
+    return config, {"--threads": str(t), "--threads-batch": str(tb)}
+
+
+# -- server ------------------------------------------------------------------------------------------------------
+
+
+def test_server_line_of_the_decode_pick() -> None:
+    assert render(_result(), "max-decode", "server", SOURCE) == (
+        f"llama-server -m {MODEL} -c 4096 -b 2048 -ub 512 -ctk q8_0 -ctv q8_0 -fa on -np 1 --kv-unified -ngl all "
+        r"-ncmoe 12 -ot 'blk\.12\.ffn_(up|gate)_(ch|)exps=CPU' -fit off -t 2 -tb 2" "\n"
+    )
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_server_line_parses_back_to_the_entry(policy: str) -> None:
+    result = _result()
+    out = render(result, policy, "server", SOURCE)
+    assert out.count("\n") == 1
+    argv = shlex.split(out)
+    assert argv[:3] == ["llama-server", "-m", MODEL]
+    assert argv[3:] == _entry(result, policy)["flags"]
+    launch, threads = _split_threads(argv[3:])
+    assert (parse_launch_flags(launch), threads) == _expected(policy)
+
+
+def test_server_line_quotes_a_path_with_blanks() -> None:
+    result = _result()
+    result["model"]["path"] = "/home/me/my models/demo.gguf"
+    argv = shlex.split(render(result, "max-decode", "server", SOURCE))
+    assert argv[:3] == ["llama-server", "-m", "/home/me/my models/demo.gguf"]
+
+
+# -- preset-ini --------------------------------------------------------------------------------------------------
+
+PRESET_BOOL_KEYS = {"kv-unified", "swa-full", "kv-offload", "op-offload", "repack", "cpu-moe"}
+
+
+def _preset_argv(section: configparser.SectionProxy) -> list[str]:
+    """What llama-server's common_preset::to_args makes of a section: `--key value`, bools as --key / --no-key."""
+    argv: list[str] = []
+    for key, value in section.items():
+        if key in PRESET_BOOL_KEYS:
+            assert value in ("true", "false")
+            argv.append(f"--{key}" if value == "true" else f"--no-{key}")
+        else:
+            argv += [f"--{key}", value]
+    return argv
+
+
+def test_preset_ini_of_the_decode_pick() -> None:
+    assert render(_result(), "max-decode", "preset-ini", SOURCE) == (
+        f"; fitter export --policy max-decode: trial 3 of {SOURCE}\n"
+        "; measured tg 41.2 t/s, pp 812.0 t/s with llama.cpp 0c1e570\n"
+        "[fitter-demo-gpt-oss]\n"
+        f"model = {MODEL}\n"
+        "ctx-size = 4096\nbatch-size = 2048\nubatch-size = 512\ncache-type-k = q8_0\ncache-type-v = q8_0\n"
+        "flash-attn = on\nparallel = 1\nkv-unified = true\nn-gpu-layers = all\nn-cpu-moe = 12\n"
+        "override-tensor = blk\\.12\\.ffn_(up|gate)_(ch|)exps=CPU\nfit = off\nthreads = 2\nthreads-batch = 2\n"
+    )
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preset_ini_reads_back_as_the_entry(policy: str) -> None:
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read_string(render(_result(), policy, "preset-ini", SOURCE))
+    assert ini.sections() == ["fitter-demo-gpt-oss"]
+    argv = _preset_argv(ini["fitter-demo-gpt-oss"])
+    assert argv[:2] == ["--model", MODEL]
+    launch, threads = _split_threads(argv[2:])
+    assert (parse_launch_flags(launch), threads) == _expected(policy)
+
+
+def test_preset_ini_writes_negative_flags_as_false() -> None:
+    ini = configparser.ConfigParser(interpolation=None)
+    ini.read_string(render(_result(), "max-prefill", "preset-ini", SOURCE))
+    assert ini["fitter-demo-gpt-oss"]["kv-unified"] == "false"
+    ini.read_string(render(_result(), "min-vram", "preset-ini", SOURCE))
+    section = ini["fitter-demo-gpt-oss"]
+    assert (section["swa-full"], section["repack"], section["load-mode"]) == ("true", "false", "mlock")
+
+
+def test_preset_ini_refuses_a_value_llama_server_would_cut() -> None:
+    result = _result()
+    result["model"]["path"] = "/models/a;b.gguf"
+    with pytest.raises(FitterError) as e:
+        render(result, "max-decode", "preset-ini", SOURCE)
+    assert str(e.value) == ("preset-ini: model = '/models/a;b.gguf': llama-server's preset parser ends a value at ';' "
+                            "or '#' and trims blanks; launch with --format server instead")
+
+
+def test_preset_ini_section_name_avoids_a_tag() -> None:
+    result = _result()
+    result["model"]["name"] = "gpt-oss-20b:mxfp4"  # llama-server would re-case a `:tag` section name
+    assert "\n[gpt-oss-20b-mxfp4]\n" in render(result, "max-decode", "preset-ini", SOURCE)
+
+
+# -- llama-swap --------------------------------------------------------------------------------------------------
+
+
+def _swap_argv(cmd: str) -> list[str]:
+    """llama-swap's SanitizeCommand: lines starting with '#' dropped, then POSIX shlex."""
+    return shlex.split("\n".join(line for line in cmd.split("\n") if not line.strip().startswith("#")))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_llama_swap_entry_reads_back_as_the_entry(policy: str) -> None:
+    result = _result()
+    doc = yaml.safe_load(render(result, policy, "llama-swap", SOURCE))
+    assert list(doc) == ["models"] and list(doc["models"]) == ["fitter-demo-gpt-oss"]
+    model = doc["models"]["fitter-demo-gpt-oss"]
+    assert list(model) == ["cmd"]
+    assert "--port ${PORT}" in model["cmd"]
+    argv = _swap_argv(model["cmd"])
+    assert argv[:5] == ["llama-server", "--port", "${PORT}", "-m", MODEL]
+    assert argv[5:] == _entry(result, policy)["flags"]
+    launch, threads = _split_threads(argv[5:])
+    assert (parse_launch_flags(launch), threads) == _expected(policy)
+
+
+def test_llama_swap_entry_of_the_decode_pick() -> None:
+    assert render(_result(), "max-decode", "llama-swap", SOURCE) == (
+        f"# fitter export --policy max-decode: trial 3 of {SOURCE}\n"
+        "# measured tg 41.2 t/s, pp 812.0 t/s with llama.cpp 0c1e570\n"
+        "models:\n"
+        '  "fitter-demo-gpt-oss":\n'
+        "    cmd: |\n"
+        "      llama-server\n      --port ${PORT}\n"
+        f"      -m {MODEL}\n"
+        "      -c 4096\n      -b 2048\n      -ub 512\n      -ctk q8_0\n      -ctv q8_0\n      -fa on\n      -np 1\n"
+        "      --kv-unified\n      -ngl all\n      -ncmoe 12\n"
+        "      -ot 'blk\\.12\\.ffn_(up|gate)_(ch|)exps=CPU'\n"
+        "      -fit off\n      -t 2\n      -tb 2\n"
+    )
+
+
+def test_llama_swap_refuses_a_macro_in_a_value() -> None:
+    result = _result()
+    result["model"]["path"] = "${models_dir}/demo.gguf"
+    with pytest.raises(FitterError) as e:
+        render(result, "max-decode", "llama-swap", SOURCE)
+    assert str(e.value) == "llama-swap: '${models_dir}/demo.gguf' contains '${', which llama-swap reads as a macro"
+
+
+# -- python ------------------------------------------------------------------------------------------------------
+
+
+def test_python_kwargs_and_overrides_of_the_decode_pick() -> None:
+    doc = json.loads(render(_result(), "max-decode", "python", SOURCE))
+    assert doc["kwargs"] == {
+        "model_path": MODEL, "n_gpu_layers": -1, "main_gpu": 0, "use_mmap": True, "use_mlock": False,
+        "n_ctx": 4096, "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "n_threads_batch": 2,
+        "offload_kqv": True, "flash_attn": True, "op_offload": True, "swa_full": False,
+        "type_k": 8, "type_v": 8,  # GGML_TYPE_Q8_0
+    }
+    assert doc["tensor_overrides"] == [{"pattern": r.pattern, "buft": "CPU"}
+                                       for r in (*ncmoe_rules(12), LAYER12_UP_GATE)]
+    assert doc["tensor_overrides"][0] == {"pattern": r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps", "buft": "CPU"}
+    assert doc["note"] == PYTHON_NOTE
+    assert "cannot express -ncmoe/-ot" in doc["note"] and "n_cpu_moe" in doc["note"]
+    assert "tensor_buft_overrides" in doc["note"]
+    assert (doc["llama_cpp_python"], doc["policy"], doc["trial"]) == ("0.3.36", "max-decode", 3)
+    assert "not_in_kwargs" not in doc and "warning" not in doc
+
+
+def test_python_says_what_kwargs_cannot_carry() -> None:
+    prefill = json.loads(render(_result(), "max-prefill", "python", SOURCE))
+    assert prefill["kwargs"]["type_k"] == 1 and prefill["kwargs"]["n_threads_batch"] == 4  # GGML_TYPE_F16
+    assert prefill["tensor_overrides"] == [{"pattern": r.pattern, "buft": "CPU"} for r in ncmoe_rules(16)]
+    assert prefill["not_in_kwargs"] == [
+        "-np 4 --no-kv-unified: Llama decodes one sequence (n_seq_max 1); its KV cache holds the same n_ctx cells "
+        "in one stream"]
+    small = json.loads(render(_result(), "min-vram", "python", SOURCE))
+    kw = small["kwargs"]
+    assert (kw["type_v"], kw["swa_full"], kw["use_mmap"], kw["use_mlock"]) == (2, True, False, True)  # Q4_0
+    assert small["not_in_kwargs"][1] == "-nr: llama_model_params.use_extra_bufts = False (no keyword)"
+
+
+@pytest.mark.llama
+def test_python_kwargs_are_llama_cpp_python_parameters() -> None:
+    import inspect
+
+    import llama_cpp
+
+    params = inspect.signature(llama_cpp.Llama.__init__).parameters
+    for policy in POLICIES:
+        kwargs = json.loads(render(_result(), policy, "python", SOURCE))["kwargs"]
+        assert set(kwargs) <= set(params) - {"kwargs"}
+    kwargs = json.loads(render(_result(), "max-decode", "python", SOURCE))["kwargs"]
+    assert kwargs["type_k"] == llama_cpp.GGML_TYPE_Q8_0 and kwargs["type_v"] == llama_cpp.GGML_TYPE_Q8_0
+
+
+# -- json --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_json_is_the_entry(policy: str) -> None:
+    result = _result()
+    assert json.loads(render(result, policy, "json", SOURCE)) == _entry(result, policy)
+
+
+# -- pinning -----------------------------------------------------------------------------------------------------
+
+
+def test_unpinned_flags_are_pinned_in_every_format() -> None:
+    result = _result()
+    result["pareto"][0]["flags"] = ["-c", "4096", "-fa", "on", "-ngl", "all", "-ncmoe", "3", "-ub", "1024",
+                                    "--threads", "4"]
+    pinned = ["-c", "4096", "-b", "2048", "-ub", "1024", "-ctk", "f16", "-ctv", "f16", "-fa", "on", "-np", "4",
+              "--kv-unified", "-ngl", "all", "-ncmoe", "3", "-fit", "off", "-t", "4", "-tb", "4"]
+    assert shlex.split(render(result, "max-decode", "server", SOURCE))[3:] == pinned
+    assert json.loads(render(result, "max-decode", "json", SOURCE))["flags"] == pinned
+    assert _swap_argv(yaml.safe_load(render(result, "max-decode", "llama-swap", SOURCE))
+                      ["models"]["fitter-demo-gpt-oss"]["cmd"])[5:] == pinned
+
+
+def test_pinned_flags_match_fitters_server_flags() -> None:
+    config, threads, threads_batch = CONFIGS[3]
+    assert pinned_flags(config, threads, threads_batch) == _flags(config, threads, threads_batch)
+
+
+def test_cpu_only_result_pins_no_offload() -> None:
+    result = _result()
+    result["pareto"][0]["flags"] = ["-c", "2048", "-fa", "off", "-np", "1", "-t", "8"]
+    argv = shlex.split(render(result, "max-decode", "server", SOURCE))
+    assert argv[argv.index("-ngl") + 1] == "0"
+    assert json.loads(render(result, "max-decode", "python", SOURCE))["kwargs"]["n_gpu_layers"] == 0
+
+
+def test_emulated_gpu_rpc_is_left_out_with_a_warning() -> None:
+    result = _result()
+    result["emulated"] = True
+    entry = result["pareto"][0]
+    entry["flags"] = [*entry["flags"][:-4], "--rpc", "127.0.0.1:34379", *entry["flags"][-4:]]
+    warning = ("measured on fitter's emulated GPU (a capped llama.cpp RPC device on the tuning machine, CPU speed); "
+               "its --rpc 127.0.0.1:34379 is left out: check the placement fits your GPU with `fitter fit`")
+    server = render(result, "max-decode", "server", SOURCE).splitlines()
+    assert server[0] == f"# {warning}"
+    assert shlex.split(server[1])[3:] == _flags(*CONFIGS[3])
+    assert f"; {warning}\n[fitter-demo-gpt-oss]\n" in render(result, "max-decode", "preset-ini", SOURCE)
+    assert f"# {warning}\nmodels:\n" in render(result, "max-decode", "llama-swap", SOURCE)
+    assert json.loads(render(result, "max-decode", "python", SOURCE))["warning"] == warning
+    exported = json.loads(render(result, "max-decode", "json", SOURCE))
+    assert exported == {**entry, "flags": _flags(*CONFIGS[3]), "warning": warning}
+
+
+# -- errors ------------------------------------------------------------------------------------------------------
+
+
+def _error(result: dict[str, Any], policy: str = "max-decode", fmt: str = "server") -> str:
+    with pytest.raises(FitterError) as e:
+        render(result, policy, fmt, SOURCE)
+    return str(e.value)
+
+
+def test_unknown_policy() -> None:
+    assert _error(_result(), policy="fastest") == (
+        "--policy 'fastest': unknown policy; choose one of max-decode, max-prefill, balanced, min-vram")
+
+
+def test_unknown_format() -> None:
+    assert _error(_result(), fmt="toml") == (
+        "--format 'toml': unknown format; choose one of server, preset-ini, llama-swap, python, json")
+    assert FORMATS == ("server", "preset-ini", "llama-swap", "python", "json")
+
+
+def test_missing_picks() -> None:
+    result = _result()
+    del result["picks"]
+    assert _error(result) == f'{SOURCE}: no "picks" (the tune found no confirmed configuration?); nothing to export'
+
+
+def test_policy_without_a_pick() -> None:
+    result = _result()
+    del result["picks"]["min-vram"]
+    assert _error(result, policy="min-vram") == (
+        f"{SOURCE}: no min-vram pick (picks: balanced=3, max-decode=3, max-prefill=5); choose another --policy")
+
+
+def test_pick_missing_from_pareto() -> None:
+    result = _result()
+    result["picks"]["balanced"] = 9
+    assert _error(result, policy="balanced") == (
+        f'{SOURCE}: the balanced pick is trial 9, which is not in "pareto" (trials: 3, 5, 7)')
+
+
+@pytest.mark.parametrize(
+    ("flags", "machine_gpus", "message"),
+    [
+        (["-c", "4096", "-fa", "auto", "-ngl", "all", "-t", "2"], [],
+         "-fa auto is resolved by llama-server per device at launch; an export pins -fa on or off: tune with "
+         "flash-attn on/off"),
+        (["-c", "4096", "-fa", "on", "-t", "2"], ["NVIDIA GeForce RTX 4070"],
+         "-ngl auto leaves the placement to llama.cpp's --fit; an export pins it: tune with -ngl (or let `fitter "
+         "fit` choose the placement)"),
+        (["-c", "4096", "-fa", "on", "-ngl", "all"], [], "no -t (threads); an export pins -t and -tb as measured"),
+        (["-c", "4096", "-fa", "on", "-ngl", "all", "-t", "0"], [], "-t '0': expected a thread count >= 1"),
+        (["-c", "4096", "-ctv", "q8_0", "-fa", "off", "-t", "2"], [],
+         "-ctv q8_0 with -fa off: a quantized V cache requires flash attention (src/llama-context.cpp); use -fa on "
+         "or -ctv f16"),
+    ],
+)
+def test_flags_an_export_cannot_pin(flags: list[str], machine_gpus: list[str], message: str) -> None:
+    result = copy.deepcopy(_result())
+    result["pareto"][0]["flags"] = flags
+    result["machine"]["gpus"] = machine_gpus
+    assert _error(result) == f"{SOURCE}: the max-decode pick (trial 3): {message}"

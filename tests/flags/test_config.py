@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import pytest
+
+from fitter.errors import LaunchConfigError
+from fitter.flags import FFN_EXPS_REGEX, TensorOverride, parse_launch_flags, resolve_context
+
+
+def test_server_defaults() -> None:
+    c = parse_launch_flags([])
+    assert (c.ctx_size, c.batch_size, c.ubatch_size, c.cache_type_k, c.flash_attn) == (0, 2048, 512, "f16", "auto")
+    assert c.n_seq_max == 4 and c.unified  # -np auto: 4 slots sharing a unified KV
+    assert not parse_launch_flags(["-np", "2"]).unified
+    assert parse_launch_flags(["-np", "2", "--kv-unified"]).unified
+
+
+def test_overrides_keep_command_line_order() -> None:
+    c = parse_launch_flags(["-ot", r"blk\.1\.=CUDA0,exps=CPU", "-ncmoe", "2", "-cmoe"])
+    assert c.overrides == (
+        TensorOverride(r"blk\.1\.", "CUDA0"),
+        TensorOverride("exps", "CPU"),
+        TensorOverride(rf"blk\.0{FFN_EXPS_REGEX}", "CPU"),
+        TensorOverride(rf"blk\.1{FFN_EXPS_REGEX}", "CPU"),
+        TensorOverride(FFN_EXPS_REGEX, "CPU"),
+    )
+    assert c.overrides[2].matches("blk.0.ffn_up_exps.bias")  # no .weight anchor: biases move too
+    assert not c.overrides[2].matches("blk.10.ffn_up_exps.weight")
+
+
+def test_context_is_padded_and_batches_clamped_like_llama_context() -> None:
+    ctx = resolve_context(parse_launch_flags(["-c", "1000", "-b", "256", "-ub", "512", "-np", "1"]), 4096)
+    assert (ctx.n_ctx, ctx.n_ctx_seq, ctx.n_batch, ctx.n_ubatch) == (1024, 1024, 256, 256)
+    assert ctx.warnings == ("-ub 512 exceeds -b 256; llama.cpp clamps it to 256",
+                            "-c 1000 is padded to 1024 (a multiple of 256)")
+    ctx = resolve_context(parse_launch_flags(["-c", "1000", "-np", "3"]), 4096)
+    assert (ctx.n_ctx, ctx.n_ctx_seq, ctx.n_stream) == (1536, 512, 3)  # 1024 / 3 = 341, padded up to 512
+    ctx = resolve_context(parse_launch_flags(["-c", "0"]), 131072)
+    assert (ctx.n_ctx, ctx.n_ctx_seq, ctx.n_stream, ctx.n_seq_max) == (131072, 131072, 1, 4)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["-ctv", "q8_0", "-fa", "off"], r"-ctv q8_0 with -fa off: a quantized V cache requires flash"),
+        (["-ctk", "q3_k"], r"argument -ctk/--cache-type-k: unsupported cache type 'q3_k'; allowed: f32, f16"),
+        (["--frobnicate"], r"unrecognized arguments: --frobnicate"),
+        (["-ncmoe", "-1"], r"-ncmoe -1: must be >= 0"),
+        (["-ot", "exps"], r"-ot 'exps': each rule must be PATTERN=BUFFER_TYPE"),
+        (["-ot", "(=CPU"], r"-ot '\(=CPU': bad regular expression"),
+        (["-np", "0"], r"-np 0: must be >= 1"),
+        (["-fa", "maybe"], r"expected on, off or auto, got 'maybe'"),
+    ],
+)
+def test_bad_flags_are_rejected_with_flag_rule_and_value(flags: list[str], message: str) -> None:
+    with pytest.raises(LaunchConfigError, match=message):
+        parse_launch_flags(flags)

@@ -1,0 +1,65 @@
+"""fitter.measure.process: the children fitter starts get one environment, a process group each, and die with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fitter.measure import process
+from fitter.paths import SOURCE_ROOT
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().split()[2] != "Z"
+
+
+def test_the_environment_finds_this_fitter_and_keeps_gdb_away() -> None:
+    env = process.child_env({"PYTHONPATH": "/elsewhere", "GGML_NO_BACKTRACE": "0"}, X="1")
+    assert env["PYTHONPATH"] == f"{SOURCE_ROOT}{os.pathsep}/elsewhere"
+    assert env["GGML_NO_BACKTRACE"] == "0" and env["X"] == "1"  # the caller's own choice stands
+    assert process.child_env({})["GGML_NO_BACKTRACE"] == "1"
+
+
+def test_a_child_leads_its_own_group_and_stop_all_kills_it() -> None:
+    child = process.spawn(["sleep", "60"])
+    assert os.getpgid(child.pid) == child.pid != os.getpgid(0)
+    process.stop_all()
+    assert child.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_run_kills_a_child_past_its_timeout_and_keeps_what_it_wrote() -> None:
+    assert process.run(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=30) == (3, "out\n", "err\n")
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        process.run(["sh", "-c", "echo started; exec sleep 60"], timeout=0.5)
+    assert time.monotonic() - t0 < 10 and e.value.stdout == "started\n"
+
+
+@pytest.mark.parametrize("how", ["exits", "is terminated"])
+def test_children_die_when_fitter_exits_or_is_terminated(how: str) -> None:
+    code = ("import sys\nfrom fitter.measure import process\n"
+            "child = process.spawn(['sleep', '300'])\nprint(child.pid, flush=True)\nsys.stdin.readline()\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=process.child_env())
+    assert parent.stdin is not None and parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    assert _alive(pid)
+    if how == "exits":
+        parent.stdin.close()  # it reads EOF and exits normally
+    else:
+        parent.send_signal(signal.SIGTERM)
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from fitter.flags import TensorOverride, parse_launch_flags
+from fitter.gguf.model_spec import load_model_spec
+from fitter.memory.devices import CUDA, RPC, Device
+from fitter.memory.estimator import estimate
+from fitter.memory.fit import fit, ncmoe_rules
+from tests.models import model_file
+
+MIB = 1024 * 1024
+
+
+def _device(mib: int, profile=CUDA, name="CUDA0") -> Device:  # type: ignore[no-untyped-def]
+    return Device(name, profile, mib * MIB, mib * MIB)
+
+
+def _used(plan, name: str) -> int:  # type: ignore[no-untyped-def]
+    return plan.totals()[name].total
+
+
+def test_moe_fit_has_no_room_left_for_another_expert_tensor() -> None:
+    spec = load_model_spec(str(model_file("demo")))
+    base = parse_launch_flags(["-c", "4096"])
+    dev = _device(80, RPC, "RPC0[127.0.0.1:50052]")
+    result = fit(spec, base, (dev,), (4,))
+    budget = 76 * MIB
+    assert result.fits and _used(result.plan, dev.name) <= budget
+    on_cpu = [p.tensor for p in result.plan.placements if p.tensor.role.value == "expert"
+              and p.tensor.name.endswith(".weight") and p.buft != dev.name]
+    assert on_cpu  # 80 MiB cannot hold every expert
+    for t in on_cpu:  # any one more expert tensor (with its bias) on the device would break the budget
+        pattern = t.name.removesuffix(".weight").replace(".", r"\.")
+        more = replace(result.config, overrides=(TensorOverride(pattern, dev.name), *result.config.overrides))
+        assert _used(estimate(spec, more, (dev,)), dev.name) > budget, t.name
+
+
+def test_dense_model_gets_the_most_layers_that_fit() -> None:
+    spec = load_model_spec(str(model_file("qwen3-tiny")))
+    base = parse_launch_flags(["-c", "2048", "-np", "1"])
+    full = estimate(spec, replace(base, n_gpu_layers=-2), (_device(1024),))
+    need = full.totals()["CUDA0"].total
+    dev = Device("CUDA0", CUDA, need - 1, need - 1)  # one byte short of everything
+    result = fit(spec, base, (dev,), (0,))
+    assert result.fits and result.config.n_gpu_layers == spec.n_layer  # the output layer went back to the CPU
+    assert _used(result.plan, "CUDA0") <= need - 1
+
+
+def test_c0_grows_the_context_to_the_largest_that_fits() -> None:
+    spec = load_model_spec(str(model_file("gpt-oss-tiny")))
+    dev = _device(3)
+    result = fit(spec, parse_launch_flags(["-c", "0", "-np", "1"]), (dev,), (0,), fit_ctx=512)
+    assert result.fits
+    n_ctx = result.plan.context.n_ctx
+    assert 512 <= n_ctx <= spec.n_ctx_train
+    if n_ctx < spec.n_ctx_train:
+        bigger = estimate(spec, replace(result.config, ctx_size=n_ctx + 256), (dev,))
+        assert _used(bigger, "CUDA0") > 3 * MIB
+
+
+def test_nothing_fits_says_by_how_much_and_what_would() -> None:
+    spec = load_model_spec(str(model_file("demo")))
+    # 1000 MiB free but 1024 MiB to leave: even an empty GPU is 24 MiB over
+    result = fit(spec, parse_launch_flags(["-c", "8192"]), (_device(1000),), (1024,))
+    assert not result.fits and result.config.n_gpu_layers == 0
+    assert result.shortfall == 24 * MIB
+    assert result.suggestions == ("even with nothing offloaded the devices need 0 MiB: lower --fit-target",)
+
+
+def test_fit_cli_json_and_exit_codes() -> None:
+    model = str(model_file("demo"))
+    ok = subprocess.run([sys.executable, "-m", "fitter.cli", "fit", model, "--devices", "cuda:100", "--fit-target",
+                         "4", "-c", "4096", "--json"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    out = json.loads(ok.stdout)
+    assert out["fits"] and out["flags"][-2:] == ["-fit", "off"]
+    dev = out["devices"]["CUDA0"]
+    assert dev["total"] <= dev["budget"] == (100 - 4) * MIB and dev["free_after"] == dev["free"] - dev["total"]
+    bad = subprocess.run([sys.executable, "-m", "fitter.cli", "fit", model, "--devices", "cuda:1000", "-c", "4096"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "does not fit" in bad.stdout
+
+
+@pytest.mark.llama
+def test_fitted_placement_really_loads_on_the_emulated_gpu_using_what_was_estimated() -> None:
+    model = str(model_file("demo"))
+    proc = subprocess.run([sys.executable, "-m", "fitter.cli", "fit", model, "--emulated-gpu", "80", "--fit-target",
+                           "4", "-c", "4096", "--verify", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    (dev,) = out["devices"].values()
+    assert out["emulated"] and out["verify"]["loaded"]
+    assert out["verify"]["device_peak_bytes"] == dev["total"]  # the estimate, to the byte
+
+
+def test_a_given_ngl_is_kept_and_the_answer_says_what_would_fit() -> None:
+    spec = load_model_spec(str(model_file("demo")))
+    base = parse_launch_flags(["-c", "8192", "-ngl", "all", "-fa", "off"])
+    lightest = estimate(spec, replace(base, overrides=ncmoe_rules(spec.n_layer)), (_device(1024),))
+    need = lightest.totals()["CUDA0"].total  # every expert on the CPU, everything else on the GPU
+    dev = Device("CUDA0", CUDA, need - MIB, need - MIB)
+    result = fit(spec, base, (dev,), (0,))
+    assert not result.fits and result.shortfall == MIB
+    assert result.config.n_gpu_layers == -2  # kept
+    # each suggestion was checked with the estimator: the q8_0 KV cache makes -ngl all fit
+    assert any(s.startswith("-ctk q8_0 -ctv q8_0 -fa on: fits") for s in result.suggestions)

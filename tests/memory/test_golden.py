@@ -1,0 +1,96 @@
+"""The estimator against buffers llama.cpp itself logged (tests/golden/*.json, from scripts/make_goldens.py).
+
+cpu.json: CPU only. rpc.json: with fitter's emulated GPU (a llama.cpp RPC device), so model, KV and compute
+buffers are split between RPC0[…] and the host. Model, KV and output buffers must match the logged 0.01 MiB;
+compute buffers within 5 %. Cases marked held_out were never looked at while writing the estimator's rules:
+they are the check that the rules generalise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fitter.errors import LaunchConfigError
+from fitter.flags import parse_launch_flags
+from fitter.gguf.model_spec import ModelSpec, load_model_spec
+from fitter.memory.devices import CPU_AVX2, CUDA, Device, rpc_devices
+from fitter.memory.estimator import estimate
+from tests.models import model_files
+
+MIB = 1024 * 1024
+_DIR = Path(__file__).resolve().parents[1] / "golden"
+# cuda.json exists once scripts/make_goldens.py --device cuda has run on a GPU
+GOLDENS = {p.stem: json.loads(p.read_text()) for p in sorted(_DIR.glob("*.json")) if p.stem in ("cpu", "rpc", "cuda")}
+CASES = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "ok"]
+ERRORS = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "error"]
+_specs: dict[str, ModelSpec] = {}
+
+
+def _ids(cases: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    return [f"{name}:{c['id']}" for name, c in cases]
+
+
+def _spec(golden: str, model: str) -> ModelSpec:
+    if model not in _specs:
+        m = GOLDENS[golden]["models"][model]
+        _specs[model] = load_model_spec(str(model_files(m["shape"], m["sparse"], m["n_shards"])[0]))
+    return _specs[model]
+
+
+def _target(golden: str, flags: list[str]) -> tuple[list[str], tuple[Device, ...]]:
+    """The flags as the golden run passed them, and the devices the estimate is asked about."""
+    device = GOLDENS[golden].get("device")
+    if device is None:
+        return flags, ()
+    if device["kind"] == "cuda":
+        free = device["free_mib"] * MIB
+        return [f.replace("{rpc}", "CUDA0") for f in flags], (Device("CUDA0", CUDA, free, free),)
+    endpoint = device["endpoint"]
+    return [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint], rpc_devices([endpoint])
+
+
+def _by_kind(buffers: list[tuple[str, str, float]]) -> dict[tuple[str, str], list[float]]:
+    out: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for buft, kind, mib in buffers:
+        out[(buft, kind)].append(mib)
+    return dict(out)
+
+
+def estimated(golden: str, case: dict[str, Any]) -> dict[tuple[str, str], list[float]]:
+    flags, devices = _target(golden, case["flags"])
+    plan = estimate(_spec(golden, case["model"]), parse_launch_flags(flags), devices, CPU_AVX2)
+    return _by_kind([(b.buft, b.kind, b.bytes / MIB) for b in plan.buffers])
+
+
+def logged(case: dict[str, Any]) -> dict[tuple[str, str], list[float]]:
+    return _by_kind([(b["buft"], b["kind"], b["mib"]) for b in case["buffers"]])
+
+
+@pytest.mark.parametrize(("golden", "case"), CASES, ids=_ids(CASES))
+def test_model_kv_and_output_buffers_match_llama_cpp_exactly(golden: str, case: dict[str, Any]) -> None:
+    est, gold = estimated(golden, case), logged(case)
+    exact = {k: v for k, v in gold.items() if k[1] != "compute"}
+    assert {k: [round(x, 2) for x in v] for k, v in est.items() if k[1] != "compute"} == exact
+
+
+@pytest.mark.parametrize(("golden", "case"), CASES, ids=_ids(CASES))
+def test_compute_buffers_within_5_percent(golden: str, case: dict[str, Any]) -> None:
+    est, gold = estimated(golden, case), logged(case)
+    gold_compute = {k: v for k, v in gold.items() if k[1] == "compute"}
+    est_compute = {k: v for k, v in est.items() if k[1] == "compute" and (k in gold_compute or v != [0.0])}
+    assert est_compute.keys() == gold_compute.keys()
+    for key, (g,) in gold_compute.items():
+        (e,) = est_compute[key]
+        assert abs(e - g) <= 0.05 * g + 0.005, f"{key}: estimated {e:.2f} MiB, llama.cpp {g:.2f} MiB"
+
+
+@pytest.mark.parametrize(("golden", "case"), ERRORS, ids=_ids(ERRORS))
+def test_configs_llama_cpp_refused_are_refused_before_loading(golden: str, case: dict[str, Any]) -> None:
+    flags, devices = _target(golden, case["flags"])
+    with pytest.raises(LaunchConfigError):
+        estimate(_spec(golden, case["model"]), parse_launch_flags(flags), devices, CPU_AVX2)

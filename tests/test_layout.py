@@ -1,0 +1,83 @@
+"""The package's plan holds: packages by concept, imports only downward, no import cycle, small modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fitter
+
+ROOT = Path(fitter.__file__).resolve().parent
+# Lower imports nothing higher: the flow of the README's Layout section, leaves first.
+LAYERS = ("errors", "paths", "units", "gguf", "flags", "memory", "machine", "measure", "sim", "tune", "export",
+          "report", "cli")
+MAX_LINES = 520
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path, top_level_only: bool, modules: dict[str, Path]) -> set[str]:
+    """The fitter modules `path` imports: `from pkg import sub` is an import of pkg.sub, not of pkg's __init__."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {name for name in found if name in modules}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else -1  # `fitter` itself: a leaf
+
+
+def test_every_module_belongs_to_a_package_of_the_plan() -> None:
+    strays = [m for m in _modules() if m != "fitter" and m.split(".")[1] not in LAYERS]
+    assert strays == []
+
+
+def test_imports_only_go_down_the_layers() -> None:
+    modules = _modules()
+    upward = []
+    for module, path in modules.items():
+        for target in _imports(path, False, modules):
+            if _layer(target) > _layer(module):
+                upward.append(f"{module} imports {target}")
+    assert upward == []
+
+
+def test_no_import_cycle() -> None:
+    modules = _modules()
+    graph = {m: {t for t in _imports(p, True, modules) if t != m} for m, p in modules.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt):], nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_no_module_is_much_over_500_lines() -> None:
+    long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}

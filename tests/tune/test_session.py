@@ -1,0 +1,257 @@
+"""`fitter tune` end to end on the demo model and the emulated GPU, and its refusals of bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fitter.errors import FitterError
+from fitter.flags import parse_launch_flags
+from fitter.gguf.model_spec import load_model_spec
+from fitter.machine.snapshot import take_snapshot
+from fitter.sim import MACHINES_DIR
+from fitter.tune.session import TuneOptions, run_tune
+from fitter.tune.storage import machine_dir_name, result_dir
+from tests.conftest import BUILT_TOOLS
+from tests.models import model_file, unknown_arch_model
+
+FAST = ["-p", "32", "-n", "8", "-r", "2", "--llama-fit-params", str(BUILT_TOOLS / "llama-fit-params")]
+
+
+def tune(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fitter.cli", "tune", *args], capture_output=True, text=True,
+                          timeout=900, cwd=cwd)
+
+
+def _result_dir(root: Path) -> Path:
+    (pareto,) = root.glob("*/*/*/pareto.json")
+    return pareto.parent
+
+
+@pytest.mark.llama
+@pytest.mark.tools("llama-fit-params")
+def test_tune_on_the_demo_model_writes_a_confirmed_pareto_front_and_resumes(tmp_path: Path) -> None:
+    proc = tune("--trials", "5", "--results", str(tmp_path / "results"), "-c", "4096", *FAST, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "emulated GPU" in proc.stderr and "llama-server -m " in proc.stdout
+    folder = _result_dir(tmp_path / "results")
+    doc = json.loads((folder / "pareto.json").read_text())
+    assert doc["emulated"] and doc["objectives"] == ["tg", "pp", "vram"] and doc["fit_target_mib"] == [16]
+    assert doc["baseline"]["name"] == "llama.cpp --fit" and doc["baseline"]["measurement"]["outcome"] == "ok"
+    assert doc["study"]["launched"] == 5 and doc["pareto"]
+    for e in doc["pareto"]:  # confirmed, pinned, with ratios over the re-measured baseline
+        assert e["measurement"]["outcome"] == "ok" and "-fit" in e["flags"] and "-np" in e["flags"]
+        base = doc["baseline"]["measurement"]
+        assert e["ratios"]["tg"] == round(e["measurement"]["tg"]["avg_ts"] / base["tg"]["avg_ts"], 3)
+    assert set(doc["picks"]) == {"max-decode", "max-prefill", "balanced", "min-vram"}
+    rows = list(csv.DictReader((folder / "trials.csv").open()))
+    launched = [r for r in rows if r["launched"] == "True"]
+    assert len(launched) == 5 and rows[0]["phase"] == "baseline"
+    budget = 96 - 16  # MiB: the emulated cap less the fit target
+    for r in launched[1:]:  # nothing the estimator predicted over budget was launched
+        assert float(r["predicted_vram_mib"]) <= budget, r
+    # every export parses back to the picked config
+    for fmt in ("server", "preset-ini", "llama-swap", "python", "json"):
+        out = subprocess.run([sys.executable, "-m", "fitter.cli", "export", str(folder), "--format", fmt],
+                             capture_output=True, text=True, check=True).stdout
+        assert out.strip()
+    server = subprocess.run([sys.executable, "-m", "fitter.cli", "export", str(folder), "--policy", "max-decode"],
+                            capture_output=True, text=True, check=True).stdout
+    argv = shlex.split(next(ln for ln in server.splitlines() if ln.startswith("llama-server")))
+    picked = next(e for e in doc["pareto"] if e["trial"] == doc["picks"]["max-decode"])
+    rpc_at = picked["flags"].index("--rpc")  # the emulated device is left out of exports
+    assert argv[3:] == picked["flags"][:rpc_at] + picked["flags"][rpc_at + 2:]
+    # resume: the same command with more trials adds launches, measures nothing twice
+    proc = tune("--trials", "7", "--results", str(tmp_path / "results"), "-c", "4096", *FAST, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc2 = json.loads((folder / "pareto.json").read_text())
+    assert doc2["study"]["launched"] == 7
+    rows = list(csv.DictReader((folder / "trials.csv").open()))
+    keys = [r["flags"] for r in rows if r["launched"] == "True"]
+    assert len(keys) == len(set(keys)) == 7
+
+
+def test_dry_run_shows_the_space_and_plan_and_launches_nothing(tmp_path: Path) -> None:
+    proc = tune("--dry-run", "-c", "4096", "--results", str(tmp_path / "r"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "space shipped:moe:" in proc.stdout and "decode-first: " in proc.stdout
+    assert "combinations fit" in proc.stdout
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_model_that_cannot_fit_starts_no_trial_and_says_by_how_much(tmp_path: Path) -> None:
+    proc = tune("--emulated-gpu", "20", "--fit-target", "16", "-c", "4096", "--results", str(tmp_path / "r"),
+                "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "no configuration of the search space fits" in proc.stderr
+    assert "the lightest configuration is over budget on vram:RPC0[127.0.0.1:50052] by " in proc.stderr
+    assert "-ncmoe 8" in proc.stderr and "fitter fit finds a placement outside the space: -ngl " in proc.stderr
+    assert "nothing was launched" in proc.stderr
+
+
+def _study_db(tmp_path: Path) -> Path:
+    """Where a demo tune on the default emulated GPU keeps its study (the folder rules a tune uses)."""
+    from fitter.gguf.demo_models import demo_model_path
+    from fitter.machine.llama_cpp import llama_cpp_python_build
+    from fitter.machine.snapshot import take_snapshot
+    from fitter.tune.storage import machine_dir_name, result_dir
+
+    machine = take_snapshot().record()
+    commit = llama_cpp_python_build()["commit"]
+    return result_dir(tmp_path / "r", str(demo_model_path()), machine_dir_name(machine, 96), commit) / "study.db"
+
+
+@pytest.mark.llama
+def test_a_corrupt_study_db_is_an_error_and_left_as_it_was(tmp_path: Path) -> None:
+    db = _study_db(tmp_path)
+    db.parent.mkdir(parents=True)
+    db.write_bytes(b"not a database at all")
+    proc = tune("--results", str(tmp_path / "r"), *FAST, cwd=tmp_path)
+    assert proc.returncode == 2 and "not an SQLite database" in proc.stderr and "nothing was changed" in proc.stderr
+    assert db.read_bytes() == b"not a database at all"
+
+
+@pytest.mark.llama
+def test_a_study_of_another_model_is_refused(tmp_path: Path) -> None:
+    import optuna
+
+    db = _study_db(tmp_path)
+    db.parent.mkdir(parents=True)
+    study = optuna.create_study(storage=f"sqlite:///{db}", study_name="fitter",
+                                directions=["maximize", "maximize", "minimize"])
+    study.set_user_attr("model_identity", "someone-else")
+    size = db.stat().st_size
+    proc = tune("--results", str(tmp_path / "r"), *FAST, cwd=tmp_path)
+    assert proc.returncode == 2 and "another model identity" in proc.stderr and "nothing was changed" in proc.stderr
+    assert db.stat().st_size == size
+    with sqlite3.connect(db) as con:
+        assert con.execute("select count(*) from trials").fetchone() == (0,)
+
+
+def test_an_unwritable_results_folder_is_an_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    from fitter.errors import FitterError
+    from fitter.tune.storage import ensure_writable
+
+    with pytest.raises(FitterError, match=r"results folder .*file/sub: cannot create it"):
+        ensure_writable(blocker / "sub")
+
+
+def test_bad_objectives_and_space_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    proc = tune("--objectives", "tg,speed", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2 and "--objectives 'tg,speed'" in proc.stderr
+    space = tmp_path / "my.toml"
+    space.write_text('[params]\nubatch-size = [0]\n')
+    proc = tune("--space", str(space), "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2 and "my.toml" in proc.stderr and "ubatch-size" in proc.stderr
+
+
+def test_a_foreign_sqlite_file_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    import optuna
+
+    from fitter.errors import FitterError
+    from fitter.tune.storage import StudyKey, open_study
+
+    db = tmp_path / "study.db"
+    with sqlite3.connect(db) as con:
+        con.execute("create table notes (text)")
+    before = db.read_bytes()
+    with pytest.raises(FitterError, match=r"without Optuna's tables \(it has: notes\); move it away or give "
+                                          r"--results DIR; nothing was changed"):
+        open_study(f"sqlite:///{db}", StudyKey("id", "fp", "b"), ["maximize"], optuna.samplers.RandomSampler(), {})
+    assert db.read_bytes() == before
+
+
+# -- the order of a tune: refuse bad input before anything starts or is created ----------------------------------
+
+
+class NeverStarted:
+    """A runner that must not start: the tune refuses its input before it would."""
+
+    backend, emulated, deployed_context, rpc = "llama-cpp-python", False, True, ()
+    entered = 0
+
+    def __init__(self, **_: object) -> None:
+        pass
+
+    def build(self) -> dict[str, str]:
+        return {"commit": "0c1e570", "source": "test"}
+
+    def devices(self) -> tuple[()]:
+        return ()
+
+    def __enter__(self) -> NeverStarted:
+        NeverStarted.entered += 1
+        raise AssertionError("the runner started")
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+
+def _options(model: Path, **kw: object) -> TuneOptions:
+    return TuneOptions(model=str(model), spec=load_model_spec(str(model)), base=parse_launch_flags(["-c", "2048"]),
+                       **kw)  # type: ignore[arg-type]
+
+
+def test_a_corrupt_study_db_is_refused_before_the_runner_starts(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("fitter.tune.targets.WorkerRunner", NeverStarted)
+    model = model_file("gpt-oss-tiny")
+    snapshot = take_snapshot()
+    if snapshot.gpus:
+        pytest.skip("the folder this test corrupts is the CPU-only machine's")
+    folder = result_dir(tmp_path, str(model), machine_dir_name(snapshot.record(), None), "0c1e570")
+    folder.mkdir(parents=True)
+    (folder / "study.db").write_bytes(b"not a database at all")
+    NeverStarted.entered = 0
+    with pytest.raises(FitterError, match=r"study\.db: not an SQLite database .*nothing was changed"):
+        run_tune(_options(model, results=tmp_path, trials=2), snapshot)
+    assert NeverStarted.entered == 0 and (folder / "study.db").read_bytes() == b"not a database at all"
+
+
+def test_a_simulated_baseline_without_llama_cpp_python_is_skipped_before_anything_is_created(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("fitter.measure.capdev.llama_cpp_python_lib_dir", lambda: None)  # not installed
+    ran = tmp_path / "fit-tool-ran"
+    tool = tmp_path / "llama-fit-params"
+    tool.write_text(f"#!/bin/sh\ntouch {ran}\nexit 1\n")
+    tool.chmod(0o755)
+    model = model_file("gpt-oss-20b", sparse=True)
+    outcome = run_tune(_options(model, backend="sim", machine="gpu-8gb", results=tmp_path / "r", trials=3,
+                                llama_fit_params=str(tool), n_prompt=128, n_gen=16, repetitions=1), None)
+    assert outcome.result is not None and outcome.folder is not None
+    baseline = outcome.result.data["baseline"]
+    assert baseline["measurement"] is None and "llama-cpp-python, which is not installed" in baseline["reason"]
+    assert not ran.exists()  # llama.cpp's fit needs the emulated GPU: never started without it
+    assert outcome.result.study["launched"] == 3 and (outcome.folder / "pareto.json").is_file()
+
+
+def test_a_fit_target_list_must_match_the_gpus(tmp_path: Path) -> None:
+    profile = tmp_path / "three.toml"
+    profile.write_text((MACHINES_DIR / "gpu-8gb.toml").read_text().replace("[gpu]", "[gpu]\ncount = 3"))
+    model = model_file("gpt-oss-20b", sparse=True)
+    for targets, message in (((512, 1024), "--fit-target 512,1024: 2 values for 3 GPUs"),
+                             ((1, 2, 3, 4), "--fit-target 1,2,3,4: 4 values for 3 GPUs")):
+        with pytest.raises(FitterError, match=message):
+            run_tune(_options(model, backend="sim", machine=str(profile), fit_targets=targets, results=tmp_path),
+                     None, dry_run=True)
+    assert not list(tmp_path.glob("*/*/*/study.db"))
+
+
+def test_every_command_prints_the_models_warnings(tmp_path: Path) -> None:
+    model = unknown_arch_model(tmp_path)
+    warning = f"fitter: warning: {model}: architecture 'llamb' is not one fitter has matched against llama.cpp"
+    dry = tune(str(model), "--backend", "sim", "--machine", "cpu-16c", "--dry-run", "-c", "512", cwd=tmp_path)
+    assert dry.returncode == 0 and warning in dry.stderr, dry.stderr
+    bench = subprocess.run([sys.executable, "-m", "fitter.cli", "bench", str(model), "--backend", "sim", "--machine",
+                            "cpu-16c", "-c", "512", "-p", "16", "-n", "4", "-r", "1"], capture_output=True,
+                           text=True, timeout=300, cwd=tmp_path)
+    assert bench.returncode == 0 and warning in bench.stderr, bench.stderr
