@@ -59,9 +59,10 @@ def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tup
     flags = list(req.fixed_flags)
     if req.devices:
         if tool is None or unavailable is not None:
-            why = unavailable or "llama-fit-params not found"
-            log(f"fitter: {why} (python -m fitter.measure.tools llama-fit-params, or --llama-fit-params PATH): "
-                "no baseline, so no ratios over llama.cpp's own choice")
+            why = (f"llama.cpp's fit cannot run here: {unavailable}" if unavailable is not None else
+                   "llama-fit-params not found (python -m fitter.measure.tools llama-fit-params, or "
+                   "--llama-fit-params PATH)")
+            log(f"fitter: {why}: no baseline, so no ratios over llama.cpp's own choice")
             return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
         # the deployed context, explicitly: the fit must place the model for the context every trial runs with
         # (with -c 0 llama-fit-params resolves a context of its own, not llama-server's)

@@ -4,6 +4,7 @@ known and every outcome (ok, oom, crash, timeout) can be scripted."""
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,17 @@ def test_kill_9_mid_study_then_resume_loses_no_finished_trial(tmp_path: Path, de
     relaunched = [t for t in study.trials[len(after):] if t.user_attrs.get("launched")
                   and t.user_attrs["key"] in done_keys]
     assert relaunched == []
+
+
+def test_a_trial_killed_before_it_launched_is_failed_when_the_study_resumes(tmp_path: Path, demo_spec: Any) -> None:
+    # Optuna fails a RUNNING trial as stale only once it has a heartbeat (RDBStorage._get_stale_trial_ids): a tune
+    # killed while it screened or started a trial, before the heartbeat thread ran, left that trial RUNNING forever
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    study = open_study(url, StudyKey("id", "fp", "fake"), ["maximize", "maximize", "minimize"],
+                       optuna.samplers.TPESampler(seed=0), {}, heartbeat_s=1, grace_s=1)
+    tuner = Tuner(_request(demo_spec), study, FakeRunner(demo_spec), heartbeat_s=1)
+    trial = tuner.ask(tuner.req.distributions)  # then the process dies: no tell, no heartbeat thread
+    time.sleep(2.5)  # past the grace period
+    resumed = open_study(url, StudyKey("id", "fp", "fake"), ["maximize", "maximize", "minimize"],
+                         optuna.samplers.TPESampler(seed=0), {}, heartbeat_s=1, grace_s=1)
+    assert resumed.trials[trial.number].state == TrialState.FAIL
