@@ -35,7 +35,7 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
 
 
 def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
-    from fitter.machine.snapshot import take_snapshot
+    from fitter.machine.snapshot import gpus_now, take_snapshot
     from fitter.measure.bench import bench
     from fitter.measure.render import bench_table
     from fitter.measure.types import BenchSpec
@@ -52,7 +52,10 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     bench_spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
                            threads=threads, threads_batch=ns.threads_batch)
     runner = _runner(ns, process, snapshot, spec.n_vocab)
-    devices = () if ns.emulated_gpu is not None else target_devices(ns, config, snapshot)
+    if config.rpc:  # the config's RPC servers; --devices is not a bench target (it would not be measured)
+        devices = target_devices(ns, config, snapshot)
+    else:
+        devices = (gpus_now() or snapshot.devices()) if snapshot.gpus and ns.emulated_gpu is None else ()
     result = bench(model, spec, config, bench_spec, runner, snapshot.cpu_profile, devices, ns.timeout)
     result["threads"] = threads
     result["threads_batch"] = ns.threads_batch or threads

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def cmd_check(ns: argparse.Namespace, flags: list[str], runner_factory: RunnerFactory | None = None) -> int:
     """0 when the pick holds, 1 with the diff when it fell or no longer fits (a FitterError becomes the CLI's exit
     code 2). `runner_factory` defaults to what the result was tuned on (fitter.tune.check.runner_factory_for)."""
-    from fitter.machine.snapshot import take_snapshot
+    from fitter.machine.snapshot import gpus_now, take_snapshot
     from fitter.tune.check import parse_tolerance, run_check, runner_factory_for, verdict_json, verdict_text
 
     tolerance = parse_tolerance(str(ns.tolerance))
@@ -27,7 +27,7 @@ def cmd_check(ns: argparse.Namespace, flags: list[str], runner_factory: RunnerFa
     log(f"fitter: check: re-measuring the {ns.policy} pick of {ns.result}")
     verdict = run_check(Path(ns.result), ns.policy, tolerance, factory, model=model,
                         timeout=getattr(ns, "timeout", None), cpu=snapshot.cpu_profile,
-                        machine_devices=snapshot.devices())
+                        machine_devices=lambda: (gpus_now() or snapshot.devices()) if snapshot.gpus else ())
     for w in verdict.warnings:
         warn(w)
     print(json.dumps(verdict_json(verdict), indent=1) if ns.json else verdict_text(verdict))

@@ -217,3 +217,9 @@ def with_params(config: LaunchConfig, params: dict[str, Any]) -> LaunchConfig:
     out = dataclasses.replace(config, **changes, overrides=tuple(overrides))
     validate(out)
     return out
+
+
+def with_endpoint(flags: Sequence[str], old: str, new: str) -> list[str]:
+    """`flags` with every mention of an RPC endpoint (the `--rpc` value, `-ot …=RPC0[old]`) moved to another: a
+    recorded run's emulated GPU is gone, a fresh one listens elsewhere."""
+    return [f.replace(old, new) for f in flags]

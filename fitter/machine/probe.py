@@ -41,9 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fitter.machine.cpu import CpuInfo, RamInfo, build_cpu_info, detect_ram, format_cpu_list, read_cpu_snapshot
+from fitter.machine.cpu import CpuInfo, RamInfo, format_cpu_list
 from fitter.machine.llama_cpp import LlamaCppInfo, detect_llama_cpp
-from fitter.machine.nvidia import GpuInfo, NvidiaInfo, PcieLink, detect_nvidia
+from fitter.machine.nvidia import GpuInfo, NvidiaInfo, PcieLink
+from fitter.machine.snapshot import MachineSnapshot, take_snapshot
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ def probe_table(p: Probe) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def probe() -> Probe:
-    gpus, nvidia = detect_nvidia()
-    return Probe(gpus, nvidia, build_cpu_info(read_cpu_snapshot()), detect_ram(), detect_llama_cpp())
+def probe(snapshot: MachineSnapshot | None = None) -> Probe:
+    """The machine's snapshot (taken now unless given) and what the installed llama-cpp-python reports."""
+    s = snapshot or take_snapshot()
+    return Probe(s.gpus, s.nvidia, s.cpu, s.ram, detect_llama_cpp())

@@ -26,7 +26,7 @@ class MachineSnapshot:
 
     def devices(self) -> tuple[Device, ...]:
         """The NVIDIA GPUs as the estimator sees them, with their free memory when the snapshot was taken
-        (llama.cpp's CUDA numbering under CUDA_DEVICE_ORDER=PCI_BUS_ID is NVML's order)."""
+        (llama.cpp's CUDA numbering under CUDA_DEVICE_ORDER=PCI_BUS_ID is NVML's order); `gpus_now()` re-reads it."""
         return tuple(Device(f"CUDA{g.index}", CUDA, g.memory_total, g.memory_free) for g in self.gpus)
 
     @property
@@ -37,6 +37,13 @@ class MachineSnapshot:
     def record(self) -> dict[str, Any]:
         """What a measurement depends on in this machine, and its fingerprint."""
         return machine_record(self.cpu, self.ram.total, [g.name for g in self.gpus], self.nvidia.driver)
+
+
+def gpus_now() -> tuple[Device, ...]:
+    """The NVIDIA GPUs with their free memory *now*: read again once a runner has started, so what its worker holds
+    already (a CUDA context, cuBLAS workspaces) is not counted as free for the trials' budgets."""
+    gpus, _ = detect_nvidia()
+    return tuple(Device(f"CUDA{g.index}", CUDA, g.memory_total, g.memory_free) for g in gpus)
 
 
 def take_snapshot() -> MachineSnapshot:

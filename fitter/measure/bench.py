@@ -21,7 +21,7 @@ def bench(model: str, spec: ModelSpec, config: LaunchConfig, bench_spec: BenchSp
     config llama.cpp would refuse stops here (LaunchConfigError) before anything is measured."""
     with runner:
         config = with_rpc(config, runner.rpc)
-        plan = estimate(spec, config, runner.devices() or devices, cpu)
+        plan = estimate(spec, config, runner.devices() or devices, runner.cpu_profile() or cpu)
         result = runner.run(model, config, bench_spec, timeout, plan)
     return bench_json(result.measurement, runner.backend, plan if runner.deployed_context else None,
                       emulated=runner.emulated, peak_vram=result.peak_vram)

@@ -23,7 +23,7 @@ from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.measure.types import BenchSpec, Measurement, TrialResult
 from fitter.measure.worker import Worker
-from fitter.memory.devices import RPC, Device
+from fitter.memory.devices import RPC, CpuProfile, Device
 from fitter.memory.estimator import MemoryPlan
 
 DEFAULT_TIMEOUT_S = 600.0  # a user's llama-server or llama-bench, when the caller gives no limit
@@ -41,6 +41,10 @@ class TrialRunner(Protocol):
 
     def devices(self) -> tuple[Device, ...]:
         """The devices this runner brings (an emulated or simulated GPU); () means the machine's own."""
+        ...
+
+    def cpu_profile(self) -> CpuProfile | None:
+        """The repack rules of the CPU that runs the trials when it is not this machine's (a simulated one)."""
         ...
 
     def build(self) -> dict[str, str]:
@@ -102,6 +106,9 @@ class _Devices:
             return ()
         cap = self._gpu.cap_bytes
         return (Device(self._gpu.device_name, RPC, cap, cap),)
+
+    def cpu_profile(self) -> CpuProfile | None:
+        return None  # this machine's CPU runs the trials
 
     def _measured(self, measure: Callable[[], Measurement]) -> TrialResult:
         """Run `measure` with the emulated GPU's peak restarted and NVML sampling; the device peaks it reached."""

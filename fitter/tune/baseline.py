@@ -13,7 +13,7 @@ from optuna.trial import FrozenTrial
 
 from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, parse_flags
-from fitter.flags.parse import parse_launch_flags, without
+from fitter.flags.parse import flag_value, has_flag, parse_launch_flags, with_endpoint, without
 from fitter.measure.llama_fit import LlamaFit, LlamaFitError, baseline_flags, run_llama_fit
 from fitter.memory.estimator import estimate
 from fitter.tune.request import Candidate, TuneRequest
@@ -32,9 +32,16 @@ class Baseline:
 
 
 def _recorded(req: TuneRequest, t: FrozenTrial) -> Baseline:
+    """A resumed study's baseline. Its flags name the RPC endpoint of the run that measured it; when this run's
+    devices are its own (fitter's emulated GPU on a fresh port), the baseline is confirmed on them."""
     flags = t.user_attrs.get("flags")
     data = {"name": NAME, "trial": t.number, "flags": flags, "measurement": t.user_attrs.get("measurement")}
-    return Baseline(data, _candidate(req, flags, "the recorded baseline's flags") if flags else None)
+    if not flags:
+        return Baseline(data)
+    old = flag_value(flags, "rpc")
+    if old and req.rpc and not has_flag(req.fixed_flags, "rpc"):
+        flags = data["flags"] = with_endpoint(flags, old, ",".join(req.rpc))
+    return Baseline(data, _candidate(req, flags, "the recorded baseline's flags"))
 
 
 def _candidate(req: TuneRequest, flags: list[str], where: str) -> Candidate:

@@ -22,6 +22,7 @@ started and its endpoint put in its place.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import parse_launch_flags, split_process_flags
-from fitter.flags.parse import flag_value, process_flags_of
+from fitter.flags.parse import flag_value, process_flags_of, with_endpoint
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.runner import RunnerFactory, WorkerRunner
@@ -203,22 +204,17 @@ def recorded_spec(measurement: dict[str, Any], threads: int, threads_batch: int,
                           "repeat it") from None
 
 
-def with_endpoint(flags: list[str], old: str, new: str) -> list[str]:
-    """`flags` with every mention of an RPC endpoint (the `--rpc` value, `-ot …=RPC0[old]`) moved to another."""
-    return [f.replace(old, new) for f in flags]
-
-
 # -- the check (I/O through the runner) ---------------------------------------------------------------------------
 
 
 def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: RunnerFactory, *,
               model: str | None = None, timeout: float | None = None, cpu: CpuProfile = CPU_AVX2,
-              machine_devices: tuple[Device, ...] = ()) -> CheckVerdict:
+              machine_devices: Callable[[], tuple[Device, ...]] = tuple) -> CheckVerdict:
     """Re-measure the `policy` pick of a tuning result and compare it with its recorded confirm run.
 
     `runner_factory(emulated_gpu_mib=…, cpus=…)` returns a runner (WorkerRunner, a simulated machine's runner, a
     fake). The devices the fit is checked against are the runner's own (the emulated GPU), else the config's
-    `--rpc` servers, else `machine_devices` (this machine's GPUs, from its snapshot).
+    `--rpc` servers, else `machine_devices()` (this machine's GPUs, read once the runner has started).
     `model` replaces the recorded GGUF path (the same file elsewhere; its header identity must match)."""
     doc = load_result(result_dir)
     path = doc.source
@@ -252,7 +248,7 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
             config = parse_launch_flags(launch)
         except FitterError as e:
             raise FitterError(f"{where}: {e}") from None
-        devices = tuple(runner.devices()) or (rpc_devices(list(config.rpc)) if config.rpc else machine_devices)
+        devices = tuple(runner.devices()) or (rpc_devices(list(config.rpc)) if config.rpc else machine_devices())
         header = [f"check: {policy} pick (trial {entry.trial}) of {path}, tolerance {tolerance * 100:g} %",
                   f"flags: {' '.join(flags)}"]
         if emulated:
@@ -261,7 +257,7 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
         fits: tuple[list[str], list[str], dict[str, Any]]
         plan: MemoryPlan | None
         try:
-            plan = estimate(model_spec, config, devices, cpu)
+            plan = estimate(model_spec, config, devices, runner.cpu_profile() or cpu)
         except FitterError as e:  # llama.cpp would now refuse it: still measured, to show what it does
             plan, fits = None, ([f"fit  the estimator refuses the config: {e}"], [f"refused: {e}"], {})
         else:

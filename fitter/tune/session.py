@@ -27,6 +27,7 @@ import optuna
 
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, ProcessFlags, placement_flags
+from fitter.flags.parse import flag_groups
 from fitter.flags.vocabulary import fixing
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot
@@ -110,8 +111,8 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
     space = load_space(o.space) if o.space else shipped_space(default_space_name(o.spec.n_expert, target.has_gpu))
     distributions = resolve(space, n_layer=o.spec.n_layer, physical_cores=target.physical_cores,
                             performance_cores=target.performance_cores)
-    fixed = set(o.base.flags)
-    distributions = {k: d for k, d in distributions.items() if not fixed & set(fixing(k))}
+    given = {name for name, _ in flag_groups(o.base.flags)}  # `--n-gpu-layers=20` too
+    distributions = {k: d for k, d in distributions.items() if not given & set(fixing(k))}
     if o.process.threads is not None:
         distributions.pop("threads", None)
     if o.process.threads_batch is not None:
@@ -170,6 +171,7 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
 def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str], None] = lambda _: None,
              progress: Callable[[TuneRequest], StudyCallback] | None = None, dry_run: bool = False) -> TuneOutcome:
     """Tune `o.model` on this machine (`snapshot`) or a simulated one; see the module docstring for the order."""
+    from fitter.machine.llama_cpp import llama_cpp_python_problem
     from fitter.measure.emulated_gpu import emulated_gpu_problem
     from fitter.measure.llama_fit import find_llama_fit_params
 
@@ -188,8 +190,10 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
 
     # what the run needs, before anything is created: trials on the emulated GPU need it; so does the baseline of
     # a simulated GPU (llama.cpp's fit runs on an emulated one of the same size), which is skipped without it
+    if target.sim is None and (problem := llama_cpp_python_problem()) is not None:
+        raise FitterError(f"fitter tune measures with llama.cpp through llama-cpp-python: {problem}")
     if target.emulated_mib is not None and (problem := emulated_gpu_problem()) is not None:
-        raise FitterError(f"--emulated-gpu: {problem}")
+        raise FitterError(problem)
     baseline_unavailable = emulated_gpu_problem() if target.sim is not None and planned.devices else None
 
     runner = target.make_runner()

@@ -16,7 +16,7 @@ from typing import Any
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.gguf.model_spec import ModelSpec
-from fitter.machine.snapshot import MachineSnapshot
+from fitter.machine.snapshot import MachineSnapshot, gpus_now
 from fitter.measure.runner import TrialRunner, WorkerRunner
 from fitter.memory.devices import RPC, CpuProfile, Device, rpc_devices
 from fitter.tune.storage import machine_dir_name
@@ -70,6 +70,11 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
                      "threads")
     machine = snapshot.record()
     own = rpc_devices(list(base.rpc)) if base.rpc else snapshot.devices()
+
+    def started(runner: TrialRunner) -> tuple[Device, ...]:
+        """With the worker started, the GPUs' free memory is read again: what the worker holds is not the trials'."""
+        return runner.devices() or (own if base.rpc or not gpus else gpus_now() or own)
+
     if emulated_mib is not None:
         machine["emulated_gpu_mib"] = emulated_mib
         cap = emulated_mib * MIB
@@ -79,7 +84,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
     cpus, nvml, build = process.cpus, bool(gpus), snapshot.llama_cpp or None
     return Target(
         make_runner=lambda: WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=nvml, build=build),
-        devices=lambda r: r.devices() or own, planned_devices=planned,
+        devices=started, planned_devices=planned,
         planned_rpc=(PLACEHOLDER_ENDPOINT,) if emulated_mib is not None else (),
         machine=machine, machine_dir=machine_dir_name(machine, emulated_mib),
         physical_cores=cpu.physical_cores - reserved, performance_cores=max(1, cpu.performance_cores - reserved),

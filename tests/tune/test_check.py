@@ -152,6 +152,9 @@ class FakeRunner:
     def build(self) -> dict[str, str]:
         return {"commit": "fake", "source": "test"}
 
+    def cpu_profile(self) -> None:
+        return None
+
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: Any = None) -> TrialResult:
         self.runs.append((model, config, spec, timeout))
@@ -308,7 +311,7 @@ def test_json_output_carries_the_verdict_and_the_new_measurement(tmp_path: Path,
 def test_a_cpu_only_result_starts_no_emulated_gpu(tmp_path: Path) -> None:
     folder = write_result(tmp_path, emulated=False)
     factory = Factory(FakeRunner())
-    v = run_check(folder, "max-decode", 0.05, factory, machine_devices=())
+    v = run_check(folder, "max-decode", 0.05, factory, machine_devices=tuple)
     assert v.ok and factory.calls == [{"emulated_gpu_mib": None, "cpus": None}]
     assert factory.runner.runs[0][1].rpc == ()
     assert "fit  no GPU in this config: the run itself is the check" in v.lines

@@ -73,6 +73,8 @@ def test_tune_on_the_demo_model_writes_a_confirmed_pareto_front_and_resumes(tmp_
     assert proc.returncode == 0, proc.stderr
     doc2 = json.loads((folder / "pareto.json").read_text())
     assert doc2["study"]["launched"] == 7
+    # the recorded baseline named the first run's emulated GPU: its confirm run is on this run's fresh one
+    assert doc2["baseline"]["measurement"]["outcome"] == "ok", doc2["baseline"]["measurement"]["reason"]
     rows = list(csv.DictReader((folder / "trials.csv").open()))
     keys = [r["flags"] for r in rows if r["launched"] == "True"]
     assert len(keys) == len(set(keys)) == 7
@@ -232,6 +234,17 @@ def test_a_simulated_baseline_without_llama_cpp_python_is_skipped_before_anythin
     assert baseline["measurement"] is None and "llama-cpp-python, which is not installed" in baseline["reason"]
     assert not ran.exists()  # llama.cpp's fit needs the emulated GPU: never started without it
     assert outcome.result.study["launched"] == 3 and (outcome.folder / "pareto.json").is_file()
+
+
+def test_a_local_tune_without_llama_cpp_python_is_refused_before_anything_is_created(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("fitter.machine.llama_cpp.llama_cpp_python_lib_dir", lambda: None)  # not installed
+    monkeypatch.setattr("fitter.tune.targets.WorkerRunner", NeverStarted)
+    NeverStarted.entered = 0
+    with pytest.raises(FitterError, match=r"^fitter tune measures with llama\.cpp through llama-cpp-python: "
+                                          r"llama-cpp-python is not installed \(pip install 'fitter\[llama\]'\)$"):
+        run_tune(_options(model_file("gpt-oss-tiny"), results=tmp_path / "r", trials=2), take_snapshot())
+    assert NeverStarted.entered == 0 and not (tmp_path / "r").exists()
 
 
 def test_a_fit_target_list_must_match_the_gpus(tmp_path: Path) -> None:
