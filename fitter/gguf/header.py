@@ -12,6 +12,7 @@ Type sizes and names come from the gguf package (`GGML_QUANT_SIZES`, `GGMLQuanti
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import re
 import struct
@@ -67,10 +68,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.ne:
-            n *= d
-        return n
+        return math.prod(self.ne)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ the field, the rule and the value. Pure data; fitter.gguf.demo_models writes the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +36,7 @@ class TensorSpec:
 
     @property
     def n_elements(self) -> int:
-        n = 1
-        for d in self.ne:
-            n *= d
-        return n
+        return math.prod(self.ne)
 
     @property
     def nbytes(self) -> int:
