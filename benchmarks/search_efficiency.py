@@ -15,7 +15,7 @@ one of its launched configs is truly within 98 % of that optimum, or `--cap` lau
 
 Columns: launches to reach 98 % (median over seeds; ">cap" when a seed never got there), launches the machine
 refused (out of memory: what screening would have avoided), and model loads (a placement change reloads the model).
-Figures, not a test: the bounds are held by tests/test_tuning_regression.py.
+Figures, not a test: the bounds are held by tests/tune/test_tuning_regression.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The exhaustive grid of a search space on a simulated machine: every config, whether the estimator lets it run, and
-its noise-free speeds. The reference the tuner is held to (tests/test_tuning_regression.py) and the denominator of
+its noise-free speeds. The reference the tuner is held to (tests/tune/test_tuning_regression.py) and the denominator of
 benchmarks/search_efficiency.py.
 
 Screening goes through the tuner's own `Screener`, so a grid and the tuners run after it share one cache of memory
