@@ -16,7 +16,17 @@ fitter.measure.loader in a child process; the buffers llama.cpp logged are recor
 About a fifth of the cases are marked "held_out" (a fixed rule on the case id): they are for a held-out check
 of the estimator and must not be tuned against.
 
-    python scripts/make_goldens.py [--device cpu|rpc] [--out tests/golden/cpu.json] [--jobs 2]
+`--device cuda-emulated`: the same on the CUDA-shaped emulated GPU (`EmulatedGpu(cuda=True)`: CUDA's alignment,
+row padding and flash-attention scratch answered by the server, CUDA's op offload, host buffer type and
+flash-attention support in the client), with cases where those rules matter: big ubatches with experts on the CPU
+(op offload copies), quantized caches at long context (scratch), `--no-op-offload`, `--no-mmap` (CUDA_Host).
+
+`--for PROGRAM` (fitter.flags.consumers): the flags are read with that program's defaults and the loader sets
+its context parameters (llama-cpp-python and llama-bench: the C API's n_outputs_max 0 = n_batch, swa_full as that
+program has it); the file is tests/golden/<device>.<program>.json, and the C API's programs get a few more cases
+where reserving logits for a whole ubatch matters most (-ub 4096 on the real shapes).
+
+    python scripts/make_goldens.py [--device cpu|rpc] [--for PROGRAM] [--out tests/golden/cpu.json] [--jobs 2]
 
 Deterministic: the same llama.cpp build gives the same file (cases sorted by id, buffers in log order).
 """
@@ -34,7 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fitter.errors import LaunchConfigError
 from fitter.flags import parse_launch_flags
+from fitter.flags.consumers import CONSUMER_NAMES, DEFAULT_CONSUMER, consumer
 from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.measure.loader import CaptureResult, llama_cpp_info, load_and_capture
 
@@ -87,6 +99,11 @@ REAL_FLAGS: dict[str, list[str]] = {
     "c4096-kv-q8_0-nr": [*C4K, "-ctk", "q8_0", "-ctv", "q8_0", "-nr"],
 }
 REAL_SWA_FLAGS: dict[str, list[str]] = {"c4096-nr-swa-full": [*C4K, "-nr", "--swa-full"]}
+# For the C API's programs (llama-cpp-python, llama-bench): logits for a whole ubatch are largest at -ub 4096.
+C_API_REAL_FLAGS: dict[str, list[str]] = {
+    "c4096-nr-b4096-ub4096": [*C4K, "-nr", "-b", "4096", "-ub", "4096"],
+    "c4096-nr-ngl-all": [*C4K, "-nr", "-ngl", "all", "-fa", "on"],
+}
 
 # The emulated GPU: every flag list gets `--rpc <endpoint>`; {rpc} is the device's buffer type name.
 CANONICAL_RPC = "127.0.0.1:50052"
@@ -118,6 +135,34 @@ REAL_RPC_FLAGS: dict[str, dict[str, list[str]]] = {
     "gpt-oss-20b": {"ngl-all-cmoe-nr-c8192": ["-c", "8192", "-ngl", "all", "-cmoe", "-nr"]},
     "qwen3-30b-a3b": {"ngl-all-ncmoe44-nr-c8192": ["-c", "8192", "-ngl", "all", "-ncmoe", "44", "-nr"]},
 }
+# CUDA's own rules: op offload (batches of 32+ with CPU weights), flash-attention scratch for quantized caches, the
+# host buffer type (--no-mmap), and the switches that turn them off.
+CUDA_FLAGS: dict[str, list[str]] = {
+    "ngl-all-cmoe-ub2048": [*ALL, "-cmoe", "-ub", "2048"],
+    "ngl-all-cmoe-b4096-ub4096": [*ALL, "-cmoe", "-b", "4096", "-ub", "4096"],
+    "ngl-all-cmoe-ub128-no-op-offload": [*ALL, "-cmoe", "-ub", "128", "--no-op-offload"],
+    "ngl-all-ncmoe1-ub512": [*ALL, "-ncmoe", "1", "-ub", "512"],
+    "ngl-all-cmoe-ub16": [*ALL, "-cmoe", "-ub", "16"],  # below the offload batch: nothing copied for prefill
+    "ngl-all-cmoe-no-mmap": [*ALL, "-cmoe", "--no-mmap"],
+    "ngl-1-no-mmap": [*C4K, "-ngl", "1", "--no-mmap"],
+    "c32768-ngl-all-kv-q8_0-fa-on": ["-c", "32768", "-ngl", "all", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"],
+    "c32768-ngl-all-k-q8_0-fa-on-ub2048": ["-c", "32768", "-ngl", "all", "-ctk", "q8_0", "-fa", "on", "-ub", "2048"],
+    "c16384-ngl-all-kv-q4_0-fa-auto-np1": ["-c", "16384", "-ngl", "all", "-ctk", "q4_0", "-ctv", "q4_0", "-np", "1"],
+    "ngl-all-fa-auto": [*ALL, "-fa", "auto"],
+    "ngl-0": [*C4K, "-ngl", "0"],  # nothing offloaded, yet CUDA takes the prompt's big ops: a device compute buffer
+    "ngl-0-no-op-offload": [*C4K, "-ngl", "0", "--no-op-offload"],
+}
+CUDA_REAL_FLAGS: dict[str, dict[str, list[str]]] = {
+    "gpt-oss-20b": {"ngl-all-cmoe-nr-c8192-ub2048": ["-c", "8192", "-ngl", "all", "-cmoe", "-nr", "-ub", "2048"]},
+    "qwen3-30b-a3b": {"ngl-all-ncmoe44-nr-c8192-kv-q8_0-fa-on": ["-c", "8192", "-ngl", "all", "-ncmoe", "44", "-nr",
+                                                                 "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]},
+}
+C_API_REAL_RPC_FLAGS: dict[str, dict[str, list[str]]] = {
+    "gpt-oss-20b": {"ngl-all-cmoe-nr-c8192-b4096-ub4096": ["-c", "8192", "-ngl", "all", "-cmoe", "-nr", "-b", "4096",
+                                                           "-ub", "4096", "-fa", "on"]},
+    "qwen3-30b-a3b": {"ngl-all-ncmoe44-nr-c8192-ub2048": ["-c", "8192", "-ngl", "all", "-ncmoe", "44", "-nr",
+                                                          "-ub", "2048"]},
+}
 
 
 @dataclass(frozen=True)
@@ -132,19 +177,23 @@ class Case:
         return zlib.crc32(self.id.encode()) % 5 == 0
 
 
-def build_rpc_cases() -> list[Case]:
-    cases = [Case(f"{m}/{name}", m, flags) for m in SMALL_MODELS for name, flags in RPC_FLAGS.items()]
-    cases += [Case(f"{m}/{name}", m, flags) for m, sets in REAL_RPC_FLAGS.items() for name, flags in sets.items()]
+def build_rpc_cases(c_api: bool = False, cuda: bool = False) -> list[Case]:
+    flag_sets = {**RPC_FLAGS, **(CUDA_FLAGS if cuda else {})}
+    cases = [Case(f"{m}/{name}", m, flags) for m in SMALL_MODELS for name, flags in flag_sets.items()]
+    real = {m: {**sets, **(C_API_REAL_RPC_FLAGS.get(m, {}) if c_api else {}),
+                **(CUDA_REAL_FLAGS.get(m, {}) if cuda else {})} for m, sets in REAL_RPC_FLAGS.items()}
+    cases += [Case(f"{m}/{name}", m, flags) for m, sets in real.items() for name, flags in sets.items()]
     return sorted(cases, key=lambda c: c.id)
 
 
-def build_cases() -> list[Case]:
+def build_cases(c_api: bool = False) -> list[Case]:
     cases: list[Case] = []
     for model in SMALL_MODELS:
         flag_sets = {**SMALL_FLAGS, **ERROR_FLAGS.get(model, {})}
         cases += [Case(f"{model}/{name}", model, flags) for name, flags in flag_sets.items()]
     for model in REAL_MODELS:
-        flag_sets = {**REAL_FLAGS, **(REAL_SWA_FLAGS if SHAPES[model].sliding_window else {})}
+        flag_sets = {**REAL_FLAGS, **(REAL_SWA_FLAGS if SHAPES[model].sliding_window else {}),
+                     **(C_API_REAL_FLAGS if c_api else {})}
         cases += [Case(f"{model}/{name}", model, flags) for name, flags in flag_sets.items()]
     return sorted(cases, key=lambda c: c.id)
 
@@ -162,14 +211,20 @@ def write_models(folder: Path) -> tuple[dict[str, Path], dict[str, dict[str, Any
 
 
 def run_case(
-    case: Case, model_path: Path, folder: Path, endpoint: str | None = None, device_name: str | None = None
+    case: Case, model_path: Path, folder: Path, endpoint: str | None = None, device_name: str | None = None,
+    consumer: str = DEFAULT_CONSUMER,
 ) -> tuple[dict[str, Any], CaptureResult]:
     flags = case.flags
     if endpoint is not None:
         flags = [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint]
     elif device_name is not None:  # a real GPU: {rpc} stands for its buffer type
         flags = [f.replace("{rpc}", device_name) for f in flags]
-    res = load_and_capture(model_path, parse_launch_flags(flags))
+    try:  # llama.cpp's own rules are left to llama.cpp: the golden records what it does
+        config = parse_launch_flags(flags, consumer, check=False)
+    except LaunchConfigError as e:  # the program has no way to take these flags (llama-bench and -np 2)
+        res = CaptureResult(ok=False, log="", buffers=[], error=f"refused: {e}")
+    else:
+        res = load_and_capture(model_path, config)
     error = None if res.ok else (res.error or "unknown error").replace(str(folder), "<models>")
     buffers = [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers]
     if endpoint is not None:
@@ -191,14 +246,19 @@ def run_case(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cpu", "rpc", "cuda"), default="cpu")
-    ap.add_argument("--out", type=Path, default=None, help="default tests/golden/<device>.json")
+    ap.add_argument("--device", choices=("cpu", "rpc", "cuda-emulated", "cuda"), default="cpu")
+    ap.add_argument("--for", dest="consumer", choices=CONSUMER_NAMES, default=DEFAULT_CONSUMER,
+                    help="the program whose defaults and memory rules the loads follow (default llama-server)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default tests/golden/<device>.json, or <device>.<program>.json for another program")
     ap.add_argument("--jobs", type=int, default=2, help="parallel loads of the small models (default 2)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     info = llama_cpp_info()
-    out: Path = args.out or DEFAULT_OUT.with_name(f"{args.device}.json")
-    cases = build_cases() if args.device == "cpu" else build_rpc_cases()
+    suffix = "" if args.consumer == DEFAULT_CONSUMER else f".{args.consumer}"
+    out: Path = args.out or DEFAULT_OUT.with_name(f"{args.device}{suffix}.json")
+    c_api = not consumer(args.consumer).outputs_per_slot
+    cases = build_cases(c_api) if args.device == "cpu" else build_rpc_cases(c_api, args.device.startswith("cuda"))
     gpu = None
     device_name = None
     if args.device == "cuda":
@@ -212,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         device_name = "CUDA0"
         args.jobs = 1
-    if args.device == "rpc":
+    if args.device in ("rpc", "cuda-emulated"):
         from fitter.measure.emulated_gpu import EmulatedGpu
 
-        gpu = EmulatedGpu(cap_mib=20000).start()  # big enough never to refuse: only sizes are recorded
+        # big enough never to refuse: only sizes are recorded
+        gpu = EmulatedGpu(cap_mib=20000, cuda=args.device == "cuda-emulated").start()
         args.jobs = 1  # one server: loads go one after another
     endpoint = gpu.endpoint if gpu is not None else None
     records: dict[str, dict[str, Any]] = {}
@@ -235,21 +296,23 @@ def main(argv: list[str] | None = None) -> int:
         small = [c for c in cases if c.model not in REAL_MODELS]
         real = [c for c in cases if c.model in REAL_MODELS]
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            for record, res in pool.map(lambda c: run_case(c, paths[c.model], folder, endpoint, device_name), small):
+            for record, res in pool.map(
+                    lambda c: run_case(c, paths[c.model], folder, endpoint, device_name, args.consumer), small):
                 report(record, res)
         for case in real:  # one at a time: each maps tens of GB of file holes
-            report(*run_case(case, paths[case.model], folder, endpoint, device_name))
+            report(*run_case(case, paths[case.model], folder, endpoint, device_name, args.consumer))
     if gpu is not None:
         gpu.stop()
 
     golden: dict[str, Any] = {
-        "generated_by": "scripts/make_goldens.py",
+        "generated_by": "scripts/make_goldens.py" + (f" --for {args.consumer}" if suffix else ""),
+        "for": args.consumer,
         "llama_cpp": {"version": info["version"], "system_info": info["system_info"]},
         "models": dict(sorted(models.items())),
         "cases": [records[c.id] for c in cases],
     }
-    if args.device == "rpc":
-        golden["device"] = {"kind": "rpc", "endpoint": CANONICAL_RPC, "emulated": True}
+    if args.device in ("rpc", "cuda-emulated"):
+        golden["device"] = {"kind": args.device, "endpoint": CANONICAL_RPC, "emulated": True}
     if args.device == "cuda":
         from fitter.memory.devices import detect_gpus
 

@@ -6,9 +6,10 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from fitter.cli.common import launch_args, load_model, model_path, target_devices
+from fitter.cli.common import add_emulated_gpu, launch_args, load_model, model_path, target_devices
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import SERVER_DEFAULTS_HELP, ProcessFlags, add_launch_arguments, add_process_arguments
+from fitter.flags.consumers import with_bench_context
 
 if TYPE_CHECKING:  # the measuring side loads when a command measures, not when the parser is built
     from fitter.machine.snapshot import MachineSnapshot
@@ -22,6 +23,9 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
     nvml = bool(snapshot.gpus)
     if ns.llama_server and ns.llama_bench:
         raise LaunchConfigError("--llama-server and --llama-bench: measure with one backend at a time")
+    if ns.emulated_cuda and (ns.llama_server or ns.llama_bench):
+        raise LaunchConfigError("--emulated-gpu cuda:MiB: CUDA's rules live in fitter's own llama.cpp client, which "
+                                "a llama-server or llama-bench binary is not; use --emulated-gpu MiB with them")
     if ns.llama_bench:
         if ns.threads_batch is not None:
             raise LaunchConfigError("-tb: llama-bench has one thread count (-t) for prefill and decode")
@@ -31,7 +35,7 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
     if ns.llama_server:
         return ServerRunner(ns.llama_server, ns.emulated_gpu, process, nvml=nvml, vocab_size=vocab_size)
     return WorkerRunner(emulated_gpu_mib=ns.emulated_gpu, cpus=process.cpus, nvml=nvml,
-                        build=snapshot.llama_cpp or None)
+                        build=snapshot.llama_cpp or None, emulated_cuda=ns.emulated_cuda)
 
 
 def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
@@ -41,6 +45,7 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.measure.types import BenchSpec
 
     config, process = launch_args(ns, flags)  # bad flags stop here, before any process starts
+    config = with_bench_context(config, ns.n_prompt + ns.n_gen + ns.n_depth)
     model = model_path(ns.model)
     spec = load_model(model)
     if ns.backend == "sim":
@@ -118,7 +123,7 @@ def register(sub: Any) -> None:
                               "-tb": "threads for prefill (default: -t)"}, names=("-t", "-tb"))
     b.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds before a trial counts as hung (default: from the predicted work)")
-    b.add_argument("--emulated-gpu", type=int, metavar="MiB", help="run on a capped emulated GPU")
+    add_emulated_gpu(b, "run on")
     b.add_argument("--llama-server", metavar="PATH", help="measure this llama-server binary instead")
     b.add_argument("--llama-bench", metavar="PATH",
                    help="measure with this llama-bench binary instead (its context is p+n+d, not the deployed one)")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fitter.cli.common import log, warn
+from fitter.flags.consumers import CONSUMER_NAMES
 from fitter.tune.result import POLICIES
 
 if TYPE_CHECKING:
@@ -27,7 +28,8 @@ def cmd_check(ns: argparse.Namespace, flags: list[str], runner_factory: RunnerFa
     log(f"fitter: check: re-measuring the {ns.policy} pick of {ns.result}")
     verdict = run_check(Path(ns.result), ns.policy, tolerance, factory, model=model,
                         timeout=getattr(ns, "timeout", None), cpu=snapshot.cpu_profile,
-                        machine_devices=lambda: (gpus_now() or snapshot.devices()) if snapshot.gpus else ())
+                        machine_devices=lambda: (gpus_now() or snapshot.devices()) if snapshot.gpus else (),
+                        consumer=getattr(ns, "consumer", None))
     for w in verdict.warnings:
         warn(w)
     print(json.dumps(verdict_json(verdict), indent=1) if ns.json else verdict_text(verdict))
@@ -48,5 +50,8 @@ def register(sub: Any) -> None:
     check.add_argument("--model", metavar="PATH", help="the tuned GGUF at another path (its header must match)")
     check.add_argument("--timeout", type=float, default=None, metavar="S",
                        help="seconds before the run counts as hung (default: from the predicted work)")
+    check.add_argument("--for", dest="consumer", choices=CONSUMER_NAMES, default=None, metavar="PROGRAM",
+                       help="check the pick as this program runs it: " + " | ".join(CONSUMER_NAMES)
+                       + " (default: the program it was tuned for)")
     check.add_argument("--json", action="store_true", help="the verdict, each check and the new measurement as JSON")
     check.set_defaults(func=cmd_check)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, ProcessFlags, launch_config_from_args
@@ -15,6 +15,26 @@ if TYPE_CHECKING:
     from fitter.gguf.model_spec import ModelSpec
     from fitter.machine.snapshot import MachineSnapshot
     from fitter.memory.devices import Device
+
+
+class _EmulatedGpuAction(argparse.Action):
+    """`--emulated-gpu MiB` (the capped RPC device) or `cuda:MiB` (the CUDA-shaped one): ns.emulated_gpu = MiB,
+    ns.emulated_cuda = whether it is CUDA-shaped."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        value = str(values)
+        mib = value.removeprefix("cuda:")
+        if not mib.isdigit() or int(mib) < 1:
+            parser.error(f"{option_string} {value!r}: expected MiB or cuda:MiB, e.g. 4096 or cuda:4096")
+        ns.emulated_gpu, ns.emulated_cuda = int(mib), value.startswith("cuda:")
+
+
+def add_emulated_gpu(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--emulated-gpu", action=_EmulatedGpuAction, metavar="[cuda:]MiB",
+                        help=f"{what} a capped emulated GPU: MiB for llama.cpp's RPC device, cuda:MiB for the "
+                        "CUDA-shaped one (CUDA's buffers, op offload and CUDA_Host)")
+    parser.set_defaults(emulated_gpu=None, emulated_cuda=False)
 
 
 def log(message: str) -> None:

@@ -8,11 +8,11 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from fitter.cli.common import launch_args, load_model, model_path, target_devices, warn
+from fitter.cli.common import add_emulated_gpu, launch_args, load_model, model_path, target_devices, warn
 from fitter.errors import LaunchConfigError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, parse_launch_flags, pin, server_command
 from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, parse_fit_targets
-from fitter.memory.devices import RPC, Device
+from fitter.memory.devices import CUDA, RPC, Device
 from fitter.units import MIB
 
 
@@ -33,9 +33,9 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
 
             if ns.devices or config.rpc:
                 raise LaunchConfigError("--emulated-gpu replaces --devices and --rpc: give one target")
-            gpu = stack.enter_context(EmulatedGpu(cap_mib=ns.emulated_gpu))
+            gpu = stack.enter_context(EmulatedGpu(cap_mib=ns.emulated_gpu, cuda=ns.emulated_cuda))
             cap = ns.emulated_gpu * MIB
-            devices: tuple[Device, ...] = (Device(gpu.device_name, RPC, cap, cap),)
+            devices: tuple[Device, ...] = (Device(gpu.device_name, CUDA if ns.emulated_cuda else RPC, cap, cap),)
         else:
             devices = target_devices(ns, config, snapshot)
         result = fit(spec, config, devices, targets, ns.fit_ctx, snapshot.cpu_profile)
@@ -45,23 +45,23 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
         if ns.verify:
             if gpu is None:
                 raise LaunchConfigError("--verify needs --emulated-gpu: only an emulated device can be loaded here")
-            verify = _verify(model, launch, gpu)
+            verify = _verify(model, launch, gpu, config.consumer)
     for w in result.plan.warnings:
         warn(w)
     if ns.json:
         out = fit_json(result, launch, server_command(model, launch), emulated=gpu is not None, verify=verify)
-        print(json.dumps(out, indent=1))
+        print(json.dumps({"for": config.consumer, **out}, indent=1))
     else:
         print(fit_table(result, server_command(model, launch), emulated=gpu is not None, verify=verify))
     return 0 if result.fits else 1
 
 
-def _verify(model: str, launch: list[str], gpu: Any) -> dict[str, Any]:
-    """Load the chosen flags on the emulated device and read what it really allocated."""
+def _verify(model: str, launch: list[str], gpu: Any, consumer: str) -> dict[str, Any]:
+    """Load the chosen flags on the emulated device, as `consumer` would, and read what it really allocated."""
     from fitter.measure.loader import load_and_capture
 
     gpu.reset_peak()
-    res = load_and_capture(model, parse_launch_flags(launch))
+    res = load_and_capture(model, parse_launch_flags(launch, consumer))
     stats = gpu.stats()
     return {
         "loaded": res.ok,
@@ -91,7 +91,7 @@ def register(sub: Any) -> None:
     fit_p.add_argument("--fit-ctx", type=int, default=DEFAULT_FIT_CTX, metavar="N",
                        help="with -c 0: the context the placement is found at before it grows (default 4096)")
     fit_p.add_argument("--devices", default="", help="none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]")
-    fit_p.add_argument("--emulated-gpu", type=int, metavar="MiB", help="fit onto a capped emulated GPU")
+    add_emulated_gpu(fit_p, "fit onto")
     fit_p.add_argument("--verify", action="store_true", help="load the result on the emulated GPU and report it")
     fit_p.add_argument("--json", action="store_true")
     add_launch_arguments(fit_p)

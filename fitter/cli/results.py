@@ -8,16 +8,62 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fitter.cli.common import log, warn
+from fitter.errors import FitterError
 from fitter.export.launchers import FORMATS
+from fitter.flags.consumers import CONSUMER_NAMES
 from fitter.tune.result import POLICIES
+from fitter.units import MIB
 
 
 def cmd_export(ns: argparse.Namespace, flags: list[str]) -> int:
-    from fitter.export.launchers import render
+    """The pick for a launcher. A format read by another program than the one the result was tuned for (or
+    `--for`) is re-planned for it first: what changed goes with the export, and a plan over the recorded budget is
+    refused with the excess unless --force."""
+    from fitter.export.launchers import pick, render
+    from fitter.export.replan import FORMAT_CONSUMER, replan
     from fitter.tune.result import load_result
 
-    print(render(load_result(ns.result), ns.policy, ns.format))
+    doc = load_result(ns.result)
+    target = ns.consumer or FORMAT_CONSUMER.get(ns.format, doc.consumer)
+    if ns.consumer and ns.format in FORMAT_CONSUMER and FORMAT_CONSUMER[ns.format] != ns.consumer:
+        raise FitterError(f"--for {ns.consumer} --format {ns.format}: that format is read by "
+                          f"{FORMAT_CONSUMER[ns.format]}; choose --format json or python, or drop --for")
+    note = None
+    if target != doc.consumer:
+        p = pick(doc, ns.policy)
+        plan = replan(doc, p.entry, p.config, target, _result_model(doc, ns.model))
+        note = plan.note()
+        log(f"fitter: export: {note}")
+        if not plan.fits:
+            excess = ", ".join(f"{name} by {over / MIB:.2f} MiB" for name, over in plan.over.items())
+            message = (f"{doc.source}: the {ns.policy} pick (trial {p.trial}) run by {target} is over the budget it "
+                       f"was tuned under: {excess}")
+            if not ns.force:
+                raise FitterError(f"{message}; tune with --for {target}, or --force to print it anyway")
+            warn(message)
+    print(render(doc, ns.policy, ns.format, note), end="")
     return 0
+
+
+def _result_model(doc: Any, override: str | None) -> Any:
+    """The tuned model's spec (its header only), at the recorded path or --model; the identity must match."""
+    from fitter.gguf.model_spec import load_model_spec
+
+    path = override or doc.model.get("path")
+    if not path:
+        raise FitterError(f"{doc.source}: no model.path; re-planning for another program needs the model's "
+                          "header: give --model PATH")
+    try:
+        spec = load_model_spec(str(path))
+    except FitterError as e:
+        raise FitterError(f"{e}; re-planning for another program needs the model's header: give --model PATH") \
+            from None
+    recorded = doc.model.get("identity")
+    if recorded and spec.identity != recorded:
+        raise FitterError(f"{path}: not the tuned model (header identity {spec.identity}, {doc.source} records "
+                          f"{recorded})")
+    return spec
 
 
 def cmd_report(ns: argparse.Namespace, flags: list[str]) -> int:
@@ -54,7 +100,14 @@ def register(sub: Any) -> None:
                             "for a launcher, pinning everything llama-server would otherwise decide itself.")
     export.add_argument("result", help="a results folder (or its pareto.json)")
     export.add_argument("--policy", default="balanced", choices=POLICIES)
-    export.add_argument("--format", default="server", choices=FORMATS)
+    export.add_argument("--format", default="server", choices=FORMATS,
+                        help="server, preset-ini and llama-swap are read by llama-server, python by llama-cpp-python")
+    export.add_argument("--for", dest="consumer", choices=CONSUMER_NAMES, default=None, metavar="PROGRAM",
+                        help="the program that will run it (default: the format's; json: the one it was tuned for); "
+                        "another program than the tuned one re-plans the config and says what changed")
+    export.add_argument("--model", metavar="PATH", help="the tuned GGUF at another path, for a re-plan")
+    export.add_argument("--force", action="store_true",
+                        help="print a re-planned config even when it is over the budget it was tuned under")
     export.set_defaults(func=cmd_export)
 
     report = sub.add_parser(

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fitter.cli.bench import add_measure_arguments
-from fitter.cli.common import launch_args, load_model, log, model_path
+from fitter.cli.common import add_emulated_gpu, launch_args, load_model, log, model_path
 from fitter.errors import FitterError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, add_process_arguments
+from fitter.flags.consumers import with_bench_context
 from fitter.memory.budgets import parse_fit_targets
 
 if TYPE_CHECKING:  # optuna and the study load when a tune runs, not when the parser is built
@@ -54,6 +55,7 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
     if ns.trials < 1:
         raise FitterError(f"--trials {ns.trials}: give at least 1")
     config, process = launch_args(ns, flags)  # bad flags stop here, before anything starts
+    config = with_bench_context(config, ns.n_prompt + ns.n_gen + ns.n_depth)
     model = model_path(ns.model)
     spec = load_model(model)
     options = TuneOptions(
@@ -62,7 +64,8 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None, space=ns.space,
         trials=ns.trials, timeout_s=ns.timeout, trial_timeout_s=ns.trial_timeout, seed=ns.seed,
         n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions, storage=ns.storage,
-        results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu, llama_fit_params=ns.llama_fit_params,
+        results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu, emulated_cuda=ns.emulated_cuda,
+        llama_fit_params=ns.llama_fit_params,
         backend=ns.backend, machine=ns.machine)
     snapshot = take_snapshot() if ns.backend != "sim" else None
     outcome = run_tune(options, snapshot, log, progress_printer, dry_run=ns.dry_run)
@@ -111,7 +114,7 @@ def register(sub: Any) -> None:
     tune.add_argument("--storage", metavar="URL", help="any Optuna storage URL (default: the results folder's "
                       "study.db); e.g. postgresql://… for a fleet of identical machines")
     tune.add_argument("--results", default="results", metavar="DIR", help="results root (default ./results)")
-    tune.add_argument("--emulated-gpu", type=int, metavar="MiB", help="tune on a capped emulated GPU")
+    add_emulated_gpu(tune, "tune on")
     tune.add_argument("--llama-fit-params", metavar="PATH", help="llama.cpp's llama-fit-params for the baseline")
     tune.add_argument("--seed", type=int, default=0)
     add_process_arguments(tune, {"-t": "fix the threads (removes threads from the search)",

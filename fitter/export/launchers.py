@@ -46,6 +46,7 @@ class Pick:
     flags: tuple[str, ...]  # the pinned llama-server flags (no -m)
     header: tuple[str, ...]  # what the export is, as comment lines
     warning: str | None  # set when the result was measured on fitter's emulated GPU
+    replanned: str | None = None  # what changed for the program the export is for (fitter.export.replan)
 
 
 def pick(result: ParetoDoc, policy: str) -> Pick:
@@ -64,7 +65,7 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
         raise FitterError(f"{where}: \"flags\" must be a list of strings, got None")
     launch, _ = split_process_flags(entry.flags, where)
     try:
-        config = parse_launch_flags(launch)
+        config = parse_launch_flags(launch, result.consumer)
         process = process_flags_of(entry.flags)
     except LaunchConfigError as e:
         raise FitterError(f"{where}: {e}") from None
@@ -134,13 +135,17 @@ def preset_options(p: Pick) -> list[tuple[str, str]]:
 # -- formats -----------------------------------------------------------------------------------------------------
 
 
-def render(result: ParetoDoc, policy: str, fmt: str) -> str:
-    """The picked configuration in one of FORMATS, ending with a newline."""
+def render(result: ParetoDoc, policy: str, fmt: str, note: str | None = None) -> str:
+    """The picked configuration in one of FORMATS, ending with a newline; `note` (a re-plan for another program,
+    fitter.export.replan) goes with it, as a comment or a "replanned" key."""
     renderers = {"server": render_server, "preset-ini": render_preset_ini, "llama-swap": render_llama_swap,
                  "python": render_python, "json": render_json}
     if fmt not in renderers:
         raise FitterError(f"--format {fmt!r}: unknown format; choose one of {', '.join(FORMATS)}")
-    return renderers[fmt](pick(result, policy))
+    p = pick(result, policy)
+    if note:
+        p = replace(p, header=(*p.header, note.replace("\n", " ")), replanned=note)
+    return renderers[fmt](p)
 
 
 def server_argv(p: Pick) -> list[str]:
@@ -148,8 +153,8 @@ def server_argv(p: Pick) -> list[str]:
 
 
 def render_server(p: Pick) -> str:
-    warning = f"# {p.warning}\n" if p.warning else ""
-    return warning + shlex.join(server_argv(p)) + "\n"
+    notes = "".join(f"# {line}\n" for line in (p.warning, p.replanned) if line)
+    return notes + shlex.join(server_argv(p)) + "\n"
 
 
 def render_preset_ini(p: Pick) -> str:
@@ -255,6 +260,8 @@ def render_python(p: Pick) -> str:
         doc["not_in_kwargs"] = extra
     if p.warning:
         doc["warning"] = p.warning
+    if p.replanned:
+        doc["replanned"] = p.replanned
     return json.dumps(doc, indent=1) + "\n"
 
 
@@ -263,5 +270,7 @@ def render_json(p: Pick) -> str:
     doc = {**p.entry.data, "flags": list(p.flags)}
     if p.warning:
         doc["warning"] = p.warning
+    if p.replanned:
+        doc["replanned"] = p.replanned
     return json.dumps(doc, indent=1) + "\n"
 

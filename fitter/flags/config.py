@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from fitter.errors import LaunchConfigError
+from fitter.flags.consumers import DEFAULT_CONSUMER, consumer
 
 # common/arg.cpp `kv_cache_types`, by ggml type name; bytes per element as (block size, block bytes).
 KV_CACHE_TYPES: dict[str, tuple[int, int]] = {
@@ -26,7 +27,11 @@ llama-server defaults assumed when a flag is not given (llama.cpp 0c1e570):
   unless --kv-unified is also given.  --swa-full off (the C API and llama-cpp-python default to on).
   -ngl auto: --fit chooses; fitter's estimate then assumes all layers (what llama.cpp does with -fit off).
   KV and compute on the GPU (no -nkvo), op offload on, weight repacking on, -lm auto (mmap), -fit on.
-  llama-server reserves logits for one output per slot (-np), so the compute graph has n_slots outputs."""
+  llama-server reserves logits for one output per slot (-np), so the compute graph has n_slots outputs.
+--for llama-cli | llama-cpp-python | llama-bench: that program's defaults and memory rules instead:
+  llama-cli as llama-server with -np 1; llama-cpp-python's Llama(): -c 512 -b 512 -ub 512 -fa off -ngl 0, one
+  sequence, --swa-full on, logits for a whole ubatch (the C API's n_outputs_max 0 = n_batch), no --fit;
+  llama-bench: -c stands for its p+n+d (default 640), -ngl all, one sequence, swa-full off, logits for a ubatch."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class LaunchConfig:
     tensor_split: tuple[float, ...] = ()
     main_gpu: int = 0
     rpc: tuple[str, ...] = ()
+    consumer: str = DEFAULT_CONSUMER  # the program that runs it (`--for`, fitter.flags.consumers)
     flags: tuple[str, ...] = field(default=(), compare=False)  # the flags as the user gave them
 
     @property
@@ -90,7 +96,7 @@ class ContextParams:
     n_stream: int  # 1 when unified, else n_seq_max
     n_batch: int
     n_ubatch: int
-    n_outputs_max: int  # llama-server reserves logits for one output per slot (server_output_limits)
+    n_outputs_max: int  # logits reserved in the worst-case graph: one per slot (servers) or n_batch (C API)
     flash_attn: bool  # as the graph is built; `-fa auto` may still be turned off by the estimator's probe
     auto_fa: bool  # -fa auto with an unquantized V: llama.cpp probes the graph's devices (resolve_fused_ops)
     v_trans: bool  # V cache stored transposed: fixed when the cache is made, i.e. only with -fa off
@@ -138,9 +144,10 @@ def resolve_context(config: LaunchConfig, n_ctx_train: int) -> ContextParams:
         n_stream=1 if config.unified else n_seq_max,
         n_batch=n_batch,
         n_ubatch=n_ubatch,
-        # tools/server/server-context.cpp server_output_limits → common_speculative_get_output_limits:
-        # min(n_batch, n_parallel * (1 + n_draft)), no speculative decoding here.
-        n_outputs_max=min(n_batch, n_seq_max),
+        # llama-server and llama-cli: server_output_limits (tools/server/server-context.cpp) → min(n_batch,
+        # n_parallel * (1 + n_draft)), no speculative decoding here; the C API (llama-cpp-python, llama-bench): 0,
+        # which llama_context reads as n_batch.
+        n_outputs_max=consumer(config.consumer).n_outputs_max(n_batch, n_seq_max),
         flash_attn=flash_attn,
         auto_fa=auto_fa,
         v_trans=not flash_attn,

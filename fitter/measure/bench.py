@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fitter.flags import LaunchConfig
+from fitter.flags.consumers import server_flags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.render import bench_json
 from fitter.measure.runner import TrialRunner, with_rpc
@@ -19,9 +20,14 @@ def bench(model: str, spec: ModelSpec, config: LaunchConfig, bench_spec: BenchSp
     every buffer llama.cpp logged beside its estimate, the devices' peaks. The estimate plans for the runner's own
     devices (an emulated or simulated GPU), else for `devices` (the config's --rpc servers, this machine's GPUs); a
     config llama.cpp would refuse stops here (LaunchConfigError) before anything is measured."""
+    if runner.backend == "llama-server":
+        server_flags(config)  # a program llama-server cannot stand in for stops here, before anything starts
     with runner:
         config = with_rpc(config, runner.rpc)
         plan = estimate(spec, config, runner.devices() or devices, runner.cpu_profile() or cpu)
         result = runner.run(model, config, bench_spec, timeout, plan)
-    return bench_json(result.measurement, runner.backend, plan if runner.deployed_context else None,
-                      emulated=runner.emulated, peak_vram=result.peak_vram)
+    out = bench_json(result.measurement, runner.backend, plan if runner.deployed_context else None,
+                     emulated=runner.emulated, peak_vram=result.peak_vram)
+    if getattr(runner, "emulated_cuda", False):
+        out["emulated_gpu"] = "cuda"  # the CUDA-shaped emulated GPU
+    return {"for": config.consumer, **out}

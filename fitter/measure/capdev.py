@@ -33,7 +33,9 @@ from fitter.machine.llama_cpp import llama_cpp_python_lib_dir
 from fitter.measure import process
 from fitter.paths import fitter_home
 
-SHIM_SOURCE = "capdev.c"  # in the fitter.measure.native package
+SHIM_SOURCE = "capdev.c"  # in the fitter.measure.native package: the server's memory cap
+CUDA_SOURCE = "cudadev.c"  # the client's CUDA device rules (the CUDA-shaped emulated GPU)
+_HEADERS = ("cudarules.h",)  # included by both
 # The counters file, as fitter/measure/native/capdev.c lays it out: little-endian 64-bit words.
 STATS_SIZE = 4096
 STATS_MAGIC = 0x3156454450414346  # "FCAPDEV1"
@@ -127,11 +129,14 @@ def server_command(endpoint: str, threads: int, parent_pid: int, lib_dir: Path) 
                                  str(threads), "--parent-pid", str(parent_pid), "--lib-dir", str(lib_dir))
 
 
-def server_env(base: Mapping[str, str], shim: Path, stats_path: Path, cap_bytes: int) -> dict[str, str]:
-    """The server child's environment: `base` plus the shim preloaded, its cap and its counters file."""
+def server_env(base: Mapping[str, str], shim: Path, stats_path: Path, cap_bytes: int,
+               cuda: bool = False) -> dict[str, str]:
+    """The server child's environment: `base` plus the shim preloaded, its cap and its counters file (and CUDA's
+    buffer rules for a CUDA-shaped device)."""
     preload = str(shim) + (" " + base["LD_PRELOAD"] if base.get("LD_PRELOAD") else "")
+    extra = {"FITTER_CAPDEV_CUDA": "1"} if cuda else {}
     return process.child_env(base, LD_PRELOAD=preload, FITTER_CAPDEV_CAP_BYTES=str(cap_bytes),
-                             FITTER_CAPDEV_STATS=str(stats_path))
+                             FITTER_CAPDEV_STATS=str(stats_path), **extra)
 
 
 def _compiler() -> list[str]:
@@ -149,33 +154,47 @@ def _compiler() -> list[str]:
     )
 
 
-def _shim_source() -> bytes:
-    return resources.files("fitter.measure.native").joinpath(SHIM_SOURCE).read_bytes()
+def _sources(name: str) -> dict[str, bytes]:
+    """A native library's C file and the headers it may include, from the fitter.measure.native package."""
+    native = resources.files("fitter.measure.native")
+    return {f: native.joinpath(f).read_bytes() for f in (name, *_HEADERS)}
 
 
-def _shim_path(source: bytes) -> Path:
-    return fitter_home() / "native" / f"capdev-{hashlib.sha256(source).hexdigest()[:16]}.so"
+def _library_path(name: str, sources: dict[str, bytes]) -> Path:
+    digest = hashlib.sha256(b"".join(sources[f] for f in sorted(sources))).hexdigest()[:16]
+    return fitter_home() / "native" / f"{Path(name).stem}-{digest}.so"
 
 
 def shim_library() -> Path:
-    """The compiled shim, built on first use into `fitter_home()/native/capdev-<source hash>.so`."""
-    source = _shim_source()
-    out = _shim_path(source)
+    """The compiled server shim, built on first use into `fitter_home()/native/capdev-<source hash>.so`."""
+    return native_library(SHIM_SOURCE)
+
+
+def cuda_library() -> Path:
+    """The compiled client rules of the CUDA-shaped emulated GPU (`cudadev.c`), built like the shim."""
+    return native_library(CUDA_SOURCE)
+
+
+def native_library(name: str) -> Path:
+    """`fitter/measure/native/<name>` compiled on first use into `fitter_home()/native/<stem>-<sources hash>.so`."""
+    sources = _sources(name)
+    out = _library_path(name, sources)
     if out.is_file():
         return out
     cc = _compiler()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
-        src, lib = Path(tmp) / SHIM_SOURCE, Path(tmp) / "capdev.so"
-        src.write_bytes(source)
+        for file, text in sources.items():
+            (Path(tmp) / file).write_bytes(text)
+        src, lib = Path(tmp) / name, Path(tmp) / f"{Path(name).stem}.so"
         cmd = [*cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src), "-ldl", "-pthread"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
-            raise EmulatedGpuError(f"compiling {SHIM_SOURCE} with `{shlex.join(cmd)}` failed: {e}") from e
+            raise EmulatedGpuError(f"compiling {name} with `{shlex.join(cmd)}` failed: {e}") from e
         if proc.returncode != 0 or not lib.is_file():
             raise EmulatedGpuError(
-                f"compiling {SHIM_SOURCE} with `{shlex.join(cmd)}`: exit status {proc.returncode}: "
+                f"compiling {name} with `{shlex.join(cmd)}`: exit status {proc.returncode}: "
                 f"{(proc.stderr or proc.stdout).strip()[-_LOG_TAIL:]}"
             )
         os.replace(lib, out)  # atomic: a concurrent build of the same source writes the same file
@@ -203,7 +222,7 @@ def emulated_gpu_problem() -> str | None:
     compiler for the shim that is not built yet); None when it can. Asked before a command creates anything."""
     try:
         _llama_lib_dir()
-        if not _shim_path(_shim_source()).is_file():
+        if not _library_path(SHIM_SOURCE, _sources(SHIM_SOURCE)).is_file():
             _compiler()
     except EmulatedGpuError as e:
         return str(e)

@@ -8,9 +8,10 @@ Translation notes (where the C API and llama-server differ, llama-server wins):
 - `-c 0` is passed as n_ctx 0: llama.cpp then uses the model's training context, as llama-server does.
 - `--swa-full` is always set from the config: the C API defaults to true, llama-server to false.
 - `-np`: n_seq_max = config.n_seq_max (auto = 4) and kv_unified = config.unified.
-- n_outputs_max: llama-server sets it to min(n_batch, n_parallel × (1 + n_draft)) (tools/server/
-  server-context.cpp `server_output_limits`), not the C API's n_batch; this sizes the logits in the compute
-  buffer. Without speculative decoding that is min(-b, slots), with one output per sequence.
+- n_outputs_max: llama-server (and llama-cli, which runs it) sets it to min(n_batch, n_parallel × (1 + n_draft))
+  (tools/server/server-context.cpp `server_output_limits`); the C API default 0, which llama_context reads as
+  n_batch, is what llama-cpp-python and llama-bench keep. The config's consumer (`--for`) decides; this sizes the
+  logits in the compute buffer. Without speculative decoding the servers' is min(-b, slots), one per sequence.
 - `-lm/--load-mode` (`--no-mmap` is the older spelling of `-lm none`): mmap modes → load_mode AUTO (mmap unless a
   device cannot map), others → NONE.
 - `-ngl auto` (-1) is passed as -1, which the C API reads as "all layers": `--fit` is not in libllama.
@@ -21,16 +22,18 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from fitter.flags import LaunchConfig, TensorOverride
+from fitter.flags.consumers import consumer
 
 # llama.h enum llama_load_mode / enum llama_flash_attn_type
 LOAD_MODE_AUTO = -1
 LOAD_MODE_NONE = 0
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
-_LOG_ERROR, _LOG_CONT = 4, 5  # ggml.h enum ggml_log_level (llama-cpp-python's _logger.py comment is stale)
+CUDA_RPC_ENV = "FITTER_CUDA_RPC"  # RPC endpoints (comma-separated) of CUDA-shaped emulated GPUs, for the children
 _LOG_ERROR, _LOG_CONT = 4, 5  # ggml.h enum ggml_log_level (llama-cpp-python's _logger.py comment is stale)
 
 
@@ -105,8 +108,31 @@ class Ggml:
         if not addr:
             raise RuntimeError("--rpc: the RPC backend lacks ggml_backend_rpc_add_server")
         add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(addr)
+        cuda_shaped = set(filter(None, os.environ.get(CUDA_RPC_ENV, "").split(",")))
         for server in servers:
-            self.ggml.ggml_backend_register(add_server(server.encode()))
+            server_reg = add_server(server.encode())
+            self.ggml.ggml_backend_register(server_reg)
+            if server in cuda_shaped:
+                self._cudafy(server_reg, server)
+
+    def _cudafy(self, reg: int, server: str) -> None:
+        """Give the devices of an RPC server CUDA's scheduling rules (fitter/measure/native/cudadev.c): the
+        CUDA-shaped emulated GPU, whose server already answers with CUDA's buffer sizes."""
+        from fitter.measure.capdev import cuda_library
+
+        lib = ctypes.CDLL(str(cuda_library()))
+        lib.fitter_cudadev_patch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.fitter_cudadev_patch.restype = ctypes.c_int
+        self._sig(self.base, "ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t)
+        self._sig(self.base, "ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p)
+        min_batch = int(os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH") or 32)  # ggml-cuda.cu, as CUDA reads it
+        for i in range(self.base.ggml_backend_reg_dev_count(reg)):
+            rc = lib.fitter_cudadev_patch(self.base.ggml_backend_reg_dev_get(reg, i), self.cpu_buffer_type(),
+                                          min_batch)
+            if rc != 0:
+                raise RuntimeError(f"--rpc {server}: cannot give it CUDA's rules (cudadev.c status {rc}: "
+                                   "this ggml's op numbering differs from llama.cpp 0c1e570's)")
+        self._cuda_lib = lib  # the patched device points into it: keep it loaded
 
 
 class _BuftOverride(ctypes.Structure):
@@ -187,9 +213,11 @@ def build_model_params(config: LaunchConfig, ggml: Ggml, keep_alive: list[Any]) 
 def build_context_params(
     config: LaunchConfig, n_outputs_max: int | None = None, threads: int = 1, threads_batch: int | None = None
 ) -> Any:
-    """`llama_context_params` for `config` as llama-server sets them (common_context_params_to_llama).
+    """`llama_context_params` for `config` as its program (`config.consumer`) sets them: llama-server's
+    common_context_params_to_llama, or the C API's defaults under llama-cpp-python and llama-bench.
 
-    `n_outputs_max` None follows llama-server (min(-b, slots), one output per sequence); 0 gives the C API default.
+    `n_outputs_max` None follows the program (servers: min(-b, slots), one output per sequence; C API: 0 = n_batch);
+    a number overrides it (llama-fit-params keeps common.h's 0).
     """
     import llama_cpp
 
@@ -207,9 +235,11 @@ def build_context_params(
     cparams.op_offload = not config.no_op_offload
     cparams.n_threads = threads
     cparams.n_threads_batch = threads if threads_batch is None else threads_batch
-    if n_outputs_max is None:  # llama-server: min(n_batch, n_parallel * (1 + n_draft)), at least 1; one per seq
-        cparams.n_outputs_max = max(1, min(config.batch_size, config.n_seq_max))
+    program = consumer(config.consumer)
+    if n_outputs_max is None and program.outputs_per_slot:  # servers: min(n_batch, n_parallel * (1 + n_draft))
+        cparams.n_outputs_max = program.n_outputs_max(config.batch_size, config.n_seq_max)
         cparams.n_outputs_max_per_seq = 1
-    else:
+    elif n_outputs_max is not None:
         cparams.n_outputs_max = int(n_outputs_max)
+    # else the C API default stays: 0, which llama_context reads as n_batch
     return cparams

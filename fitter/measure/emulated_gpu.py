@@ -40,6 +40,7 @@ from fitter.measure.capdev import (
     EmulatedGpuError,
     EmulatedGpuStats,
     _llama_lib_dir,
+    cuda_library,
     emulated_gpu_problem,
     read_stats,
     request_peak_reset,
@@ -47,6 +48,7 @@ from fitter.measure.capdev import (
     server_env,
     shim_library,
 )
+from fitter.measure.capi import CUDA_RPC_ENV
 from fitter.units import MIB
 
 __all__ = ["EmulatedGpu", "EmulatedGpuError", "EmulatedGpuStats", "emulated_gpu_problem"]
@@ -66,6 +68,17 @@ def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
         return s.connect_ex((HOST, port)) != 0
+
+
+def _set_cuda_endpoint(endpoint: str, on: bool) -> None:
+    """Add or remove `endpoint` in the environment the children inherit (capi.CUDA_RPC_ENV)."""
+    endpoints = [e for e in os.environ.get(CUDA_RPC_ENV, "").split(",") if e and e != endpoint]
+    if on:
+        endpoints.append(endpoint)
+    if endpoints:
+        os.environ[CUDA_RPC_ENV] = ",".join(endpoints)
+    else:
+        os.environ.pop(CUDA_RPC_ENV, None)
 
 
 def _pick_free_port() -> int:
@@ -129,13 +142,14 @@ class EmulatedGpu:
     ...     gpu.stats().peak_bytes
     """
 
-    def __init__(self, cap_mib: int, threads: int = 1) -> None:
+    def __init__(self, cap_mib: int, threads: int = 1, cuda: bool = False) -> None:
         if cap_mib < 1:
             raise EmulatedGpuError(f"emulated GPU cap: must be at least 1 MiB, got {cap_mib}")
         if threads < 1:
             raise EmulatedGpuError(f"emulated GPU threads: must be at least 1, got {threads}")
         self.cap_mib = cap_mib
         self.threads = threads
+        self.cuda = cuda  # CUDA-shaped: CUDA's buffer sizes on the server, its scheduling rules in the clients
         self._proc: subprocess.Popen[bytes] | None = None
         self._port: int | None = None
         self._dir: Path | None = None
@@ -194,6 +208,8 @@ class EmulatedGpu:
                 raise EmulatedGpuError(f"emulated GPU: already started at {self.endpoint}")
             t0 = time.perf_counter()
             shim = shim_library()
+            if self.cuda:
+                cuda_library()  # built now, so the clients only load it
             lib_dir = _llama_lib_dir()
             self._final = None
             self._dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
@@ -203,6 +219,8 @@ class EmulatedGpu:
                 self._teardown()
                 raise
             process.register(id(self), self.stop)
+            if self.cuda:  # the clients fitter starts from now on give this device CUDA's rules (capi.py)
+                _set_cuda_endpoint(self.endpoint, True)
             self.start_seconds = time.perf_counter() - t0
         return self
 
@@ -213,7 +231,7 @@ class EmulatedGpu:
         for _ in range(_START_ATTEMPTS):
             stats_path.write_bytes(bytes(STATS_SIZE))
             port = _pick_free_port()
-            env = server_env(os.environ, shim, stats_path, self.cap_bytes)
+            env = server_env(os.environ, shim, stats_path, self.cap_bytes, self.cuda)
             cmd = server_command(f"{HOST}:{port}", self.threads, os.getpid(), lib_dir)
             with log_path.open("wb") as log:
                 # Its own session: a terminal's Ctrl-C reaches the parent, whose handler decides (and stops it).
@@ -270,6 +288,8 @@ class EmulatedGpu:
             process.stop(proc, grace_s=5)  # the child keeps SIGTERM's default action: it dies at once, even in ggml
 
     def _teardown(self) -> None:
+        if self.cuda and self._port is not None:
+            _set_cuda_endpoint(self.endpoint, False)
         self._kill()
         if self._stats_file is not None:
             self._stats_file.close()

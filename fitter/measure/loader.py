@@ -64,7 +64,7 @@ def load_and_capture(
 ) -> CaptureResult:
     """Load `model_path` (the first shard of a split model) and build a context as `config` says, in a child.
 
-    `n_outputs_max` None follows llama-server (min(-b, slots)); 0 gives the C API default (n_batch).
+    `n_outputs_max` None follows the config's program (`config.consumer`); 0 gives the C API default (n_batch).
     Never raises for llama.cpp failures: they come back as ok=False with the error and the log so far.
     """
     request = {

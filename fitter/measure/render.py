@@ -62,7 +62,9 @@ def bench_json(
 def bench_table(result: dict[str, Any]) -> str:
     lines = []
     if result["emulated"]:
-        lines.append("device: emulated GPU (a capped llama.cpp RPC device on 127.0.0.1): its speed is CPU speed")
+        shape = ", CUDA-shaped" if result.get("emulated_gpu") == "cuda" else ""
+        lines.append(f"device: emulated GPU (a capped llama.cpp RPC device on 127.0.0.1{shape}): its speed is CPU "
+                     "speed")
     lines.append(f"backend {result['backend']}  outcome {result['outcome']}"
                  + (f": {result['reason']}" if result["reason"] else ""))
     for key, label in (("pp", "prefill"), ("tg", "decode")):

@@ -20,10 +20,11 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from fitter.flags import LaunchConfig, ProcessFlags
+from fitter.flags.consumers import server_flags
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.measure.types import BenchSpec, Measurement, TrialResult
 from fitter.measure.worker import Worker
-from fitter.memory.devices import RPC, CpuProfile, Device
+from fitter.memory.devices import CUDA, RPC, CpuProfile, Device
 from fitter.memory.estimator import MemoryPlan
 
 DEFAULT_TIMEOUT_S = 600.0  # a user's llama-server or llama-bench, when the caller gives no limit
@@ -60,7 +61,7 @@ class TrialRunner(Protocol):
                  tb: TracebackType | None) -> None: ...
 
 
-# How commands make runners: factory(emulated_gpu_mib=MiB | None, cpus=(cpu, …) | None).
+# How commands make runners: factory(emulated_gpu_mib=MiB | None, cpus=(cpu, …) | None[, emulated_cuda=bool]).
 RunnerFactory = Callable[..., TrialRunner]
 
 
@@ -77,9 +78,10 @@ class _Devices:
     backend = ""
     deployed_context = True
 
-    def __init__(self, emulated_gpu_mib: int | None = None, nvml: bool = False) -> None:
+    def __init__(self, emulated_gpu_mib: int | None = None, nvml: bool = False, emulated_cuda: bool = False) -> None:
         self.emulated = emulated_gpu_mib is not None
         self._cap_mib = emulated_gpu_mib
+        self._cuda = emulated_cuda  # the CUDA-shaped emulated GPU (fitter's own llama.cpp client only)
         self._gpu: Any = None
         self._nvml = nvml
         self.trials_run = 0
@@ -89,7 +91,7 @@ class _Devices:
         if self._cap_mib is not None:
             from fitter.measure.emulated_gpu import EmulatedGpu
 
-            self._gpu = EmulatedGpu(cap_mib=self._cap_mib).start()
+            self._gpu = EmulatedGpu(cap_mib=self._cap_mib, cuda=self._cuda).start()
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
@@ -100,12 +102,17 @@ class _Devices:
     def rpc(self) -> tuple[str, ...]:
         return (self._gpu.endpoint,) if self._gpu is not None else ()
 
+    @property
+    def emulated_cuda(self) -> bool:
+        """The emulated GPU is the CUDA-shaped one."""
+        return self.emulated and self._cuda
+
     def devices(self) -> tuple[Device, ...]:
         """The emulated device as the estimator sees it (its free memory is its cap)."""
         if self._gpu is None:
             return ()
         cap = self._gpu.cap_bytes
-        return (Device(self._gpu.device_name, RPC, cap, cap),)
+        return (Device(self._gpu.device_name, CUDA if self._cuda else RPC, cap, cap),)
 
     def cpu_profile(self) -> CpuProfile | None:
         return None  # this machine's CPU runs the trials
@@ -135,8 +142,9 @@ class WorkerRunner(_Devices):
     backend = "llama-cpp-python"
 
     def __init__(self, emulated_gpu_mib: int | None = None, cpus: tuple[int, ...] | None = None,
-                 nvml: bool = False, log_path: str | Path | None = None, build: dict[str, str] | None = None) -> None:
-        super().__init__(emulated_gpu_mib, nvml)
+                 nvml: bool = False, log_path: str | Path | None = None, build: dict[str, str] | None = None,
+                 emulated_cuda: bool = False) -> None:
+        super().__init__(emulated_gpu_mib, nvml, emulated_cuda)
         self._worker = Worker(log_path=log_path, cpus=cpus)
         self._build = build  # the machine snapshot's reading, when the caller has one
 
@@ -184,7 +192,7 @@ class ServerRunner(_Devices):
         from fitter.measure.server import measure_server
 
         process = replace(self._process, threads=spec.threads, threads_batch=spec.threads_batch or spec.threads)
-        flags = [*config.flags, *process.flags()]
+        flags = [*server_flags(config), *process.flags()]
         return self._measured(lambda: measure_server(self.binary, model, flags, spec, timeout or DEFAULT_TIMEOUT_S,
                                                      vocab_size=self._vocab_size))
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from fitter.flags import ContextParams
 from fitter.gguf.model_spec import ModelSpec
+from fitter.memory import cuda
 from fitter.memory.devices import CPU_ALIGNMENT, Device
 from fitter.memory.graphs import GRAPH_ARCHS, BackendMap, GraphParams, flash_attn_devices_match, graph_compute_bytes
 
@@ -105,9 +106,11 @@ def _output_bytes(spec: ModelSpec, g: GraphShape) -> int:
 
 
 def backend_map(
-    devices: tuple[Device, ...], layer_dev: tuple[Device | None, ...], weight_device: Mapping[str, str], kv_on_cpu: bool
+    devices: tuple[Device, ...], layer_dev: tuple[Device | None, ...], weight_device: Mapping[str, str],
+    kv_on_cpu: bool, op_offload: bool = True,
 ) -> BackendMap:
-    """ggml_backend_sched's view of a placement: devices are backends 0…n-1, the CPU is backend n."""
+    """ggml_backend_sched's view of a placement: devices are backends 0…n-1, the CPU is backend n. `op_offload`:
+    llama_context_params.op_offload (`--no-op-offload` turns it off)."""
     index = {d.name: i for i, d in enumerate(devices)}
     cpu = len(devices)
     return BackendMap(
@@ -116,6 +119,9 @@ def backend_map(
         layer_backend=tuple(index[d.name] if d is not None else cpu for d in layer_dev),
         kv_on_cpu=kv_on_cpu,
         full_offload=bool(devices) and all(d is not None for d in layer_dev),
+        offload_min_batch=tuple(cuda.OFFLOAD_MIN_BATCH if op_offload and d.profile.op_offload else 0
+                                for d in devices),
+        cuda=tuple(d.profile.cuda_rules for d in devices),
     )
 
 

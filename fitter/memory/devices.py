@@ -25,9 +25,12 @@ class DeviceProfile:
     host_buft: str | None  # pinned host buffer type offered to the CPU buffer list
     op_offload: bool  # does the scheduler copy CPU weights over for large batches (ggml-backend.cpp)
     validated: str  # how this profile was checked against llama.cpp
+    cuda_rules: bool = False  # CUDA's allocation sizes and flash-attention support (fitter.memory.cuda)
 
 
-CUDA = DeviceProfile("cuda", 128, 512, "CUDA_Host", True, "not yet validated against a CUDA build")
+CUDA = DeviceProfile("cuda", 128, 512, "CUDA_Host", True,
+                     "validated against fitter's CUDA-shaped emulated GPU (tests/golden/cuda-emulated.json), not yet "
+                     "against a CUDA build", cuda_rules=True)
 RPC = DeviceProfile("rpc", CPU_ALIGNMENT, 0, None, False, "validated against llama.cpp's RPC backend")
 
 

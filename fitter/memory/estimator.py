@@ -347,17 +347,11 @@ def estimate(
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
     layer_dev = layer_devices(spec, config, devices)
     placements = place_tensors(spec, config, devices, layer_dev, cpu)
-    host_weights = any(p.buft in (CPU, "CPU_REPACK") and p.tensor.role is not Role.EMBEDDING for p in placements)
-    if any(d.profile.op_offload for d in devices) and not config.no_op_offload and ctx.n_ubatch >= 32 and host_weights:
-        warnings.append(
-            "op offload: for batches of 32+ tokens llama.cpp copies CPU-resident weights to the GPU, growing its "
-            "compute buffer (llama.cpp issue #22319); those copies are not in this estimate until a CUDA golden run "
-            "validates them (--no-op-offload avoids them)"
-        )
     if devices and spec.arch not in GRAPH_ARCHS:
         warnings.append(f"{spec.arch}: compute buffers come from fitter's phase model, not a graph replay")
     cache_types = (config.cache_type_k, config.cache_type_v)
-    backends = backend_map(devices, layer_dev, {p.tensor.name: p.buft for p in placements}, config.no_kv_offload)
+    backends = backend_map(devices, layer_dev, {p.tensor.name: p.buft for p in placements}, config.no_kv_offload,
+                           not config.no_op_offload)
     bad_layer = auto_flash_attn_mismatch(spec, ctx, backends, kv_cache_sizes(spec, ctx), cache_types)
     if bad_layer is not None:
         ctx = replace(ctx, flash_attn=False)

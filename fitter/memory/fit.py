@@ -185,6 +185,8 @@ def _suggestions(s: _Search, base: LaunchConfig, plan: MemoryPlan) -> tuple[str,
         ("-ub 256", replace(base, ubatch_size=256)),
         ("-ub 128", replace(base, ubatch_size=128)),
         ("-nkvo", replace(base, no_kv_offload=True)),
+        # CUDA copies CPU weights into its compute buffer for big batches (op offload)
+        ("--no-op-offload", replace(base, no_op_offload=True)),
     ]
     out = []
     for label, variant in variants:

@@ -10,7 +10,7 @@ a parent they are the last consumer of. The buffer llama.cpp logs is that alloca
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fitter.gguf._constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -295,16 +295,26 @@ def _same_layout(a: Tensor, b: Tensor) -> bool:
     return a.type == b.type and a.ne == b.ne and a.nb == b.nb
 
 
+def _nbytes(t: Tensor) -> int:
+    return t.nbytes
+
+
 def allocate(graph: Graph, alignment: int) -> int:
     """Peak bytes of ggml_gallocr_alloc_graph_impl over this graph: the compute buffer size."""
     return allocate_buffers(graph, [alignment], lambda t: 0)[0]
 
 
-def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[Tensor], int]) -> list[int]:
+def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[Tensor], int],
+                     sizes: Sequence[Callable[[Tensor], int] | None] | None = None) -> list[int]:
     """ggml_gallocr with one buffer per backend: the peak bytes of each. `buffer_of` gives a tensor's buffer
-    (ggml-alloc takes it from node_buffer_ids / leaf_buffer_ids, which the scheduler fills with backends)."""
+    (ggml-alloc takes it from node_buffer_ids / leaf_buffer_ids, which the scheduler fills with backends);
+    `sizes[i]` is buffer i's ggml_backend_buft_get_alloc_size (None: ggml_nbytes)."""
     allocs = [_DynAllocator(a) for a in alignments]
+    size_fns = [f or _nbytes for f in (sizes or [None] * len(alignments))]
     info: dict[int, _Hash] = {}
+
+    def size(t: Tensor, buffer_id: int) -> int:
+        return size_fns[buffer_id](t)
 
     def h(t: Tensor) -> _Hash:
         hn = info.get(id(t))
@@ -330,18 +340,19 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
                     hn.buffer, hn.offset = p_hn.buffer, p_hn.offset
                     p_hn.allocated = False
                     alloc = allocs[hn.buffer]
-                    p_size, n_size = alloc._align(parent.nbytes), alloc._align(node.nbytes)
+                    p_size = alloc._align(size(parent, p_hn.buffer))
+                    n_size = alloc._align(size(node, hn.buffer))
                     if p_size > n_size:  # ggml_gallocr_free_extra_space
                         alloc.free(hn.offset + n_size, p_size - n_size)
                     return
         hn.buffer = buffer_id
-        hn.offset = allocs[buffer_id].alloc(node.nbytes)
+        hn.offset = allocs[buffer_id].alloc(size(node, buffer_id))
 
     def free_node(node: Tensor) -> None:
         if node.is_output:
             return
         hn = h(node)
-        allocs[hn.buffer].free(hn.offset, node.nbytes)
+        allocs[hn.buffer].free(hn.offset, size(node, hn.buffer))
         hn.allocated = False
 
     for leaf in graph.leafs:

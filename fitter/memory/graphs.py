@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from fitter.flags import KV_CACHE_TYPES
 from fitter.gguf.model_spec import ModelSpec
+from fitter.memory import cuda
 from fitter.memory import ggml_graph as g
 from fitter.memory.ggml_graph import Graph, Tensor
 from fitter.memory.sched import schedule
@@ -34,6 +35,10 @@ class BackendMap:
     layer_backend: tuple[int, ...] = ()  # per layer; empty = all on the CPU
     kv_on_cpu: bool = False  # -nkvo
     full_offload: bool = False  # every layer and the output on devices (llama_context::graph_get_cb)
+    # per device backend: the batch from which it takes ops with host weights over (0: never; op offload off or
+    # not a CUDA device), and whether CUDA's allocation and support rules apply (fitter.memory.cuda)
+    offload_min_batch: tuple[int, ...] = ()
+    cuda: tuple[bool, ...] = ()
 
     @property
     def cpu(self) -> int:
@@ -449,7 +454,7 @@ def flash_attn_devices_match(spec: ModelSpec, p: GraphParams) -> int | None:
     graph = build_graph(spec, p)
     if p.backends.n_backends == 1:
         return None
-    _, backend_of = schedule(graph, p.backends.n_backends)
+    _, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda)
     for node in graph.nodes:
         if node.op == "FLASH_ATTN_EXT" and node.name.startswith("fa-"):
             il = int(node.name[3:])
@@ -463,5 +468,7 @@ def graph_compute_bytes(spec: ModelSpec, p: GraphParams, alignments: tuple[int, 
     graph = build_graph(spec, p)
     if p.backends.n_backends == 1:
         return [g.allocate(graph, alignments[0])]
-    copy, backend_of = schedule(graph, p.backends.n_backends)
-    return g.allocate_buffers(copy, list(alignments), backend_of)
+    copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda)
+    sizes = [cuda.alloc_size if i < len(p.backends.cuda) and p.backends.cuda[i] else None
+             for i in range(p.backends.n_backends)]
+    return g.allocate_buffers(copy, list(alignments), backend_of, sizes)

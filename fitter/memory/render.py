@@ -12,6 +12,7 @@ from fitter.units import MIB
 def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
     spec = plan.model
     return {
+        "for": plan.config.consumer,
         "model": {
             "path": spec.path,
             "arch": spec.arch,
@@ -66,7 +67,7 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
         f"context n_ctx {ctx.n_ctx} ({ctx.n_seq_max} slot{'s' if ctx.n_seq_max > 1 else ''}, "
         f"{'unified' if ctx.n_stream == 1 else 'per-slot'} KV of {ctx.n_ctx_seq} cells), -b {ctx.n_batch}, "
         f"-ub {ctx.n_ubatch}, flash attention {'on' if ctx.flash_attn else 'off'}",
-        f"flags   {' '.join(plan.config.flags) or '(llama-server defaults)'}",
+        f"flags   {' '.join(plan.config.flags) or f'({plan.config.consumer} defaults)'}  (for {plan.config.consumer})",
         "",
         f"{'buffer':<28}{'kind':<9}{'MiB':>10}",
     ]
@@ -76,7 +77,7 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
     for name, t in plan.totals().items():
         lines.append(f"{name:<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.output)}{_mib(t.total)}")
     for d in plan.devices:
-        if "not yet validated" in d.profile.validated:
+        if "not yet" in d.profile.validated:
             lines.append(f"note: {d.name}: {d.profile.validated}")
     if per_tensor:
         lines += ["", f"{'tensor':<40}{'type':<8}{'role':<14}{'buffer':<24}{'MiB':>10}"]
@@ -123,7 +124,8 @@ def fit_table(result: FitResult, command: str, emulated: bool, verify: dict[str,
     plan = result.plan
     lines = [f"model   {plan.model.path}  ({plan.model.arch}, {plan.model.n_layer} layers)"]
     if emulated:
-        lines.append("device  emulated GPU (a capped llama.cpp RPC device on 127.0.0.1): real placement and "
+        shape = ", CUDA-shaped" if any(d.profile.cuda_rules for d in plan.devices) else ""
+        lines.append(f"device  emulated GPU (a capped llama.cpp RPC device on 127.0.0.1{shape}): real placement and "
                      "out-of-memory behaviour, CPU speed")
     lines += ["", f"{'device':<28}{'model':>10}{'kv':>10}{'compute':>10}{'total':>10}{'free':>10}{'after':>10}"]
     totals = plan.totals()

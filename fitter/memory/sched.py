@@ -8,14 +8,19 @@ buffer. The copy of a graph as ggml-alloc then sees it (input dependency, input 
 each tensor's buffer, so `fitter.memory.ggml_graph.allocate_buffers` gives each backend's compute buffer.
 
 Backends are indices, devices first and the CPU last; every buffer type belongs to exactly one backend (the CPU
-backend accepts all host buffer types), and every backend accepts every op fitter builds (RPC supports all ops,
-ggml-rpc.cpp). Op offload (CUDA copying CPU weights for large batches) is not modelled.
+backend accepts all host buffer types). Every backend accepts every op fitter builds (RPC supports all ops,
+ggml-rpc.cpp), except flash attention on a CUDA device, which has kernels for some shapes and types only
+(fitter.memory.cuda.supports): the passes that spread or choose a backend skip a device that does not support
+the op (`ggml_backend_sched_set_if_supported`, pass 3). Op offload: an op whose weight lives on the CPU moves to
+the first device that wants it (pass 1, "1.off": CUDA takes ops of a batch of 32 or more), and pass 5 then copies
+the weight into that device's compute buffer, one split per foreign weight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from fitter.memory import cuda
 from fitter.memory.ggml_graph import VIEW_OPS, Graph, Tensor
 
 
@@ -25,12 +30,18 @@ def _buffer_backend(t: Tensor) -> int:
     return root.backend if root.has_data else -1
 
 
-def schedule(graph: Graph, n_backends: int) -> tuple[Graph, Callable[[Tensor], int]]:
+def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int, ...] = (),
+             cuda_devices: tuple[bool, ...] = ()) -> tuple[Graph, Callable[[Tensor], int]]:
+    """`offload_min_batch[b]`: the batch from which device b takes over ops with CPU weights (0: never);
+    `cuda_devices[b]`: device b supports ops as CUDA does."""
     cpu = n_backends - 1
     backend: dict[int, int] = {}
 
     def get(t: Tensor | None) -> int:
         return -1 if t is None else backend.get(id(t), -1)
+
+    def supports_op(t: Tensor, b: int) -> bool:
+        return not (b < len(cuda_devices) and cuda_devices[b]) or cuda.supports(t)
 
     def from_cur(t: Tensor) -> int:
         """ggml_backend_sched_backend_id_from_cur."""
@@ -42,6 +53,10 @@ def schedule(graph: Graph, n_backends: int) -> tuple[Graph, Callable[[Tensor], i
         if t.op not in ("ROPE", "FLASH_ATTN_EXT"):
             for s in t.src:
                 if s is not None and s.has_data and s.is_weight:
+                    if s.backend == cpu:  # a host weight: does a device want the op? ("1.off")
+                        for dev, min_batch in enumerate(offload_min_batch[:cpu]):
+                            if min_batch and supports_op(t, dev) and cuda.op_batch_size(t) >= min_batch:
+                                return dev
                     return s.backend
         return -1
 
@@ -59,7 +74,7 @@ def schedule(graph: Graph, n_backends: int) -> tuple[Graph, Callable[[Tensor], i
             b = backend[id(node)]
             if b != -1:
                 cur = -1 if (skip_cpu and b == cpu) else b
-            elif cur != -1:
+            elif cur != -1 and supports_op(node, cur):  # ggml_backend_sched_set_if_supported
                 backend[id(node)] = cur
 
     def supported(t: Tensor, b: int) -> bool:
@@ -76,6 +91,8 @@ def schedule(graph: Graph, n_backends: int) -> tuple[Graph, Callable[[Tensor], i
         if backend[id(node)] == -1:
             best, best_n = -1, -1
             for b in range(n_backends):
+                if not supports_op(node, b):
+                    continue
                 n = sum(1 for s in node.src if s is not None
                         and (get(s) != -1 or get(s.view_src) != -1) and supported(s, b))
                 if n > best_n:

@@ -11,6 +11,7 @@ from typing import Any
 
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig
+from fitter.flags.consumers import DEFAULT_CONSUMER
 from fitter.flags.vocabulary import MODEL_LEVEL
 from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, OomInfo, SpeedStats, TrialResult, WorkerError
@@ -119,7 +120,9 @@ class SimRunner:
         m, tb = self.machine, spec.threads_batch or spec.threads
         pp_s = prefill_seconds(m, plan, spec.n_prompt, spec.n_depth, tb)
         tg_s = decode_seconds(m, plan, spec)
-        config_key = repr(replace(plan.config, flags=()))  # the config, however its flags were spelled
+        # the config, however its flags were spelled; llama-server's configs keep the key they had before a config
+        # named its program (`consumer`), so seeded figures recorded then reproduce
+        config_key = repr(replace(plan.config, flags=())).replace(f", consumer='{DEFAULT_CONSUMER}'", "")
 
         def stats(test: str, n: int, seconds: float) -> SpeedStats | None:
             if not n:

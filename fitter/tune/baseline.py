@@ -47,7 +47,7 @@ def _recorded(req: TuneRequest, t: FrozenTrial) -> Baseline:
 def _candidate(req: TuneRequest, flags: list[str], where: str) -> Candidate:
     """A baseline's flags as a trial (read once, at the storage or the fit tool's boundary)."""
     try:
-        config, process = parse_flags(flags)
+        config, process = parse_flags(flags, req.base.consumer)
     except LaunchConfigError as e:
         raise LaunchConfigError(f"{where}: {e}") from None
     threads = process.threads or req.default_threads
@@ -83,7 +83,8 @@ def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tup
         base_flags = baseline_flags(fitted, flags)
         if req.rpc and "--rpc" not in base_flags:
             base_flags += ["--rpc", ",".join(req.rpc)]
-        config: LaunchConfig = parse_launch_flags(base_flags)  # the fit tool's answer, read once
+        # the fit tool's answer, read once, as the program tuned for runs it
+        config: LaunchConfig = parse_launch_flags(base_flags, req.base.consumer)
     else:
         base_flags, config = flags, req.base
     threads = req.default_threads

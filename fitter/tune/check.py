@@ -30,6 +30,7 @@ from typing import Any
 
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import parse_launch_flags, split_process_flags
+from fitter.flags.consumers import retarget
 from fitter.flags.parse import flag_value, process_flags_of, with_endpoint
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.machine.snapshot import MachineSnapshot
@@ -209,13 +210,15 @@ def recorded_spec(measurement: dict[str, Any], threads: int, threads_batch: int,
 
 def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: RunnerFactory, *,
               model: str | None = None, timeout: float | None = None, cpu: CpuProfile = CPU_AVX2,
-              machine_devices: Callable[[], tuple[Device, ...]] = tuple) -> CheckVerdict:
+              machine_devices: Callable[[], tuple[Device, ...]] = tuple,
+              consumer: str | None = None) -> CheckVerdict:
     """Re-measure the `policy` pick of a tuning result and compare it with its recorded confirm run.
 
     `runner_factory(emulated_gpu_mib=…, cpus=…)` returns a runner (WorkerRunner, a simulated machine's runner, a
     fake). The devices the fit is checked against are the runner's own (the emulated GPU), else the config's
     `--rpc` servers, else `machine_devices()` (this machine's GPUs, read once the runner has started).
-    `model` replaces the recorded GGUF path (the same file elsewhere; its header identity must match)."""
+    `model` replaces the recorded GGUF path (the same file elsewhere; its header identity must match). `consumer`
+    checks the pick as another program would run it (`--for`; default: the program it was tuned for)."""
     doc = load_result(result_dir)
     path = doc.source
     entry = doc.entry(policy, "check")
@@ -241,16 +244,21 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
     cap = _emulated_cap(doc) if emulated else None
     targets = doc.fit_targets() or (DEFAULT_FIT_TARGET_MIB,)
 
-    with runner_factory(emulated_gpu_mib=cap, cpus=cpus) as runner:
+    cuda_kind = {"emulated_cuda": True} if emulated and doc.machine.get("emulated_gpu_kind") == "cuda" else {}
+    with runner_factory(emulated_gpu_mib=cap, cpus=cpus, **cuda_kind) as runner:
         if emulated:
             launch = _to_fresh_gpu(launch, runner.rpc, where)
         try:
-            config = parse_launch_flags(launch)
+            config = parse_launch_flags(launch, doc.consumer)
+            if consumer is not None and consumer != doc.consumer:
+                config = retarget(config, consumer)
         except FitterError as e:
             raise FitterError(f"{where}: {e}") from None
         devices = tuple(runner.devices()) or (rpc_devices(list(config.rpc)) if config.rpc else machine_devices())
         header = [f"check: {policy} pick (trial {entry.trial}) of {path}, tolerance {tolerance * 100:g} %",
                   f"flags: {' '.join(flags)}"]
+        if config.consumer != doc.consumer:
+            header.append(f"for {config.consumer} (tuned for {doc.consumer}): its memory rules and what it fixes")
         if emulated:
             header.append(f"on a fresh emulated GPU of {cap} MiB at {', '.join(runner.rpc) or '?'} (the recorded "
                           "one is gone)")
@@ -268,7 +276,8 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
     fit_text, fit_failures, fit_details = fits
     lines = (*header, *speed.lines, *fit_text, *_vram_lines(entry, new))
     failures = (*speed.failures, *fit_failures)
-    details = {"result": str(path), "policy": policy, "trial": entry.trial, "tolerance": tolerance,
+    details = {"for": config.consumer, "result": str(path), "policy": policy, "trial": entry.trial,
+               "tolerance": tolerance,
                "flags": list(flags), **speed.details, "fit": fit_details}
     return CheckVerdict(not failures, lines, new, failures, details, model_spec.warnings)
 

@@ -116,10 +116,14 @@ def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str],
     trials = tuner.study.get_trials(deepcopy=False)
     spec, model = req.spec, req.model
     data = {
+        "for": req.base.consumer,
         "model": {"path": str(Path(model).resolve()), "name": Path(model).stem, "arch": spec.arch,
                   "identity": spec.identity, "n_params": spec.n_params, "tensor_bytes": spec.tensor_bytes},
         "machine": machine, "llama_cpp": build, "objectives": list(req.objectives),
         "fit_target_mib": list(targets), "emulated": emulated,
+        # what the screen allowed each device (free memory less the fit target) and the host: an export for
+        # another program is re-planned against these
+        "budgets": {"devices": dict(req.budgets.devices), "host": req.budgets.host},
         "baseline": baseline.data, "pareto": entries, "dropped": dropped,
         "picks": picks([Entry.from_json(e, source) for e in entries]),
         "study": {"storage": url, "trials": len(trials),

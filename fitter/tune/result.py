@@ -99,6 +99,19 @@ class ParetoDoc:
         return dict(self.data.get("llama_cpp") or {})
 
     @property
+    def consumer(self) -> str:
+        """The program the result was tuned for (`--for`); results written before it existed: llama-server."""
+        from fitter.flags.consumers import DEFAULT_CONSUMER, consumer
+
+        name = self.data.get("for", DEFAULT_CONSUMER)
+        if not isinstance(name, str):
+            raise ResultError(self.source, f"\"for\" must be a program name, got {name!r}")
+        try:
+            return consumer(name).name
+        except FitterError as e:
+            raise ResultError(self.source, str(e)) from None
+
+    @property
     def emulated(self) -> bool:
         return bool(self.data.get("emulated"))
 

@@ -73,6 +73,7 @@ class TuneOptions:
     storage: str | None = None
     results: Path = Path("results")
     emulated_gpu_mib: int | None = None
+    emulated_cuda: bool = False  # `--emulated-gpu cuda:MiB`: the CUDA-shaped emulated GPU
     llama_fit_params: str | None = None
     backend: str = "llama-cpp-python"
     machine: str | None = None  # --backend sim: the simulated machine
@@ -98,7 +99,7 @@ def _target(o: TuneOptions, snapshot: MachineSnapshot | None) -> Target:
     if o.backend == "sim":
         return sim_target(o.machine, o.emulated_gpu_mib, o.spec, o.seed)
     assert snapshot is not None, "a tune on this machine needs its snapshot"
-    return local_target(snapshot, o.base, o.process, o.emulated_gpu_mib, o.demo, o.fit_targets)
+    return local_target(snapshot, o.base, o.process, o.emulated_gpu_mib, o.demo, o.fit_targets, o.emulated_cuda)
 
 
 def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rpc: tuple[str, ...],

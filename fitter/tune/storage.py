@@ -36,7 +36,8 @@ def slug(text: str) -> str:
 def machine_dir_name(machine: dict[str, Any], emulated_mib: int | None) -> str:
     """GPUs (or cpu-only / an emulated cap) plus the fingerprint, so two machines never share a folder."""
     if emulated_mib is not None:
-        gpus = f"emulated-{emulated_mib}MiB"
+        kind = "cuda-" if machine.get("emulated_gpu_kind") == "cuda" else ""
+        gpus = f"emulated-{kind}{emulated_mib}MiB"
     elif machine.get("gpus"):
         gpus = "+".join(slug(g) for g in machine["gpus"])
     else:

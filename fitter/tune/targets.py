@@ -18,7 +18,7 @@ from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
 from fitter.measure.runner import TrialRunner, WorkerRunner
-from fitter.memory.devices import RPC, CpuProfile, Device, rpc_devices
+from fitter.memory.devices import CUDA, RPC, CpuProfile, Device, rpc_devices
 from fitter.tune.storage import machine_dir_name
 from fitter.units import GIB, MIB
 
@@ -51,9 +51,9 @@ class Target:
 
 
 def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: ProcessFlags, emulated_mib: int | None,
-                 demo: bool, fit_targets: tuple[int, ...] | None) -> Target:
+                 demo: bool, fit_targets: tuple[int, ...] | None, emulated_cuda: bool = False) -> Target:
     """This machine: its NVIDIA GPUs (free memory from the snapshot), the config's `--rpc` servers, or an emulated
-    GPU (`--emulated-gpu`, or by itself for the demo model on a machine without a GPU)."""
+    GPU (`--emulated-gpu [cuda:]MiB`, or by itself for the demo model on a machine without a GPU)."""
     cpu, gpus = snapshot.cpu, snapshot.gpus
     notes: list[str] = []
     default_fit_target = None
@@ -77,13 +77,17 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
 
     if emulated_mib is not None:
         machine["emulated_gpu_mib"] = emulated_mib
+        if emulated_cuda:
+            machine["emulated_gpu_kind"] = "cuda"  # `fitter check` starts the same kind
         cap = emulated_mib * MIB
-        planned: tuple[Device, ...] = (Device(f"RPC0[{PLACEHOLDER_ENDPOINT}]", RPC, cap, cap),)
+        planned: tuple[Device, ...] = (Device(f"RPC0[{PLACEHOLDER_ENDPOINT}]", CUDA if emulated_cuda else RPC, cap,
+                                              cap),)
     else:
         planned = own
     cpus, nvml, build = process.cpus, bool(gpus), snapshot.llama_cpp or None
     return Target(
-        make_runner=lambda: WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=nvml, build=build),
+        make_runner=lambda: WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=nvml, build=build,
+                                         emulated_cuda=emulated_cuda),
         devices=started, planned_devices=planned,
         planned_rpc=(PLACEHOLDER_ENDPOINT,) if emulated_mib is not None else (),
         machine=machine, machine_dir=machine_dir_name(machine, emulated_mib),

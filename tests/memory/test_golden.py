@@ -1,15 +1,19 @@
 """The estimator against buffers llama.cpp itself logged (tests/golden/*.json, from scripts/make_goldens.py).
 
 cpu.json: CPU only. rpc.json: with fitter's emulated GPU (a llama.cpp RPC device), so model, KV and compute
-buffers are split between RPC0[…] and the host. Model, KV and output buffers must match the logged 0.01 MiB;
-compute buffers within 5 %. Cases marked held_out were never looked at while writing the estimator's rules:
-they are the check that the rules generalise.
+buffers are split between RPC0[…] and the host. cuda-emulated.json: the CUDA-shaped emulated GPU (CUDA's
+alignment, row padding, flash-attention scratch, op offload and CUDA_Host), estimated with the CUDA profile.
+<device>.<program>.json: the same loads as another program makes them (`make_goldens.py --for llama-cpp-python`:
+the C API's context parameters and Llama()'s defaults), estimated with `--for` that program. Model, KV and output
+buffers must match the logged 0.01 MiB; compute buffers within 5 %. Cases marked held_out were never looked at
+while writing the estimator's rules: they are the check that the rules generalise.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,8 @@ from tests.models import model_files
 MIB = 1024 * 1024
 _DIR = Path(__file__).resolve().parents[1] / "golden"
 # cuda.json exists once scripts/make_goldens.py --device cuda has run on a GPU
-GOLDENS = {p.stem: json.loads(p.read_text()) for p in sorted(_DIR.glob("*.json")) if p.stem in ("cpu", "rpc", "cuda")}
+GOLDENS = {p.stem: json.loads(p.read_text()) for p in sorted(_DIR.glob("*.json"))
+           if p.stem.split(".")[0] in ("cpu", "rpc", "cuda-emulated", "cuda")}
 CASES = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "ok"]
 ERRORS = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "error"]
 _specs: dict[str, ModelSpec] = {}
@@ -51,7 +56,10 @@ def _target(golden: str, flags: list[str]) -> tuple[list[str], tuple[Device, ...
         free = device["free_mib"] * MIB
         return [f.replace("{rpc}", "CUDA0") for f in flags], (Device("CUDA0", CUDA, free, free),)
     endpoint = device["endpoint"]
-    return [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint], rpc_devices([endpoint])
+    devices = rpc_devices([endpoint])
+    if device["kind"] == "cuda-emulated":  # an RPC device with CUDA's rules: the estimator's CUDA profile
+        devices = tuple(replace(d, profile=CUDA) for d in devices)
+    return [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint], devices
 
 
 def _by_kind(buffers: list[tuple[str, str, float]]) -> dict[tuple[str, str], list[float]]:
@@ -61,9 +69,13 @@ def _by_kind(buffers: list[tuple[str, str, float]]) -> dict[tuple[str, str], lis
     return dict(out)
 
 
+def _consumer(golden: str) -> str:
+    return str(GOLDENS[golden].get("for", "llama-server"))
+
+
 def estimated(golden: str, case: dict[str, Any]) -> dict[tuple[str, str], list[float]]:
     flags, devices = _target(golden, case["flags"])
-    plan = estimate(_spec(golden, case["model"]), parse_launch_flags(flags), devices, CPU_AVX2)
+    plan = estimate(_spec(golden, case["model"]), parse_launch_flags(flags, _consumer(golden)), devices, CPU_AVX2)
     return _by_kind([(b.buft, b.kind, b.bytes / MIB) for b in plan.buffers])
 
 
@@ -93,4 +105,4 @@ def test_compute_buffers_within_5_percent(golden: str, case: dict[str, Any]) -> 
 def test_configs_llama_cpp_refused_are_refused_before_loading(golden: str, case: dict[str, Any]) -> None:
     flags, devices = _target(golden, case["flags"])
     with pytest.raises(LaunchConfigError):
-        estimate(_spec(golden, case["model"]), parse_launch_flags(flags), devices, CPU_AVX2)
+        estimate(_spec(golden, case["model"]), parse_launch_flags(flags, _consumer(golden)), devices, CPU_AVX2)

@@ -14,8 +14,14 @@
  *                                   banner: total = cap, free = cap - used. Every device in the process is
  *                                   answered so; the server process serves exactly one, the CPU device.
  *
+ * With FITTER_CAPDEV_CUDA=1 the device's buffers are CUDA's: rpc_server::get_alignment (RPC_CMD_GET_ALIGNMENT)
+ * answers 128 (ggml_backend_buft_get_alignment), and each buffer's base is 256-byte aligned as cudaMalloc's. The
+ * sizes of CUDA's tensors are the client's to compute (fitter/measure/native/cudadev.c): the RPC client caches the
+ * server's answer per output shape, which would give every flash-attention node of a model the first one's scratch.
+ *
  * Environment:
  *   FITTER_CAPDEV_CAP_BYTES  the cap in bytes (decimal). Unset: nothing is capped, only counted.
+ *   FITTER_CAPDEV_CUDA       1: CUDA's alignment and aligned buffers (above). Unset: the CPU's.
  *   FITTER_CAPDEV_STATS      a file the counters live in (mmap'd, MAP_SHARED), so the parent reads them. Unset:
  *                            the counters are private to this process.
  *
@@ -62,7 +68,11 @@ typedef void (*memory_fn)(void * dev, size_t * free, size_t * total);
 struct live_buffer {
     void * ptr;
     uint64_t size;
+    void * data; /* memory the shim allocated itself (CUDA mode), freed with the buffer; NULL otherwise */
 };
+
+static int cuda_mode(void);
+static void * cuda_alloc(size_t size, void ** data);
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -144,7 +154,7 @@ static void apply_reset(void) {
     }
 }
 
-static int remember(void * ptr, uint64_t size) {
+static int remember(void * ptr, uint64_t size, void * data) {
     if (g_n_live == g_cap_live) {
         size_t n = g_cap_live ? 2 * g_cap_live : 64;
         struct live_buffer * grown = realloc(g_live, n * sizeof(*grown));
@@ -156,15 +166,17 @@ static int remember(void * ptr, uint64_t size) {
     }
     g_live[g_n_live].ptr = ptr;
     g_live[g_n_live].size = size;
+    g_live[g_n_live].data = data;
     g_n_live++;
     return 1;
 }
 
-/* The size a buffer was counted with, forgetting it; -1 if it was never counted. */
-static int64_t forget(void * ptr) {
+/* The size a buffer was counted with (and the memory the shim gave it), forgetting it; -1 if never counted. */
+static int64_t forget(void * ptr, void ** data) {
     for (size_t i = g_n_live; i-- > 0;) {
         if (g_live[i].ptr == ptr) {
             uint64_t size = g_live[i].size;
+            *data = g_live[i].data;
             g_live[i] = g_live[--g_n_live];
             return (int64_t) size;
         }
@@ -191,8 +203,9 @@ void * ggml_backend_buft_alloc_buffer(void * buft, size_t size) {
         pthread_mutex_unlock(&g_lock);
         return NULL;
     }
-    void * buffer = real_alloc(buft, size);
-    if (buffer != NULL && remember(buffer, (uint64_t) size)) {
+    void * data = NULL;
+    void * buffer = cuda_mode() ? cuda_alloc(size, &data) : real_alloc(buft, size);
+    if (buffer != NULL && remember(buffer, (uint64_t) size, data)) {
         write_begin();
         apply_reset();
         used += (uint64_t) size;
@@ -220,7 +233,8 @@ void ggml_backend_buffer_free(void * buffer) {
         return; /* ggml_backend_buffer_free(NULL) is a no-op */
     }
     pthread_mutex_lock(&g_lock);
-    int64_t size = forget(buffer);
+    void * data = NULL;
+    int64_t size = forget(buffer, &data);
     if (size >= 0) {
         write_begin();
         apply_reset();
@@ -229,6 +243,7 @@ void ggml_backend_buffer_free(void * buffer) {
         write_end();
     }
     real_free(buffer);
+    free(data); /* NULL unless the shim allocated it (CUDA mode): the buffer does not own it */
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -251,4 +266,62 @@ void ggml_backend_dev_memory(void * dev, size_t * free, size_t * total) {
     g_stats[STATS_MEMORY_QUERIES] += 1;
     write_end();
     pthread_mutex_unlock(&g_lock);
+}
+
+/* ---- CUDA's buffers (FITTER_CAPDEV_CUDA=1) ----------------------------------------------------------------- */
+
+#define CUDA_ALIGNMENT 128 /* ggml-cuda.cu ggml_backend_cuda_buffer_type_get_alignment */
+
+typedef size_t (*alignment_fn)(void * buft);
+typedef void * (*from_ptr_fn)(void * data, size_t size);
+
+static pthread_once_t g_cuda_once = PTHREAD_ONCE_INIT;
+static int g_cuda; /* 1: CUDA's buffers; 0: the CPU's */
+static alignment_fn real_alignment;
+static from_ptr_fn cpu_buffer_from_ptr;
+
+size_t ggml_backend_buft_get_alignment(void * buft);
+
+static void init_cuda(void) {
+    real_alignment = (alignment_fn) resolve("ggml_backend_buft_get_alignment", (void *) ggml_backend_buft_get_alignment);
+    const char * cuda = getenv("FITTER_CAPDEV_CUDA");
+    if (cuda == NULL || strcmp(cuda, "1") != 0) {
+        return;
+    }
+    cpu_buffer_from_ptr = (from_ptr_fn) resolve("ggml_backend_cpu_buffer_from_ptr", NULL);
+    if (cpu_buffer_from_ptr == NULL) {
+        abort();
+    }
+    g_cuda = 1;
+}
+
+static int cuda_mode(void) {
+    pthread_once(&g_cuda_once, init_cuda);
+    return g_cuda;
+}
+
+/* A buffer whose base is 256-byte aligned, as cudaMalloc's: the client places tensors at 128-byte aligned offsets
+ * from the base (ggml_tallocr) and would lose up to 96 bytes of a buffer the CPU type aligns to 32 only. The CPU
+ * backend wraps the memory (ggml_backend_cpu_buffer_from_ptr); the shim frees it with the buffer. */
+static void * cuda_alloc(size_t size, void ** data) {
+    if (posix_memalign(data, 256, size ? size : 1) != 0) {
+        *data = NULL;
+        return NULL;
+    }
+    void * buffer = cpu_buffer_from_ptr(*data, size);
+    if (buffer == NULL) {
+        free(*data);
+        *data = NULL;
+    }
+    return buffer;
+}
+
+size_t ggml_backend_buft_get_alignment(void * buft) {
+    if (cuda_mode()) {
+        return CUDA_ALIGNMENT;
+    }
+    if (real_alignment == NULL) {
+        abort();
+    }
+    return real_alignment(buft);
 }

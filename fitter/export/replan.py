@@ -1,0 +1,94 @@
+"""A tuned configuration exported for another program than the one it was tuned for: re-planned, never silently.
+
+The same flags reserve different memory in llama-server and in llama-cpp-python (fitter.flags.consumers): the C
+API reserves logits for a whole ubatch where llama-server reserves one output per slot, and llama-bench fixes one
+sequence and no full SWA cache. Before such an export is printed, the picked config is estimated for both programs
+on the devices it was measured on, every device total that changed is named, and a plan over the budget the tune
+screened with (recorded in pareto.json) is refused with the excess. Pure: the model spec comes from the caller.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fitter.flags import LaunchConfig
+from fitter.flags.consumers import retarget
+from fitter.gguf.model_spec import ModelSpec
+from fitter.memory.devices import CPU_AVX2, CUDA, CpuProfile, Device, rpc_devices
+from fitter.memory.estimator import estimate
+from fitter.tune.result import Entry, ParetoDoc
+from fitter.units import MIB
+
+# Which program each export format is read by; json keeps the result's own.
+FORMAT_CONSUMER = {"server": "llama-server", "preset-ini": "llama-server", "llama-swap": "llama-server",
+                   "python": "llama-cpp-python"}
+
+
+@dataclass(frozen=True)
+class Replan:
+    tuned_for: str
+    target: str
+    config: LaunchConfig  # the pick as the target program runs it
+    changes: tuple[str, ...]  # one line per device total (and context parameter) that differs
+    over: dict[str, int]  # device → bytes the target's plan is over its recorded budget
+
+    @property
+    def fits(self) -> bool:
+        return not self.over
+
+    def note(self) -> str:
+        head = f"re-planned for {self.target} (tuned for {self.tuned_for})"
+        return head + (": " + "; ".join(self.changes) if self.changes else ": the same memory")
+
+
+def measured_devices(entry: Entry) -> tuple[Device, ...]:
+    """The devices the entry's confirm run allocated on, by the names llama.cpp logged (RPC0[host:port], CUDA0)."""
+    names = [n for n in ((entry.measurement or {}).get("devices") or {}) if n != "CPU"]
+    devices: list[Device] = []
+    for name in names:
+        rpc = re.fullmatch(r"RPC\d+\[(.+)\]", name)
+        if rpc:
+            devices += rpc_devices([rpc.group(1)])
+        elif re.fullmatch(r"CUDA\d+", name):
+            devices.append(Device(name, CUDA))
+    return tuple(devices)
+
+
+def recorded_budgets(doc: ParetoDoc) -> dict[str, int]:
+    """Device → bytes the tune screened against: pareto.json's `budgets`, else (results written before it) the
+    emulated GPU's cap less the fit target; {} when the result does not say."""
+    budgets = (doc.data.get("budgets") or {}).get("devices")
+    if isinstance(budgets, dict):
+        return {k: int(v) for k, v in budgets.items() if isinstance(v, int)}
+    cap = doc.machine.get("emulated_gpu_mib")
+    entry_devices = measured_devices(doc.baseline) or (measured_devices(doc.pareto[0]) if doc.pareto else ())
+    if isinstance(cap, int) and len(entry_devices) == 1:
+        target = (doc.fit_targets() or (0,))[0]
+        return {entry_devices[0].name: (cap - target) * MIB}
+    return {}
+
+
+def replan(doc: ParetoDoc, entry: Entry, config: LaunchConfig, target: str, spec: ModelSpec,
+           cpu: CpuProfile = CPU_AVX2) -> Replan:
+    """`config` (the pick, parsed as its program reads it, with the devices it ran on) for program `target`."""
+    devices = measured_devices(entry)
+    before = estimate(spec, config, devices, cpu)
+    moved = retarget(config, target)
+    after = estimate(spec, moved, devices, cpu)
+    changes: list[str] = []
+    b, a = before.context, after.context
+    for label, old, new in (("n_seq_max", b.n_seq_max, a.n_seq_max), ("n_outputs_max", b.n_outputs_max,
+                            a.n_outputs_max), ("swa_full", b.swa_full, a.swa_full)):
+        if old != new:
+            changes.append(f"{label} {old} → {new}")
+    old_totals, new_totals = before.totals(), after.totals()
+    for name, t in new_totals.items():
+        o = old_totals.get(name)
+        if o is not None and o.total != t.total:
+            changes.append(f"{name} {o.total / MIB:.2f} → {t.total / MIB:.2f} MiB "
+                           f"(compute {o.compute / MIB:.2f} → {t.compute / MIB:.2f})")
+    budgets = recorded_budgets(doc)
+    over = {name: new_totals[name].total - budget for name, budget in budgets.items()
+            if name in new_totals and new_totals[name].total > budget}
+    return Replan(doc.consumer, target, moved, tuple(changes), over)
