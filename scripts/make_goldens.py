@@ -198,13 +198,17 @@ def build_cases(c_api: bool = False) -> list[Case]:
     return sorted(cases, key=lambda c: c.id)
 
 
-def write_models(folder: Path) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
+def write_models(folder: Path, only: set[str] | None = None) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
     paths: dict[str, Path] = {}
     meta: dict[str, dict[str, Any]] = {}
     for name in SMALL_MODELS:
+        if only is not None and name not in only:
+            continue
         paths[name] = write_model(SHAPES[name], folder / f"{name}.gguf")[0]
         meta[name] = {"shape": name, "n_shards": 1, "sparse": False}
     for name, n_shards in REAL_MODELS.items():
+        if only is not None and name not in only:
+            continue
         paths[name] = write_model(SHAPES[name], folder / f"{name}.gguf", sparse=True, n_shards=n_shards)[0]
         meta[name] = {"shape": name, "n_shards": n_shards, "sparse": True}
     return paths, meta
@@ -252,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="default tests/golden/<device>.json, or <device>.<program>.json for another program")
     ap.add_argument("--jobs", type=int, default=2, help="parallel loads of the small models (default 2)")
+    ap.add_argument("--models", default=None, metavar="A,B,...",
+                    help="only these models (e.g. a subset that fits a borrowed GPU's minutes); default: all")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     info = llama_cpp_info()
@@ -259,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out or DEFAULT_OUT.with_name(f"{args.device}{suffix}.json")
     c_api = not consumer(args.consumer).outputs_per_slot
     cases = build_cases(c_api) if args.device == "cpu" else build_rpc_cases(c_api, args.device.startswith("cuda"))
+    only = set(args.models.split(",")) if args.models else None
+    if only is not None:
+        unknown = only - set(SMALL_MODELS) - set(REAL_MODELS)
+        if unknown:
+            ap.error(f"--models: unknown {', '.join(sorted(unknown))}; choose from "
+                     f"{', '.join((*SMALL_MODELS, *REAL_MODELS))}")
+        cases = [c for c in cases if c.model in only]
     gpu = None
     device_name = None
     if args.device == "cuda":
@@ -282,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     records: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="fitter-goldens-") as tmp:
         folder = Path(tmp)
-        paths, models = write_models(folder)
+        paths, models = write_models(folder, only)
         print(f"wrote {len(paths)} models in {time.perf_counter() - t0:.1f} s; {len(cases)} cases", file=sys.stderr)
         done = 0
 
@@ -314,10 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device in ("rpc", "cuda-emulated"):
         golden["device"] = {"kind": args.device, "endpoint": CANONICAL_RPC, "emulated": True}
     if args.device == "cuda":
-        from fitter.memory.devices import detect_gpus
+        from fitter.machine.nvidia import detect_nvidia
 
-        gpus = detect_gpus()
-        golden["device"] = {"kind": "cuda", "name": "CUDA0", "free_mib": gpus[0].free_bytes // 2**20 if gpus else None}
+        gpus, nvidia = detect_nvidia()
+        free = gpus[0].memory_free if gpus else None
+        golden["device"] = {"kind": "cuda", "name": "CUDA0", "free_mib": free // 2**20 if free else None,
+                            "gpu": gpus[0].name if gpus else None, "driver": nvidia.driver,
+                            "compute_capability": list(gpus[0].compute_capability or ()) if gpus else None}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
     n_err = sum(r["outcome"] == "error" for r in golden["cases"])

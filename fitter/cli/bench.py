@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from fitter.cli.common import add_emulated_gpu, launch_args, load_model, model_path, target_devices
@@ -60,12 +61,17 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     if config.rpc:  # the config's RPC servers; --devices is not a bench target (it would not be measured)
         devices = target_devices(ns, config, snapshot)
     else:
-        devices = (gpus_now() or snapshot.devices()) if snapshot.gpus and ns.emulated_gpu is None else ()
+        devices = (gpus_now(snapshot) or snapshot.devices()) if snapshot.gpus and ns.emulated_gpu is None else ()
     result = bench(model, spec, config, bench_spec, runner, snapshot.cpu_profile, devices, ns.timeout)
     result["threads"] = threads
     result["threads_batch"] = ns.threads_batch or threads
     result["cpus"] = list(cpus) if cpus else None
     result["machine"] = snapshot.record()
+    if snapshot.gpus and result["outcome"] == "ok":
+        from fitter.machine.overhead import record_measurement
+
+        record_measurement(result, snapshot.gpus, result["machine"]["fingerprint"], snapshot.nvidia.driver,
+                           f"fitter bench {time.strftime('%Y-%m-%d')}")
     print(json.dumps(result, indent=1) if ns.json else bench_table(result))
     return 0 if result["outcome"] == "ok" else 1
 

@@ -28,7 +28,7 @@ def cmd_check(ns: argparse.Namespace, flags: list[str], runner_factory: RunnerFa
     log(f"fitter: check: re-measuring the {ns.policy} pick of {ns.result}")
     verdict = run_check(Path(ns.result), ns.policy, tolerance, factory, model=model,
                         timeout=getattr(ns, "timeout", None), cpu=snapshot.cpu_profile,
-                        machine_devices=lambda: (gpus_now() or snapshot.devices()) if snapshot.gpus else (),
+                        machine_devices=lambda: (gpus_now(snapshot) or snapshot.devices()) if snapshot.gpus else (),
                         consumer=getattr(ns, "consumer", None))
     for w in verdict.warnings:
         warn(w)

@@ -4,6 +4,7 @@ devices, the llama.cpp flags as the user gave them, notes on stderr."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +72,14 @@ def launch_args(ns: argparse.Namespace, flags: list[str]) -> tuple[LaunchConfig,
 
 
 def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: MachineSnapshot) -> tuple[Device, ...]:
-    """`--devices`, else the config's `--rpc` servers, else this machine's NVIDIA GPUs."""
+    """`--devices`, else the config's `--rpc` servers, else this machine's NVIDIA GPUs; CUDA devices take
+    GGML_OP_OFFLOAD_MIN_BATCH from the environment as ggml-cuda does."""
+    from fitter.memory.devices import with_offload_min_batch
+
+    return with_offload_min_batch(_target_devices(ns, config, snapshot), os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
+
+
+def _target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: MachineSnapshot) -> tuple[Device, ...]:
     from fitter.memory.devices import parse_devices, rpc_devices
 
     devices_arg = getattr(ns, "devices", "")

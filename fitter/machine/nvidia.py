@@ -35,6 +35,7 @@ class GpuInfo:
     pcie_max: PcieLink = PcieLink(None, None)
     memory_max_clock_mhz: int | None = None
     memory_bus_width_bits: int | None = None
+    cuda_cores: int | None = None  # nvmlDeviceGetNumGpuCores (R520+ drivers): the SM count with the capability
 
     @property
     def bf16(self) -> bool | None:
@@ -146,4 +147,5 @@ def _nvml_gpu(nvml: Any, index: int) -> GpuInfo:
                           _opt(nvml.nvmlDeviceGetMaxPcieLinkWidth, h)),
         memory_max_clock_mhz=_opt(nvml.nvmlDeviceGetMaxClockInfo, h, nvml.NVML_CLOCK_MEM),
         memory_bus_width_bits=_opt(nvml.nvmlDeviceGetMemoryBusWidth, h),
+        cuda_cores=_opt(getattr(nvml, "nvmlDeviceGetNumGpuCores", lambda _: None), h),
     )

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fitter.machine.cpu import CpuInfo, RamInfo, build_cpu_info, detect_ram, read_cpu_snapshot
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.machine.nvidia import GpuInfo, NvidiaInfo, detect_nvidia
-from fitter.memory.devices import CUDA, CpuProfile, Device, cpu_profile_for
+from fitter.machine.overhead import overhead_for
+from fitter.memory.devices import CUDA, CpuProfile, Device, cpu_profile_for, with_offload_min_batch
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,13 @@ class MachineSnapshot:
 
     def devices(self) -> tuple[Device, ...]:
         """The NVIDIA GPUs as the estimator sees them, with their free memory when the snapshot was taken
-        (llama.cpp's CUDA numbering under CUDA_DEVICE_ORDER=PCI_BUS_ID is NVML's order); `gpus_now()` re-reads it."""
-        return tuple(Device(f"CUDA{g.index}", CUDA, g.memory_total, g.memory_free) for g in self.gpus)
+        (llama.cpp's CUDA numbering under CUDA_DEVICE_ORDER=PCI_BUS_ID is NVML's order) and the memory each will use
+        outside llama.cpp's buffers (measured here before, else the default of its class); `gpus_now()` re-reads
+        the free memory."""
+        fingerprint = self.record()["fingerprint"] if self.gpus else None
+        return with_offload_min_batch(tuple(Device(f"CUDA{g.index}", CUDA, g.memory_total, g.memory_free,
+                                                   overhead_for(g, fingerprint, self.nvidia.driver))
+                                            for g in self.gpus), os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
 
     @property
     def cpu_profile(self) -> CpuProfile:
@@ -39,11 +46,28 @@ class MachineSnapshot:
         return machine_record(self.cpu, self.ram.total, [g.name for g in self.gpus], self.nvidia.driver)
 
 
-def gpus_now() -> tuple[Device, ...]:
+def gpus_now(snapshot: MachineSnapshot | None = None) -> tuple[Device, ...]:
     """The NVIDIA GPUs with their free memory *now*: read again once a runner has started, so what its worker holds
-    already (a CUDA context, cuBLAS workspaces) is not counted as free for the trials' budgets."""
-    gpus, _ = detect_nvidia()
-    return tuple(Device(f"CUDA{g.index}", CUDA, g.memory_total, g.memory_free) for g in gpus)
+    already (a CUDA context, cuBLAS workspaces) is not counted as free for the trials' budgets, nor again as
+    overhead: each device's overhead is what is left of it beyond what fitter's processes hold on it now."""
+    from fitter.machine.nvml_peak import NvmlPeakSampler
+
+    gpus, nvidia = detect_nvidia()
+    fingerprint = snapshot.record()["fingerprint"] if snapshot is not None and gpus else None
+    held: dict[str, int] = {}
+    if gpus:
+        with NvmlPeakSampler() as sampler:
+            sampler.sample()
+        held = sampler.peaks
+    out = []
+    for g in gpus:
+        name = f"CUDA{g.index}"
+        overhead = overhead_for(g, fingerprint, nvidia.driver)
+        left = replace(overhead, bytes=max(0, overhead.bytes - held.get(name, 0)),
+                       source=overhead.source + (f", less {held[name] / 2**20:.0f} MiB fitter's processes already hold"
+                                                 if held.get(name) else ""))
+        out.append(Device(name, CUDA, g.memory_total, g.memory_free, left))
+    return with_offload_min_batch(tuple(out), os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
 
 
 def take_snapshot() -> MachineSnapshot:

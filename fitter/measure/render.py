@@ -56,6 +56,9 @@ def bench_json(
         for name, d in devices.items()
     }
     out["peak_vram"] = peak_vram
+    for name, peak in peak_vram.items():  # what NVML saw beyond llama.cpp's buffers (fitter.memory.overhead)
+        if peak.get("source") == "nvml" and name in out["devices"]:
+            out["devices"][name]["overhead"] = max(0, int(peak["bytes"]) - int(out["devices"][name]["total"]))
     return out
 
 

@@ -1,5 +1,6 @@
-"""How much of each device a plan may use: its free memory less the fit target (llama.cpp's `--fit-target`, MiB to
-leave free per device; common/common.h `fit_params_target`, default 1024). One function for fit, tune and check."""
+"""How much of each device a plan may use: its free memory less the memory it uses outside llama.cpp's buffers
+(fitter.memory.overhead) less the fit target (llama.cpp's `--fit-target`, MiB to leave free per device;
+common/common.h `fit_params_target`, default 1024). One function for fit, tune and check."""
 
 from __future__ import annotations
 
@@ -36,14 +37,15 @@ def check_target_count(n_devices: int, targets_mib: Sequence[int], source: str =
 
 def device_budgets(devices: Sequence[Device], targets_mib: Sequence[int],
                    source: str = "--fit-target") -> dict[str, int | None]:
-    """Each device's budget in bytes: its free memory (else its total) less its fit target; None where neither is
-    known (an RPC server fitter cannot ask). `source` names where the targets come from in the error."""
+    """Each device's budget in bytes: its free memory (else its total) less its overhead and its fit target; None
+    where neither is known (an RPC server fitter cannot ask). `source` names where the targets come from."""
     check_target_count(len(devices), targets_mib, source)
     out: dict[str, int | None] = {}
     for i, d in enumerate(devices):
         free = d.free_bytes if d.free_bytes is not None else d.total_bytes
         target = targets_mib[i if len(targets_mib) > 1 else 0]
-        out[d.name] = None if free is None else free - target * MIB
+        overhead = d.overhead.bytes if d.overhead is not None else 0
+        out[d.name] = None if free is None else free - overhead - target * MIB
     return out
 
 

@@ -13,8 +13,8 @@ holds them to each other. Each rule names the function it mirrors:
   capability 8.9 or newer (other generations choose other kernels: not modelled); no kernel = the op is not
   supported there, so the scheduler runs it on the CPU and `-fa auto` turns flash attention off.
 - `op_batch_size`: ggml-cuda.cu `get_op_batch_size`; an op with a host weight whose batch reaches
-  GGML_OP_OFFLOAD_MIN_BATCH (32) runs on the GPU (`ggml_backend_cuda_device_offload_op`), which copies the weight
-  into its compute buffer (fitter.memory.sched).
+  GGML_OP_OFFLOAD_MIN_BATCH (32; `DeviceProfile.offload_min_batch`) runs on the GPU
+  (`ggml_backend_cuda_device_offload_op`), which copies the weight into its compute buffer (fitter.memory.sched).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from fitter.memory.ggml_graph import Tensor, type_size
 
 ROW_PADDING = 512  # common.cuh MATRIX_ROW_PADDING
 FATTN_KQ_STRIDE = 256  # fattn-common.cuh
-OFFLOAD_MIN_BATCH = 32  # ggml-cuda.cu: GGML_OP_OFFLOAD_MIN_BATCH unset
 _FA_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # fattn_kv_type_supported
 
 

@@ -9,9 +9,10 @@ in common.cuh) and own a pinned host buffer type `CUDA_Host`; an RPC device forw
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fitter.errors import LaunchConfigError
+from fitter.memory.overhead import Overhead, default_overhead
 from fitter.units import MIB
 
 CPU_ALIGNMENT = 32  # TENSOR_ALIGNMENT, ggml/src/ggml-impl.h
@@ -26,6 +27,9 @@ class DeviceProfile:
     op_offload: bool  # does the scheduler copy CPU weights over for large batches (ggml-backend.cpp)
     validated: str  # how this profile was checked against llama.cpp
     cuda_rules: bool = False  # CUDA's allocation sizes and flash-attention support (fitter.memory.cuda)
+    # the batch from which op offload takes an op with a host weight: ggml-cuda.cu reads GGML_OP_OFFLOAD_MIN_BATCH
+    # once, default 32 (`with_offload_min_batch` applies the environment at a command's edge)
+    offload_min_batch: int = 32
 
 
 CUDA = DeviceProfile("cuda", 128, 512, "CUDA_Host", True,
@@ -40,6 +44,7 @@ class Device:
     profile: DeviceProfile
     total_bytes: int | None = None
     free_bytes: int | None = None
+    overhead: Overhead | None = None  # memory it uses outside llama.cpp's buffers (fitter.memory.overhead)
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,8 @@ CPU_NO_REPACK = CpuProfile((), "no repacking kernels")
 
 
 def parse_devices(spec: str) -> tuple[Device, ...]:
-    """`--devices none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]` (CONTRACTS.md)."""
+    """`--devices none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]` (CONTRACTS.md). A hypothetical CUDA GPU has all
+    its memory free and the default overhead of a GPU of unknown class."""
     spec = spec.strip()
     if spec == "none":
         return ()
@@ -69,7 +75,7 @@ def parse_devices(spec: str) -> tuple[Device, ...]:
             if not re.fullmatch(r"\d+", mib) or int(mib) <= 0:
                 raise LaunchConfigError(f"--devices {spec!r}: {mib!r} is not a positive number of MiB")
             size = int(mib) * MIB
-            devices.append(Device(f"CUDA{i}", CUDA, size, size))
+            devices.append(Device(f"CUDA{i}", CUDA, size, size, default_overhead()))
         return tuple(devices)
     if kind == "rpc" and sep:
         return rpc_devices(rest.split(","), flag="--devices")
@@ -83,6 +89,18 @@ def rpc_devices(endpoints: list[str], flag: str = "--rpc") -> tuple[Device, ...]
             raise LaunchConfigError(f"{flag} {endpoint!r}: expected HOST:PORT")
         devices.append(Device(f"RPC{i}[{endpoint}]", RPC))
     return tuple(devices)
+
+
+def with_offload_min_batch(devices: tuple[Device, ...], value: str | None) -> tuple[Device, ...]:
+    """The CUDA devices with GGML_OP_OFFLOAD_MIN_BATCH as ggml-cuda.cu reads it (atoi; unset: 32)."""
+    if not value:
+        return devices
+    try:
+        n = int(value)
+    except ValueError:
+        raise LaunchConfigError(f"GGML_OP_OFFLOAD_MIN_BATCH={value!r}: expected an integer") from None
+    return tuple(replace(d, profile=replace(d.profile, offload_min_batch=n)) if d.profile.op_offload else d
+                 for d in devices)
 
 
 def cpu_profile_for(isa_flags: frozenset[str] | set[str]) -> CpuProfile:

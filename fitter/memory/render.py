@@ -32,7 +32,8 @@ def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
             "swa_full": plan.context.swa_full,
         },
         "devices": {
-            name: {"model": t.model, "kv": t.kv, "compute": t.compute, "output": t.output, "total": t.total}
+            name: {"model": t.model, "kv": t.kv, "compute": t.compute, "output": t.output, "total": t.total,
+                   **_overhead_json(plan, name)}
             for name, t in plan.totals().items()
         },
         "device_profiles": {d.name: {"kind": d.profile.kind, "validated": d.profile.validated}
@@ -59,6 +60,20 @@ def _mib(n: int) -> str:
     return f"{n / MIB:10.2f}"
 
 
+def _overhead_json(plan: MemoryPlan, name: str) -> dict[str, Any]:
+    """CONTRACTS.md: a device's memory outside llama.cpp's buffers and where the figure comes from."""
+    for d in plan.devices:
+        if d.name == name and d.overhead is not None:
+            return {"overhead": d.overhead.bytes, "overhead_source": d.overhead.source}
+    return {}
+
+
+def overhead_lines(devices: Any) -> list[str]:
+    """One line per device that uses memory outside llama.cpp's buffers."""
+    return [f"overhead {d.name}: {d.overhead.bytes / MIB:.2f} MiB outside llama.cpp's buffers, {d.overhead.source}"
+            for d in devices if d.overhead is not None]
+
+
 def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = False) -> str:
     spec, ctx = plan.model, plan.context
     lines = [
@@ -76,6 +91,7 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
     lines += ["", f"{'device':<28}{'model':>10}{'kv':>10}{'compute':>10}{'output':>10}{'total':>10}"]
     for name, t in plan.totals().items():
         lines.append(f"{name:<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.output)}{_mib(t.total)}")
+    lines += overhead_lines(plan.devices)
     for d in plan.devices:
         if "not yet" in d.profile.validated:
             lines.append(f"note: {d.name}: {d.profile.validated}")
@@ -101,6 +117,7 @@ def fit_json(
         devices[d.name] = {
             "model": t.model, "kv": t.kv, "compute": t.compute, "output": t.output, "total": t.total,
             "free": free, "free_after": free - t.total, "budget": result.budgets[d.name],
+            **_overhead_json(result.plan, d.name),
         }
     out: dict[str, Any] = {
         "fits": result.fits,
@@ -136,6 +153,7 @@ def fit_table(result: FitResult, command: str, emulated: bool, verify: dict[str,
                      f"{_mib(free - t.total)}")
     t = totals["CPU"]
     lines.append(f"{'host (RAM)':<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.total)}")
+    lines += overhead_lines(plan.devices)
     lines.append("")
     if result.fits:
         lines.append(f"fits: experts of {result.expert_layers_on_device}/{plan.model.n_layer} layers on the GPU, "

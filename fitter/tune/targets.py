@@ -73,7 +73,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
 
     def started(runner: TrialRunner) -> tuple[Device, ...]:
         """With the worker started, the GPUs' free memory is read again: what the worker holds is not the trials'."""
-        return runner.devices() or (own if base.rpc or not gpus else gpus_now() or own)
+        return runner.devices() or (own if base.rpc or not gpus else gpus_now(snapshot) or own)
 
     if emulated_mib is not None:
         machine["emulated_gpu_mib"] = emulated_mib

@@ -3,11 +3,16 @@ they change in an estimate (checked against the CUDA-shaped emulated GPU in test
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
+from fitter.errors import LaunchConfigError
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.memory import cuda
 from fitter.memory import ggml_graph as g
-from fitter.memory.devices import CUDA, Device
+from fitter.memory.devices import CUDA, Device, with_offload_min_batch
 from fitter.memory.estimator import estimate
 from fitter.units import MIB
 from tests.models import model_file
@@ -74,3 +79,17 @@ def test_op_offload_gives_a_cuda_device_a_compute_buffer_with_nothing_offloaded(
     assert device_compute("-ub", "512") > 0  # the prompt's big ops run on the GPU, their weights copied in
     assert device_compute("-ub", "512", "--no-op-offload") == 0
     assert device_compute("-ub", "16", "-b", "16") < device_compute("-ub", "512")
+
+
+def test_the_offload_batch_follows_ggml_op_offload_min_batch() -> None:
+    spec = load_model_spec(str(model_file("demo")))
+    flags = parse_launch_flags(["-c", "4096", "-ngl", "all", "-cmoe", "-ub", "64", "-b", "64"])
+    dev = (Device("CUDA0", CUDA, 8192 * MIB, 8192 * MIB),)
+    copies = estimate(spec, flags, dev).totals()["CUDA0"].compute
+    fewer = estimate(spec, flags, with_offload_min_batch(dev, "128")).totals()["CUDA0"].compute
+    none = estimate(spec, flags, with_offload_min_batch(dev, "100000")).totals()["CUDA0"].compute
+    assert none < fewer < copies  # at -ub 64 only ops of more rows (expert biases: 4 experts × 64 tokens) move
+    assert none == estimate(spec, replace(flags, no_op_offload=True), dev).totals()["CUDA0"].compute
+    assert with_offload_min_batch(dev, None) == dev
+    with pytest.raises(LaunchConfigError, match="GGML_OP_OFFLOAD_MIN_BATCH='lots': expected an integer"):
+        with_offload_min_batch(dev, "lots")

@@ -76,14 +76,16 @@ def test_nothing_fits_says_by_how_much_and_what_would() -> None:
 
 def test_fit_cli_json_and_exit_codes() -> None:
     model = str(model_file("demo"))
-    ok = subprocess.run([sys.executable, "-m", "fitter.cli", "fit", model, "--devices", "cuda:100", "--fit-target",
+    # a hypothetical GPU gives 485 MiB to the CUDA context and cuBLAS (fitter.memory.overhead's default) first
+    ok = subprocess.run([sys.executable, "-m", "fitter.cli", "fit", model, "--devices", "cuda:585", "--fit-target",
                          "4", "-c", "4096", "--json"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     out = json.loads(ok.stdout)
     assert out["fits"] and out["flags"][-2:] == ["-fit", "off"]
     dev = out["devices"]["CUDA0"]
-    assert dev["total"] <= dev["budget"] == (100 - 4) * MIB and dev["free_after"] == dev["free"] - dev["total"]
-    bad = subprocess.run([sys.executable, "-m", "fitter.cli", "fit", model, "--devices", "cuda:1000", "-c", "4096"],
+    assert dev["total"] <= dev["budget"] == (585 - 485 - 4) * MIB and dev["free_after"] == dev["free"] - dev["total"]
+    assert dev["overhead"] == 485 * MIB
+    bad = subprocess.run([sys.executable, "-m", "fitter.cli", "fit", model, "--devices", "cuda:1500", "-c", "4096"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "does not fit" in bad.stdout
 

@@ -10,6 +10,7 @@ from fitter.flags import ProcessFlags, parse_launch_flags
 from fitter.machine.nvidia import GpuInfo
 from fitter.machine.snapshot import take_snapshot
 from fitter.memory.devices import CUDA, Device
+from fitter.memory.overhead import default_overhead
 from fitter.tune.targets import local_target
 
 GIB = 1024**3
@@ -24,16 +25,18 @@ class Runner:
 def test_a_local_gpus_free_memory_is_read_again_once_the_runner_has_started(monkeypatch: pytest.MonkeyPatch) -> None:
     snapshot = dataclasses.replace(take_snapshot(), gpus=(GPU,))
     now: list[tuple[Device, ...]] = [(Device("CUDA0", CUDA, 8 * GIB, 6 * GIB),)]  # its CUDA context holds 1 GiB
-    monkeypatch.setattr("fitter.tune.targets.gpus_now", lambda: now[0])
+    monkeypatch.setattr("fitter.tune.targets.gpus_now", lambda _snapshot: now[0])
     target = local_target(snapshot, parse_launch_flags(["-c", "2048"]), ProcessFlags(), None, False, None)
-    assert target.planned_devices == (Device("CUDA0", CUDA, 8 * GIB, 7 * GIB),)
+    # no measurement of this machine yet (the session's fitter home is empty): the default of an unknown GPU class
+    overhead = default_overhead("NVIDIA Test")
+    assert target.planned_devices == (Device("CUDA0", CUDA, 8 * GIB, 7 * GIB, overhead),)
     assert target.devices(Runner()) == (Device("CUDA0", CUDA, 8 * GIB, 6 * GIB),)  # type: ignore[arg-type]
     now[0] = ()  # NVML failed to answer this time: the snapshot's reading stands
-    assert target.devices(Runner()) == (Device("CUDA0", CUDA, 8 * GIB, 7 * GIB),)  # type: ignore[arg-type]
+    assert target.devices(Runner()) == (Device("CUDA0", CUDA, 8 * GIB, 7 * GIB, overhead),)  # type: ignore[arg-type]
 
 
 def test_rpc_servers_are_not_re_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("fitter.tune.targets.gpus_now", lambda: pytest.fail("read NVML for an RPC target"))
+    monkeypatch.setattr("fitter.tune.targets.gpus_now", lambda _snapshot: pytest.fail("read NVML for an RPC target"))
     snapshot = dataclasses.replace(take_snapshot(), gpus=(GPU,))
     target = local_target(snapshot, parse_launch_flags(["-c", "2048", "--rpc", "10.0.0.2:50052"]), ProcessFlags(),
                           None, False, None)
