@@ -9,7 +9,7 @@ import pytest
 from fitter.flags import ProcessFlags, parse_launch_flags
 from fitter.machine.nvidia import GpuInfo
 from fitter.machine.snapshot import take_snapshot
-from fitter.memory.devices import CUDA, Device
+from fitter.memory.devices import CUDA, RPC, Device
 from fitter.memory.overhead import default_overhead
 from fitter.tune.targets import local_target
 
@@ -42,3 +42,14 @@ def test_rpc_servers_are_not_re_read(monkeypatch: pytest.MonkeyPatch) -> None:
                           None, False, None)
     (device,) = target.devices(Runner())  # type: ignore[arg-type]
     assert device.name == "RPC0[10.0.0.2:50052]"
+
+
+def test_the_cuda_shaped_emulated_gpu_is_planned_with_cudas_rules_and_named_apart() -> None:
+    snapshot = take_snapshot()
+    plain = local_target(snapshot, parse_launch_flags(["-c", "2048"]), ProcessFlags(), 96, False, None)
+    cuda = local_target(snapshot, parse_launch_flags(["-c", "2048"]), ProcessFlags(), 96, False, None, True)
+    (p,), (c,) = plain.planned_devices, cuda.planned_devices
+    assert (p.profile, c.profile) == (RPC, CUDA) and p.free_bytes == c.free_bytes == 96 * 2**20
+    assert cuda.machine["emulated_gpu_kind"] == "cuda" and "emulated_gpu_kind" not in plain.machine
+    # another folder (and so another study): the same cap with other rules is another machine
+    assert plain.machine_dir.startswith("emulated-96MiB-") and cuda.machine_dir.startswith("emulated-cuda-96MiB-")
