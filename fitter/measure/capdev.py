@@ -206,7 +206,7 @@ def _llama_lib_dir() -> Path:
     if lib_dir is None:
         raise EmulatedGpuError(
             "the emulated GPU serves llama.cpp's RPC backend from llama-cpp-python, which is not installed: "
-            'install fitter[llama] built with CMAKE_ARGS="-DGGML_RPC=ON"'
+            'install llama-fitter[llama] built with CMAKE_ARGS="-DGGML_RPC=ON"'
         )
     rpc = lib_dir / "libggml-rpc.so.0"
     if not rpc.is_file():

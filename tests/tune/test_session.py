@@ -242,7 +242,7 @@ def test_a_local_tune_without_llama_cpp_python_is_refused_before_anything_is_cre
     monkeypatch.setattr("fitter.tune.targets.WorkerRunner", NeverStarted)
     NeverStarted.entered = 0
     with pytest.raises(FitterError, match=r"^fitter tune measures with llama\.cpp through llama-cpp-python: "
-                                          r"llama-cpp-python is not installed \(pip install 'fitter\[llama\]'\)$"):
+                       r"llama-cpp-python is not installed \(pip install 'llama-fitter\[llama\]'\)$"):
         run_tune(_options(model_file("gpt-oss-tiny"), results=tmp_path / "r", trials=2), take_snapshot())
     assert NeverStarted.entered == 0 and not (tmp_path / "r").exists()
 
