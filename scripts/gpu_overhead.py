@@ -32,10 +32,11 @@ from fitter.flags import parse_launch_flags  # noqa: E402
 from fitter.gguf.demo_models import SHAPES, write_model  # noqa: E402
 from fitter.measure.logs import parse_buffer_lines  # noqa: E402
 
+# read as llama-cpp-python reads them (-b would default to 512): -b is given so the first prefill is a full batch
 CASES: dict[str, list[str]] = {
-    "ngl-all-c4096": ["-c", "4096", "-ngl", "all", "-fa", "on"],
-    "ngl-all-cmoe-ub2048": ["-c", "4096", "-ngl", "all", "-cmoe", "-ub", "2048", "-fa", "on"],
-    "ngl-0-c4096": ["-c", "4096", "-ngl", "0"],
+    "ngl-all-c4096": ["-c", "4096", "-b", "2048", "-ngl", "all", "-fa", "on"],
+    "ngl-all-cmoe-ub2048": ["-c", "4096", "-b", "2048", "-ub", "2048", "-ngl", "all", "-cmoe", "-fa", "on"],
+    "ngl-0-c4096": ["-c", "4096", "-b", "2048", "-ngl", "0"],
 }
 MIB = 2**20
 
@@ -87,7 +88,7 @@ def child(model: str, flags: list[str], log_path: Path) -> dict[str, Any]:
     if not ctx:
         return {"error": "context failed: " + sink.error_text(), "steps": steps}
     step("context created")
-    n = min(512, int(llama_cpp.llama_n_batch(ctx)))
+    n = int(llama_cpp.llama_n_batch(ctx))  # one batch: llama_decode runs it as ubatches of -ub
     tokens = (llama_cpp.llama_token * n)(*[1 + i % 200 for i in range(n)])
     rc = int(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, n)))
     llama_cpp.llama_synchronize(ctx)

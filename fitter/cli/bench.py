@@ -7,7 +7,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from fitter.cli.common import add_emulated_gpu, launch_args, load_model, model_path, target_devices
+from fitter.cli.common import add_emulated_gpu, launch_args, load_model, model_path, target_devices, warn
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import SERVER_DEFAULTS_HELP, ProcessFlags, add_launch_arguments, add_process_arguments
 from fitter.flags.consumers import with_bench_context
@@ -67,12 +67,14 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     result["threads_batch"] = ns.threads_batch or threads
     result["cpus"] = list(cpus) if cpus else None
     result["machine"] = snapshot.record()
+    print(json.dumps(result, indent=1) if ns.json else bench_table(result))
     if snapshot.gpus and result["outcome"] == "ok":
         from fitter.machine.overhead import record_measurement
 
-        record_measurement(result, snapshot.gpus, result["machine"]["fingerprint"], snapshot.nvidia.driver,
-                           f"fitter bench {time.strftime('%Y-%m-%d')}")
-    print(json.dumps(result, indent=1) if ns.json else bench_table(result))
+        problem = record_measurement(result, snapshot.gpus, result["machine"]["fingerprint"],
+                                     snapshot.nvidia.driver, f"fitter bench {time.strftime('%Y-%m-%d')}")
+        if problem:
+            warn(problem)
     return 0 if result["outcome"] == "ok" else 1
 
 

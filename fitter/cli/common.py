@@ -111,6 +111,9 @@ def llama_flags(argv: list[str], model: str | None, own: dict[str, int]) -> list
         if a in own:
             i += 1 + own[a]
             continue
+        if a.startswith("--") and a.split("=", 1)[0] in own:  # `--for=llama-cli`: the value is in the token
+            i += 1
+            continue
         if a == model:
             model = None  # drop its first occurrence only
         else:

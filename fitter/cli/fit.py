@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -12,7 +13,7 @@ from fitter.cli.common import add_emulated_gpu, launch_args, load_model, model_p
 from fitter.errors import LaunchConfigError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, parse_launch_flags, pin, server_command
 from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, parse_fit_targets
-from fitter.memory.devices import CUDA, RPC, Device
+from fitter.memory.devices import CUDA, RPC, Device, with_offload_min_batch
 from fitter.units import MIB
 
 
@@ -35,7 +36,9 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
                 raise LaunchConfigError("--emulated-gpu replaces --devices and --rpc: give one target")
             gpu = stack.enter_context(EmulatedGpu(cap_mib=ns.emulated_gpu, cuda=ns.emulated_cuda))
             cap = ns.emulated_gpu * MIB
-            devices: tuple[Device, ...] = (Device(gpu.device_name, CUDA if ns.emulated_cuda else RPC, cap, cap),)
+            devices: tuple[Device, ...] = with_offload_min_batch(
+                (Device(gpu.device_name, CUDA if ns.emulated_cuda else RPC, cap, cap),),
+                os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
         else:
             devices = target_devices(ns, config, snapshot)
         result = fit(spec, config, devices, targets, ns.fit_ctx, snapshot.cpu_profile)

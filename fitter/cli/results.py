@@ -27,8 +27,10 @@ def cmd_export(ns: argparse.Namespace, flags: list[str]) -> int:
     doc = load_result(ns.result)
     target = ns.consumer or FORMAT_CONSUMER.get(ns.format, doc.consumer)
     if ns.consumer and ns.format in FORMAT_CONSUMER and FORMAT_CONSUMER[ns.format] != ns.consumer:
+        fits = [f for f in FORMATS if FORMAT_CONSUMER.get(f, ns.consumer) == ns.consumer]
         raise FitterError(f"--for {ns.consumer} --format {ns.format}: that format is read by "
-                          f"{FORMAT_CONSUMER[ns.format]}; choose --format json or python, or drop --for")
+                          f"{FORMAT_CONSUMER[ns.format]}; for {ns.consumer} choose --format {' or '.join(fits)}, "
+                          "or drop --for")
     note = None
     if target != doc.consumer:
         p = pick(doc, ns.policy)

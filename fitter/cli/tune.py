@@ -79,8 +79,10 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
     else:
         print(pareto_table(result))
         print(f"\nresults: {outcome.folder}")
-        if result.picks:
-            print(render(result, "balanced", "server"))
+        # the balanced pick as its program takes it (llama-bench has no launcher format: the table's flags are it)
+        fmt = {"llama-server": "server", "llama-cli": "server", "llama-cpp-python": "python"}.get(config.consumer)
+        if result.picks and fmt:
+            print(render(result, "balanced", fmt))
     return 0 if result.pareto else 1
 
 

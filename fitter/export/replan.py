@@ -10,7 +10,7 @@ screened with (recorded in pareto.json) is refused with the excess. Pure: the mo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fitter.flags import LaunchConfig
 from fitter.flags.consumers import retarget
@@ -42,23 +42,30 @@ class Replan:
         return head + (": " + "; ".join(self.changes) if self.changes else ": the same memory")
 
 
-def measured_devices(entry: Entry) -> tuple[Device, ...]:
-    """The devices the entry's confirm run allocated on, by the names llama.cpp logged (RPC0[host:port], CUDA0)."""
+def measured_devices(entry: Entry, doc: ParetoDoc | None = None) -> tuple[Device, ...]:
+    """The devices the entry's confirm run allocated on, by the names llama.cpp logged (RPC0[host:port], CUDA0),
+    with the rules they were tuned under (the CUDA-shaped emulated GPU: CUDA's) and, for the layer split, their
+    recorded budgets as their free memory."""
     names = [n for n in ((entry.measurement or {}).get("devices") or {}) if n != "CPU"]
+    budgets = recorded_budgets(doc) if doc is not None else {}
+    cuda_shaped = doc is not None and doc.machine.get("emulated_gpu_kind") == "cuda"
     devices: list[Device] = []
     for name in names:
+        free = budgets.get(name)
         rpc = re.fullmatch(r"RPC\d+\[(.+)\]", name)
         if rpc:
-            devices += rpc_devices([rpc.group(1)])
+            (dev,) = rpc_devices([rpc.group(1)])
+            devices.append(replace(dev, profile=CUDA if cuda_shaped else dev.profile, free_bytes=free))
         elif re.fullmatch(r"CUDA\d+", name):
-            devices.append(Device(name, CUDA))
+            devices.append(Device(name, CUDA, free_bytes=free))
     return tuple(devices)
 
 
 def recorded_budgets(doc: ParetoDoc) -> dict[str, int]:
     """Device → bytes the tune screened against: pareto.json's `budgets`, else (results written before it) the
     emulated GPU's cap less the fit target; {} when the result does not say."""
-    budgets = (doc.data.get("budgets") or {}).get("devices")
+    recorded = doc.data.get("budgets")
+    budgets = recorded.get("devices") if isinstance(recorded, dict) else None
     if isinstance(budgets, dict):
         return {k: int(v) for k, v in budgets.items() if isinstance(v, int)}
     cap = doc.machine.get("emulated_gpu_mib")
@@ -72,7 +79,7 @@ def recorded_budgets(doc: ParetoDoc) -> dict[str, int]:
 def replan(doc: ParetoDoc, entry: Entry, config: LaunchConfig, target: str, spec: ModelSpec,
            cpu: CpuProfile = CPU_AVX2) -> Replan:
     """`config` (the pick, parsed as its program reads it, with the devices it ran on) for program `target`."""
-    devices = measured_devices(entry)
+    devices = measured_devices(entry, doc)
     before = estimate(spec, config, devices, cpu)
     moved = retarget(config, target)
     after = estimate(spec, moved, devices, cpu)
@@ -89,6 +96,17 @@ def replan(doc: ParetoDoc, entry: Entry, config: LaunchConfig, target: str, spec
             changes.append(f"{name} {o.total / MIB:.2f} → {t.total / MIB:.2f} MiB "
                            f"(compute {o.compute / MIB:.2f} → {t.compute / MIB:.2f})")
     budgets = recorded_budgets(doc)
-    over = {name: new_totals[name].total - budget for name, budget in budgets.items()
-            if name in new_totals and new_totals[name].total > budget}
+    if not budgets and devices:
+        changes.append("no recorded budget to check it against (a result written before fitter recorded them)")
+    # what the confirm run logged, moved by the estimator's difference between the two programs
+    logged = (entry.measurement or {}).get("devices") or {}
+    over = {}
+    for name, budget in budgets.items():
+        if name not in new_totals:
+            continue
+        base = logged.get(name, {}).get("total") if isinstance(logged.get(name), dict) else None
+        need = (int(base) if isinstance(base, int) else old_totals[name].total) + new_totals[name].total \
+            - old_totals[name].total
+        if need > budget:
+            over[name] = need - budget
     return Replan(doc.consumer, target, moved, tuple(changes), over)

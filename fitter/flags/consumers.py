@@ -86,7 +86,8 @@ def apply_defaults(values: dict[str, Any], given: set[str], name: str) -> dict[s
         if field not in given:
             out[field] = value
     for field, value in c.fixed.items():
-        if field in given and out[field] != value and out[field] is not None:
+        harmless = field == "kv_unified" and c.fixed.get("parallel") == 1  # one sequence: one stream either way
+        if field in given and out[field] != value and out[field] is not None and not harmless:
             raise LaunchConfigError(f"--for {name}: {_spelling(field)} {out[field]!r} cannot be given to {name}, "
                                     f"which always uses {value!r} ({c.source})")
         out[field] = value

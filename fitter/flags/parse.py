@@ -144,8 +144,17 @@ def parse_flags(flags: Sequence[str], consumer: str = DEFAULT_CONSUMER) -> tuple
 
 
 def fields_given(flags: Sequence[str]) -> set[str]:
-    """The LaunchConfig fields a flag list sets (what a program's defaults must not replace)."""
-    return {BY_NAME[name].field for name, _ in flag_groups(flags) if name in BY_NAME}
+    """The LaunchConfig fields a flag list sets (what a program's defaults must not replace), in every spelling
+    argparse accepts: `-c 4096`, `--ctx-size=4096`, `-c=4096`, `-c4096`."""
+    out = set()
+    for token in flags:
+        if not token.startswith("-") or token == "-":
+            continue
+        name = token.split("=", 1)[0]
+        f = BY_NAME.get(name) or (BY_NAME.get(token[:2]) if not token.startswith("--") else None)
+        if f is not None:
+            out.add(f.field)
+    return out
 
 
 def process_flags_of(flags: Sequence[str]) -> ProcessFlags:

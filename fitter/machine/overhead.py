@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,37 +33,55 @@ def _read() -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _entry(data: dict[str, Any], key: str) -> int | None:
+    seen = data.get(key)
+    return seen["bytes"] if isinstance(seen, dict) and isinstance(seen.get("bytes"), int) else None
+
+
 def record(fingerprint: str, driver: str | None, gpu: str, nbytes: int, where: str) -> None:
-    """Keep the largest overhead seen for this GPU of this machine and driver (written whole, then renamed)."""
+    """Keep the largest overhead seen for this GPU of this machine and driver (written to a temporary file of its
+    own, then renamed: concurrent commands never see half a file). OSError when fitter's home cannot be written."""
     data = _read()
     key = _key(fingerprint, driver, gpu)
-    old = data.get(key) or {}
-    if isinstance(old.get("bytes"), int) and old["bytes"] >= nbytes:
+    old = _entry(data, key)
+    if old is not None and old >= nbytes:
         return
     data[key] = {"bytes": int(nbytes), "where": where}
     path = _path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".overhead-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def overhead_for(gpu: GpuInfo, fingerprint: str | None, driver: str | None) -> Overhead:
     """What this machine measured for the GPU, else the default for its class."""
     if fingerprint:
-        seen = _read().get(_key(fingerprint, driver, gpu.uuid or gpu.name)) or {}
-        if isinstance(seen.get("bytes"), int):
-            return measured_overhead(seen["bytes"], str(seen.get("where") or "an earlier trial"))
+        data = _read()
+        key = _key(fingerprint, driver, gpu.uuid or gpu.name)
+        nbytes = _entry(data, key)
+        if nbytes is not None:
+            return measured_overhead(nbytes, str(data[key].get("where") or "an earlier trial"))
     return default_overhead(gpu.name, gpu.compute_capability, sm_count(gpu.cuda_cores, gpu.compute_capability))
 
 
 def record_measurement(measurement: dict[str, Any], gpus: tuple[GpuInfo, ...], fingerprint: str,
-                       driver: str | None, where: str) -> None:
+                       driver: str | None, where: str) -> str | None:
     """Keep the overhead a measurement (`fitter bench --json` shape) saw on this machine's GPUs: its devices'
-    `overhead`, NVML's peak beyond the buffers llama.cpp logged there."""
+    `overhead`, NVML's peak beyond the buffers llama.cpp logged there. Returns why it could not be kept (a fitter
+    home that cannot be written), else None: the measurement itself is never lost to this."""
     by_name = {f"CUDA{g.index}": g for g in gpus}
     for name, device in (measurement.get("devices") or {}).items():
         nbytes = device.get("overhead")
         if name in by_name and isinstance(nbytes, int) and nbytes >= 0:
             gpu = by_name[name]
-            record(fingerprint, driver, gpu.uuid or gpu.name, nbytes, where)
+            try:
+                record(fingerprint, driver, gpu.uuid or gpu.name, nbytes, where)
+            except OSError as e:
+                return f"could not keep the measured overhead in {_path()}: {e.strerror or e}"
+    return None

@@ -13,6 +13,7 @@ trial.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +25,7 @@ from fitter.flags.consumers import server_flags
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.measure.types import BenchSpec, Measurement, TrialResult
 from fitter.measure.worker import Worker
-from fitter.memory.devices import CUDA, RPC, CpuProfile, Device
+from fitter.memory.devices import CUDA, RPC, CpuProfile, Device, with_offload_min_batch
 from fitter.memory.estimator import MemoryPlan
 
 DEFAULT_TIMEOUT_S = 600.0  # a user's llama-server or llama-bench, when the caller gives no limit
@@ -112,7 +113,8 @@ class _Devices:
         if self._gpu is None:
             return ()
         cap = self._gpu.cap_bytes
-        return (Device(self._gpu.device_name, CUDA if self._cuda else RPC, cap, cap),)
+        device = Device(self._gpu.device_name, CUDA if self._cuda else RPC, cap, cap)
+        return with_offload_min_batch((device,), os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
 
     def cpu_profile(self) -> CpuProfile | None:
         return None  # this machine's CPU runs the trials

@@ -118,7 +118,7 @@ def backend_map(
         layer_backend=tuple(index[d.name] if d is not None else cpu for d in layer_dev),
         kv_on_cpu=kv_on_cpu,
         full_offload=bool(devices) and all(d is not None for d in layer_dev),
-        offload_min_batch=tuple(d.profile.offload_min_batch if op_offload and d.profile.op_offload else 0
+        offload_min_batch=tuple(d.profile.offload_min_batch if op_offload and d.profile.op_offload else None
                                 for d in devices),
         cuda=tuple(d.profile.cuda_rules for d in devices),
     )

@@ -9,9 +9,11 @@ holds them to each other. Each rule names the function it mirrors:
   of K and V where its kernel needs them (fattn.cu `ggml_cuda_flash_attn_ext_get_alloc_size`, fattn-common.cuh
   `ggml_cuda_flash_attn_ext_get_f16_extra_data`): 2 bytes per element of the K (and V) view, which spans the whole
   cache in the worst-case graph.
-- `fattn_kernel` / `supports_flash_attn`: fattn.cu `ggml_cuda_get_best_fattn_kernel` for an NVIDIA GPU of compute
+- `fattn_kernel` / `supports`: fattn.cu `ggml_cuda_get_best_fattn_kernel` for an NVIDIA GPU of compute
   capability 8.9 or newer (other generations choose other kernels: not modelled); no kernel = the op is not
-  supported there, so the scheduler runs it on the CPU and `-fa auto` turns flash attention off.
+  supported there, so the scheduler runs it on the CPU and `-fa auto` turns flash attention off. Not modelled
+  either, in the one-token graph only: the MMA kernel's sparse decode path (bf16/f32 caches, GQA > 4) and the
+  default build's vector kernels existing for equal K/V types only (a mixed cache would be converted).
 - `op_batch_size`: ggml-cuda.cu `get_op_batch_size`; an op with a host weight whose batch reaches
   GGML_OP_OFFLOAD_MIN_BATCH (32; `DeviceProfile.offload_min_batch`) runs on the GPU
   (`ggml_backend_cuda_device_offload_op`), which copies the weight into its compute buffer (fitter.memory.sched).

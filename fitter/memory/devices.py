@@ -91,14 +91,22 @@ def rpc_devices(endpoints: list[str], flag: str = "--rpc") -> tuple[Device, ...]
     return tuple(devices)
 
 
+def c_atoi(text: str) -> int:
+    """C's atoi: optional blanks and sign, then digits; anything else (or nothing) is 0."""
+    m = re.match(r"\s*([+-]?\d+)", text)
+    return int(m.group(1)) if m else 0
+
+
+def offload_min_batch(value: str | None) -> int:
+    """GGML_OP_OFFLOAD_MIN_BATCH as ggml-cuda.cu reads it: `getenv(...) ? atoi(getenv(...)) : 32`."""
+    return 32 if value is None else c_atoi(value)
+
+
 def with_offload_min_batch(devices: tuple[Device, ...], value: str | None) -> tuple[Device, ...]:
-    """The CUDA devices with GGML_OP_OFFLOAD_MIN_BATCH as ggml-cuda.cu reads it (atoi; unset: 32)."""
-    if not value:
+    """The CUDA devices with GGML_OP_OFFLOAD_MIN_BATCH (`value`, the environment's) applied."""
+    if value is None:
         return devices
-    try:
-        n = int(value)
-    except ValueError:
-        raise LaunchConfigError(f"GGML_OP_OFFLOAD_MIN_BATCH={value!r}: expected an integer") from None
+    n = offload_min_batch(value)
     return tuple(replace(d, profile=replace(d.profile, offload_min_batch=n)) if d.profile.op_offload else d
                  for d in devices)
 

@@ -35,9 +35,9 @@ class BackendMap:
     layer_backend: tuple[int, ...] = ()  # per layer; empty = all on the CPU
     kv_on_cpu: bool = False  # -nkvo
     full_offload: bool = False  # every layer and the output on devices (llama_context::graph_get_cb)
-    # per device backend: the batch from which it takes ops with host weights over (0: never; op offload off or
-    # not a CUDA device), and whether CUDA's allocation and support rules apply (fitter.memory.cuda)
-    offload_min_batch: tuple[int, ...] = ()
+    # per device backend: the batch from which it takes ops with host weights over (None: never; op offload off
+    # or not a CUDA device), and whether CUDA's allocation and support rules apply (fitter.memory.cuda)
+    offload_min_batch: tuple[int | None, ...] = ()
     cuda: tuple[bool, ...] = ()
 
     @property

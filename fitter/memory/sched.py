@@ -30,9 +30,9 @@ def _buffer_backend(t: Tensor) -> int:
     return root.backend if root.has_data else -1
 
 
-def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int, ...] = (),
+def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None, ...] = (),
              cuda_devices: tuple[bool, ...] = ()) -> tuple[Graph, Callable[[Tensor], int]]:
-    """`offload_min_batch[b]`: the batch from which device b takes over ops with CPU weights (0: never);
+    """`offload_min_batch[b]`: the batch from which device b takes over ops with CPU weights (None: never);
     `cuda_devices[b]`: device b supports ops as CUDA does."""
     cpu = n_backends - 1
     backend: dict[int, int] = {}
@@ -55,7 +55,7 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int, ...] =
                 if s is not None and s.has_data and s.is_weight:
                     if s.backend == cpu:  # a host weight: does a device want the op? ("1.off")
                         for dev, min_batch in enumerate(offload_min_batch[:cpu]):
-                            if min_batch and supports_op(t, dev) and cuda.op_batch_size(t) >= min_batch:
+                            if min_batch is not None and supports_op(t, dev) and cuda.op_batch_size(t) >= min_batch:
                                 return dev
                     return s.backend
         return -1

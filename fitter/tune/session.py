@@ -222,16 +222,16 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         entries, dropped = confirm_pareto(req, tuner, runner, log)
         baseline = confirm_baseline(req, tuner.screener, runner, baseline, log)
         entries, dropped = final_front(req, tuner.screener, entries, dropped, baseline)
-    if snapshot is not None and snapshot.gpus and target.emulated_mib is None:
-        record_overheads(study, snapshot)
     doc = result_doc(req, target.machine, build, targets, target.emulated_mib is not None, baseline, entries,
                      dropped, tuner, time.monotonic() - t_start, url, str(folder / RESULT_FILE))
     write_result(folder, doc.data)
     write_trials_csv(folder, study)
+    if snapshot is not None and snapshot.gpus and target.emulated_mib is None:
+        record_overheads(study, snapshot, log)
     return TuneOutcome(doc, folder)
 
 
-def record_overheads(study: optuna.Study, snapshot: MachineSnapshot) -> None:
+def record_overheads(study: optuna.Study, snapshot: MachineSnapshot, log: Callable[[str], None]) -> None:
     """What NVML saw the trials use on this machine's GPUs beyond llama.cpp's buffers, kept for later budgets
     (fitter.machine.overhead): the next estimate, fit or tune here plans with it instead of the default."""
     from fitter.machine.overhead import record_measurement
@@ -240,4 +240,8 @@ def record_overheads(study: optuna.Study, snapshot: MachineSnapshot) -> None:
     for t in study.get_trials(deepcopy=False):
         m = t.user_attrs.get("measurement")
         if isinstance(m, dict) and m.get("outcome") == "ok":
-            record_measurement(m, snapshot.gpus, fingerprint, snapshot.nvidia.driver, f"fitter tune trial {t.number}")
+            problem = record_measurement(m, snapshot.gpus, fingerprint, snapshot.nvidia.driver,
+                                         f"fitter tune trial {t.number}")
+            if problem:
+                log(f"fitter: warning: {problem}")
+                return

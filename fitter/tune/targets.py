@@ -8,6 +8,7 @@ machine record that keys the results, cores and thread defaults, host RAM, the C
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
 from fitter.measure.runner import TrialRunner, WorkerRunner
-from fitter.memory.devices import CUDA, RPC, CpuProfile, Device, rpc_devices
+from fitter.memory.devices import CUDA, RPC, CpuProfile, Device, rpc_devices, with_offload_min_batch
 from fitter.tune.storage import machine_dir_name
 from fitter.units import GIB, MIB
 
@@ -80,8 +81,9 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         if emulated_cuda:
             machine["emulated_gpu_kind"] = "cuda"  # `fitter check` starts the same kind
         cap = emulated_mib * MIB
-        planned: tuple[Device, ...] = (Device(f"RPC0[{PLACEHOLDER_ENDPOINT}]", CUDA if emulated_cuda else RPC, cap,
-                                              cap),)
+        planned: tuple[Device, ...] = with_offload_min_batch(
+            (Device(f"RPC0[{PLACEHOLDER_ENDPOINT}]", CUDA if emulated_cuda else RPC, cap, cap),),
+            os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
     else:
         planned = own
     cpus, nvml, build = process.cpus, bool(gpus), snapshot.llama_cpp or None

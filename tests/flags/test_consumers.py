@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from fitter.errors import LaunchConfigError
-from fitter.flags import parse_launch_flags, resolve_context
+from fitter.flags import parse_launch_flags, pin, resolve_context
 from fitter.flags.consumers import consumer, retarget, server_flags, with_bench_context
 
 
@@ -56,11 +56,15 @@ def test_outputs_reserved_per_slot_by_the_servers_and_per_ubatch_by_the_c_api() 
 @pytest.mark.parametrize(("flags", "message"), [
     (["-np", "2"], "--for llama-bench: -np 2 cannot be given to llama-bench, which always uses 1"),
     (["--swa-full"], "--for llama-bench: --swa-full True cannot be given to llama-bench, which always uses False"),
-    (["-kvu"], "--for llama-bench: -kvu True cannot be given to llama-bench, which always uses False"),
 ])
 def test_llama_bench_refuses_what_it_cannot_do(flags: list[str], message: str) -> None:
     with pytest.raises(LaunchConfigError, match="^" + message.replace("(", r"\(")):
         parse_launch_flags(flags, "llama-bench")
+
+
+def test_kv_unification_of_one_sequence_is_no_conflict() -> None:
+    # a pinned config says -np 1 --kv-unified; with one sequence there is one stream either way
+    assert parse_launch_flags(["-np", "1", "-kvu"], "llama-bench").kv_unified is False
 
 
 def test_auto_slots_and_fit_are_the_servers_own() -> None:
@@ -94,3 +98,28 @@ def test_llama_server_stands_in_for_llama_cli_but_not_for_the_c_api() -> None:
     assert server_flags(parse_launch_flags(["-c", "4096"])) == ["-c", "4096"]
     with pytest.raises(LaunchConfigError, match="llama-server cannot run the C API's memory rules"):
         server_flags(parse_launch_flags([], "llama-cpp-python"))
+
+
+def test_a_pinned_config_reads_back_for_every_program() -> None:
+    for program in ("llama-server", "llama-cli", "llama-cpp-python", "llama-bench"):
+        config = parse_launch_flags(["-c", "1024", "-ngl", "all"], program)
+        pinned = pin(config, resolve_context(config, 131072))
+        back = parse_launch_flags(pinned, program)
+        fields = ("n_ctx", "n_ctx_seq", "n_seq_max", "n_stream", "n_batch", "n_ubatch", "n_outputs_max", "flash_attn",
+                  "swa_full")
+        assert [getattr(resolve_context(back, 131072), f) for f in fields] == [
+            getattr(resolve_context(config, 131072), f) for f in fields], program
+
+
+def test_fitters_own_options_written_with_an_equals_sign_are_not_passed_on() -> None:
+    from fitter.cli.common import llama_flags
+
+    own = {"--for": 1, "--json": 0}
+    assert llama_flags(["estimate", "m.gguf", "--for=llama-cli", "-c", "4096", "--json"], "m.gguf", own) == [
+        "-c", "4096"]
+
+
+def test_joined_spellings_count_as_given() -> None:
+    assert parse_launch_flags(["-c=4096"], "llama-cpp-python").ctx_size == 4096
+    assert parse_launch_flags(["-c4096"], "llama-cpp-python").ctx_size == 4096
+    assert parse_launch_flags(["-np=3"], "llama-cli").n_seq_max == 3

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
-
-from fitter.errors import LaunchConfigError
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.memory import cuda
 from fitter.memory import ggml_graph as g
-from fitter.memory.devices import CUDA, Device, with_offload_min_batch
+from fitter.memory.devices import CUDA, Device, offload_min_batch, with_offload_min_batch
 from fitter.memory.estimator import estimate
 from fitter.units import MIB
 from tests.models import model_file
@@ -91,5 +88,8 @@ def test_the_offload_batch_follows_ggml_op_offload_min_batch() -> None:
     assert none < fewer < copies  # at -ub 64 only ops of more rows (expert biases: 4 experts × 64 tokens) move
     assert none == estimate(spec, replace(flags, no_op_offload=True), dev).totals()["CUDA0"].compute
     assert with_offload_min_batch(dev, None) == dev
-    with pytest.raises(LaunchConfigError, match="GGML_OP_OFFLOAD_MIN_BATCH='lots': expected an integer"):
-        with_offload_min_batch(dev, "lots")
+    # ggml-cuda reads it with atoi: "" and "lots" are 0, so every op with a host weight moves, even at -ub 1
+    every = estimate(spec, flags, with_offload_min_batch(dev, "lots")).totals()["CUDA0"].compute
+    assert every == estimate(spec, flags, with_offload_min_batch(dev, "")).totals()["CUDA0"].compute
+    assert every >= copies
+    assert (offload_min_batch(None), offload_min_batch(" 64x"), offload_min_batch("-3")) == (32, 64, -3)

@@ -73,6 +73,7 @@ struct live_buffer {
 
 static int cuda_mode(void);
 static void * cuda_alloc(size_t size, void ** data);
+void ggml_backend_buffer_free(void * buffer);
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -205,7 +206,19 @@ void * ggml_backend_buft_alloc_buffer(void * buft, size_t size) {
     }
     void * data = NULL;
     void * buffer = cuda_mode() ? cuda_alloc(size, &data) : real_alloc(buft, size);
-    if (buffer != NULL && remember(buffer, (uint64_t) size, data)) {
+    if (buffer != NULL && !remember(buffer, (uint64_t) size, data)) {
+        /* no room to count it: refuse it rather than let it escape the cap (and leak the shim's memory) */
+        if (real_free == NULL) {
+            real_free = (free_fn) resolve("ggml_backend_buffer_free", (void *) ggml_backend_buffer_free);
+        }
+        if (real_free != NULL) {
+            real_free(buffer);
+        }
+        free(data);
+        pthread_mutex_unlock(&g_lock);
+        return NULL;
+    }
+    if (buffer != NULL) {
         write_begin();
         apply_reset();
         used += (uint64_t) size;

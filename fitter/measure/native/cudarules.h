@@ -111,9 +111,11 @@ static inline bool cr_fattn_kv_type_supported(int type) {
     }
 }
 
-/* fattn.cu ggml_cuda_get_best_fattn_kernel on an NVIDIA GPU with Turing tensor cores and cc >= 8.9 (Ada). The
- * MMA kernel's sparse decode path (taken only for unquantized K/V, where it needs no scratch either) is not
- * distinguished from the vector kernel. */
+/* fattn.cu ggml_cuda_get_best_fattn_kernel on an NVIDIA GPU with Turing tensor cores and cc >= 8.9 (Ada). Not
+ * modelled: the MMA kernel's sparse decode path (unquantized K/V with GQA > 4 at one token: it would convert a
+ * bf16 or f32 cache where the vector kernel does not), and the default build's vector kernels existing only for
+ * equal K/V types (GGML_CUDA_FA_QUANTS), so a mixed cache (-ctk q8_0 with an f16 V) would need f16 copies at one
+ * token. Both matter only in the one-token graph; the prompt graph, reserved first, sizes the buffer. */
 static inline enum cr_fattn_kernel cr_fattn_kernel(const struct cr_ggml * g, const struct cr_tensor * dst) {
     const struct cr_tensor * Q = dst->src[0];
     const struct cr_tensor * K = dst->src[1];
@@ -196,7 +198,7 @@ static inline size_t cr_alloc_size(const struct cr_ggml * g, const struct cr_ten
         const struct cr_tensor * K = t->src[1];
         const struct cr_tensor * V = t->src[2];
         const enum cr_fattn_kernel kernel = cr_fattn_kernel(g, t);
-        /* the vector kernel converts only F32 (its compiled K/V cases are assumed present) */
+        /* the vector kernel converts only F32 (its compiled K/V cases are assumed present; see cr_fattn_kernel) */
         const bool need_k = kernel == CR_FATTN_MMA_F16 || (kernel == CR_FATTN_VEC && K->type == CR_F32);
         const bool need_v = kernel == CR_FATTN_MMA_F16 || (kernel == CR_FATTN_VEC && V->type == CR_F32);
         const bool v_is_k_view = V->view_src != NULL &&
