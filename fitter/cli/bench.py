@@ -7,7 +7,15 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from fitter.cli.common import add_emulated_gpu, launch_args, load_model, model_path, target_devices, warn
+from fitter.cli.common import (
+    add_emulated_gpu,
+    add_llama_cpp,
+    launch_args,
+    load_model,
+    model_path,
+    target_devices,
+    warn,
+)
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import SERVER_DEFAULTS_HELP, ProcessFlags, add_launch_arguments, add_process_arguments
 from fitter.flags.consumers import with_bench_context
@@ -22,6 +30,12 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
     from fitter.measure.runner import LlamaBenchRunner, ServerRunner, WorkerRunner
 
     nvml = bool(snapshot.gpus)
+    if ns.llama_cpp:  # the build's own llama-server
+        from fitter.measure.llama_build import find_build
+
+        if ns.llama_server or ns.llama_bench:
+            raise LaunchConfigError("--llama-cpp DIR and --llama-server/--llama-bench: name one build")
+        ns.llama_server = str(find_build(ns.llama_cpp).llama_server)
     if ns.llama_server and ns.llama_bench:
         raise LaunchConfigError("--llama-server and --llama-bench: measure with one backend at a time")
     if ns.emulated_cuda and (ns.llama_server or ns.llama_bench):
@@ -133,6 +147,7 @@ def register(sub: Any) -> None:
                    help="seconds before a trial counts as hung (default: from the predicted work)")
     add_emulated_gpu(b, "run on")
     b.add_argument("--llama-server", metavar="PATH", help="measure this llama-server binary instead")
+    add_llama_cpp(b, "measure with that build's llama-server")
     b.add_argument("--llama-bench", metavar="PATH",
                    help="measure with this llama-bench binary instead (its context is p+n+d, not the deployed one)")
     b.add_argument("--devices", default="", help=argparse.SUPPRESS)

@@ -82,6 +82,9 @@ def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: Machi
 def _target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: MachineSnapshot) -> tuple[Device, ...]:
     from fitter.memory.devices import parse_devices, rpc_devices
 
+    if getattr(ns, "llama_cpp", None) and not getattr(ns, "devices", ""):
+        return llama_cpp_devices(ns.llama_cpp, config)
+
     devices_arg = getattr(ns, "devices", "")
     if devices_arg and config.rpc:
         raise LaunchConfigError(f"--devices {devices_arg} and --rpc {','.join(config.rpc)}: give one target, not both")
@@ -90,6 +93,20 @@ def _target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: Mach
     if config.rpc:
         return rpc_devices(list(config.rpc))
     return snapshot.devices()
+
+
+def llama_cpp_devices(folder: str, config: LaunchConfig) -> tuple[Device, ...]:
+    """The devices a user's llama.cpp build sees (`llama-server --list-devices`, with the config's --rpc)."""
+    from fitter.measure.llama_build import build_devices, find_build, list_devices
+
+    devices, warnings = build_devices(list_devices(find_build(folder), config.rpc))
+    for w in warnings:
+        warn(w)
+    return devices
+
+
+def add_llama_cpp(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--llama-cpp", metavar="DIR", help=f"a llama.cpp build's bin/ folder: {what}")
 
 
 def own_options(parser: argparse.ArgumentParser, launch: set[str]) -> dict[str, int]:

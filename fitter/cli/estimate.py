@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from fitter import LLAMA_CPP_TARGET
-from fitter.cli.common import launch_args, load_model, model_path, target_devices, warn
+from fitter.cli.common import add_llama_cpp, launch_args, load_model, model_path, target_devices, warn
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments
 
 
@@ -42,6 +42,7 @@ def register(sub: Any) -> None:
     )
     est.add_argument("model", nargs="?", help="GGUF file or any shard of a split model (default: the demo model)")
     est.add_argument("--devices", default="", help="none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]")
+    add_llama_cpp(est, "estimate for the devices that build sees (llama-server --list-devices)")
     est.add_argument("--json", action="store_true", help="machine-readable output (CONTRACTS.md)")
     est.add_argument("--tensors", action="store_true", help="also list every tensor's buffer type")
     add_launch_arguments(est)

@@ -9,7 +9,15 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from fitter.cli.common import add_emulated_gpu, launch_args, load_model, model_path, target_devices, warn
+from fitter.cli.common import (
+    add_emulated_gpu,
+    add_llama_cpp,
+    launch_args,
+    load_model,
+    model_path,
+    target_devices,
+    warn,
+)
 from fitter.errors import LaunchConfigError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, parse_launch_flags, pin, server_command
 from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, parse_fit_targets
@@ -94,6 +102,7 @@ def register(sub: Any) -> None:
     fit_p.add_argument("--fit-ctx", type=int, default=DEFAULT_FIT_CTX, metavar="N",
                        help="with -c 0: the context the placement is found at before it grows (default 4096)")
     fit_p.add_argument("--devices", default="", help="none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]")
+    add_llama_cpp(fit_p, "fit onto the devices that build sees (llama-server --list-devices)")
     add_emulated_gpu(fit_p, "fit onto")
     fit_p.add_argument("--verify", action="store_true", help="load the result on the emulated GPU and report it")
     fit_p.add_argument("--json", action="store_true")

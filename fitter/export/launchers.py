@@ -47,6 +47,7 @@ class Pick:
     header: tuple[str, ...]  # what the export is, as comment lines
     warning: str | None  # set when the result was measured on fitter's emulated GPU
     replanned: str | None = None  # what changed for the program the export is for (fitter.export.replan)
+    binary: str = "llama-server"  # the llama-server the result was measured with (`--llama-cpp DIR`), else on PATH
 
 
 def pick(result: ParetoDoc, policy: str) -> Pick:
@@ -94,10 +95,12 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
         config = replace(config, n_gpu_layers=0)  # no GPU on the tuning machine: nothing was offloaded
 
     assert process.threads is not None and process.threads_batch is not None
+    binary = result.llama_cpp.get("llama_server")
     return Pick(policy=policy, trial=int(entry.trial or 0), entry=entry, model_path=path, model_name=name,
                 config=config, threads=process.threads, threads_batch=process.threads_batch,
                 cpu_mask=process.cpu_mask, cpu_range=process.cpu_range, flags=tuple(pin(config, process=process)),
-                header=_header(result, entry, policy), warning=warning)
+                header=_header(result, entry, policy), warning=warning,
+                binary=binary if isinstance(binary, str) and binary else "llama-server")
 
 
 def _stem(path: str) -> str:
@@ -149,7 +152,7 @@ def render(result: ParetoDoc, policy: str, fmt: str, note: str | None = None) ->
 
 
 def server_argv(p: Pick) -> list[str]:
-    return ["llama-server", "-m", p.model_path, *p.flags]
+    return [p.binary, "-m", p.model_path, *p.flags]
 
 
 def render_server(p: Pick) -> str:
@@ -179,7 +182,7 @@ def render_llama_swap(p: Pick) -> str:
     for arg in argv:
         if "${" in arg:
             raise FitterError(f"llama-swap: {arg!r} contains '${{', which llama-swap reads as a macro")
-    lines = ["llama-server", "--port ${PORT}", *(shlex.join(tokens) for _, tokens in flag_groups(argv))]
+    lines = [shlex.quote(p.binary), "--port ${PORT}", *(shlex.join(tokens) for _, tokens in flag_groups(argv))]
     out = [f"# {line}" for line in (*p.header, *([p.warning] if p.warning else []))]
     out += ["models:", f"  {json.dumps(p.model_name)}:", "    cmd: |", *(f"      {line}" for line in lines)]
     return "\n".join(out) + "\n"

@@ -185,9 +185,10 @@ class ServerRunner(_Devices):
         self._vocab_size = vocab_size
 
     def build(self) -> dict[str, str]:
+        """The commit the binary reports, and the binary (results and exports name it)."""
         from fitter.measure.server import server_build
 
-        return server_build(self.binary)
+        return {**server_build(self.binary), "llama_server": str(Path(self.binary).resolve())}
 
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: MemoryPlan | None = None) -> TrialResult:

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from fitter.errors import FitterError, LaunchConfigError
-from fitter.flags import parse_launch_flags, split_process_flags
+from fitter.flags import ProcessFlags, parse_launch_flags, split_process_flags
 from fitter.flags.consumers import retarget
 from fitter.flags.parse import flag_value, process_flags_of, with_endpoint
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.machine.snapshot import MachineSnapshot
-from fitter.measure.runner import RunnerFactory, WorkerRunner
+from fitter.measure.runner import RunnerFactory, ServerRunner, WorkerRunner
 from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, target_of
 from fitter.memory.devices import CPU_AVX2, CpuProfile, Device, rpc_devices
@@ -341,4 +341,12 @@ def runner_factory_for(result: Path, snapshot: MachineSnapshot, model: str | Non
         machine = load_machine(profile if Path(profile).is_file() else recorded["sim"])
         spec = load_model_spec(model or doc.model["path"])
         return lambda **_: SimRunner(machine, spec)
+    binary = (doc.llama_cpp.get("llama_server") if doc is not None else None)
+    if isinstance(binary, str):  # tuned through a user's llama.cpp build (`--llama-cpp DIR`): re-measured with it
+        if not Path(binary).is_file():
+            raise FitterError(f"{doc.source if doc else result}: tuned with {binary}, which is gone; rebuild it there "
+                              "or tune again")
+        return lambda emulated_gpu_mib=None, cpus=None, **_: ServerRunner(
+            binary, emulated_gpu_mib, ProcessFlags(cpu_mask=hex(sum(1 << c for c in cpus)) if cpus else None),
+            nvml=bool(snapshot.gpus))
     return partial(WorkerRunner, nvml=bool(snapshot.gpus), build=snapshot.llama_cpp or None)

@@ -75,6 +75,7 @@ class TuneOptions:
     emulated_gpu_mib: int | None = None
     emulated_cuda: bool = False  # `--emulated-gpu cuda:MiB`: the CUDA-shaped emulated GPU
     llama_fit_params: str | None = None
+    llama_cpp: str | None = None  # `--llama-cpp DIR`: trials through that build's llama-server, its fit the baseline
     backend: str = "llama-cpp-python"
     machine: str | None = None  # --backend sim: the simulated machine
 
@@ -99,7 +100,8 @@ def _target(o: TuneOptions, snapshot: MachineSnapshot | None) -> Target:
     if o.backend == "sim":
         return sim_target(o.machine, o.emulated_gpu_mib, o.spec, o.seed)
     assert snapshot is not None, "a tune on this machine needs its snapshot"
-    return local_target(snapshot, o.base, o.process, o.emulated_gpu_mib, o.demo, o.fit_targets, o.emulated_cuda)
+    return local_target(snapshot, o.base, o.process, o.emulated_gpu_mib, o.demo, o.fit_targets, o.emulated_cuda,
+                        o.llama_cpp)
 
 
 def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rpc: tuple[str, ...],
@@ -178,7 +180,15 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
 
     t_start = time.monotonic()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # fitter reports its own progress
-    tool = find_llama_fit_params(o.llama_fit_params)  # a wrong path stops here, before any study is opened
+    users = None
+    if o.llama_cpp is not None:
+        from fitter.measure.llama_build import find_build
+
+        users = find_build(o.llama_cpp)  # a wrong folder stops here, before any study is opened
+        if o.backend == "sim":
+            raise FitterError("--llama-cpp DIR measures with that build: drop --backend sim")
+    fit_params = o.llama_fit_params or (str(users.llama_fit_params) if users and users.llama_fit_params else None)
+    tool = find_llama_fit_params(fit_params)  # a wrong path stops here, before any study is opened
     target = _target(o, snapshot)
     for note in target.notes:
         log(f"fitter: {note}")
@@ -191,7 +201,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
 
     # what the run needs, before anything is created: trials on the emulated GPU need it; so does the baseline of
     # a simulated GPU (llama.cpp's fit runs on an emulated one of the same size), which is skipped without it
-    if target.sim is None and (problem := llama_cpp_python_problem()) is not None:
+    if target.sim is None and o.llama_cpp is None and (problem := llama_cpp_python_problem()) is not None:
         raise FitterError(f"fitter tune measures with llama.cpp through llama-cpp-python: {problem}")
     if target.emulated_mib is not None and (problem := emulated_gpu_problem()) is not None:
         raise FitterError(problem)

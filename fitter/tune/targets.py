@@ -18,7 +18,7 @@ from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
-from fitter.measure.runner import TrialRunner, WorkerRunner
+from fitter.measure.runner import ServerRunner, TrialRunner, WorkerRunner
 from fitter.memory.devices import CUDA, RPC, CpuProfile, Device, rpc_devices, with_offload_min_batch
 from fitter.tune.storage import machine_dir_name
 from fitter.units import GIB, MIB
@@ -52,7 +52,8 @@ class Target:
 
 
 def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: ProcessFlags, emulated_mib: int | None,
-                 demo: bool, fit_targets: tuple[int, ...] | None, emulated_cuda: bool = False) -> Target:
+                 demo: bool, fit_targets: tuple[int, ...] | None, emulated_cuda: bool = False,
+                 llama_cpp: str | None = None) -> Target:
     """This machine: its NVIDIA GPUs (free memory from the snapshot), the config's `--rpc` servers, or an emulated
     GPU (`--emulated-gpu [cuda:]MiB`, or by itself for the demo model on a machine without a GPU)."""
     cpu, gpus = snapshot.cpu, snapshot.gpus
@@ -87,9 +88,20 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
     else:
         planned = own
     cpus, nvml, build = process.cpus, bool(gpus), snapshot.llama_cpp or None
+
+    def make_runner() -> TrialRunner:
+        if llama_cpp is not None:  # the user's build: its llama-server runs every trial
+            from fitter.measure.llama_build import find_build
+
+            if emulated_cuda:
+                raise FitterError("--emulated-gpu cuda:MiB: CUDA's rules live in fitter's own llama.cpp client, "
+                                  "which a llama-server binary is not; use --emulated-gpu MiB with --llama-cpp")
+            return ServerRunner(str(find_build(llama_cpp).llama_server), emulated_mib, process, nvml=nvml)
+        return WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=nvml, build=build,
+                            emulated_cuda=emulated_cuda)
+
     return Target(
-        make_runner=lambda: WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=nvml, build=build,
-                                         emulated_cuda=emulated_cuda),
+        make_runner=make_runner,
         devices=started, planned_devices=planned,
         planned_rpc=(PLACEHOLDER_ENDPOINT,) if emulated_mib is not None else (),
         machine=machine, machine_dir=machine_dir_name(machine, emulated_mib),

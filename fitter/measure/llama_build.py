@@ -1,0 +1,96 @@
+"""The user's own llama.cpp build (`--llama-cpp DIR`, its `bin/` folder): its binaries, the commit they report and
+the devices they see.
+
+With it, trials run that build's `llama-server` (the binary deployed), the baseline is that build's
+`llama-fit-params`, and results are keyed by its commit. Read from the binaries themselves: `llama-server
+--version` (common/build-info: `version: N (commit)`) and `llama-server --list-devices` (common/arg.cpp
+`--list-devices`: one line per device, `  NAME: DESCRIPTION (TOTAL MiB, FREE MiB free)`; an RPC device's
+description is its server).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from fitter.errors import FitterError
+from fitter.memory.devices import CUDA, RPC, Device, DeviceProfile
+from fitter.units import MIB
+
+BINARIES = ("llama-server", "llama-fit-params", "llama-bench")
+# Device name prefixes llama.cpp gives each backend (ggml/src/ggml-<backend>/): the estimator's profile of each.
+PROFILES: dict[str, DeviceProfile] = {"CUDA": CUDA, "RPC": RPC}
+
+
+@dataclass(frozen=True)
+class ListedDevice:
+    name: str  # CUDA0, Vulkan0, RPC0[host:port], …
+    description: str
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class LlamaCppBuild:
+    folder: Path
+    llama_server: Path
+    llama_fit_params: Path | None
+    llama_bench: Path | None
+
+    def build(self) -> dict[str, str]:
+        """The commit the build reports, and where it was read (`llama-server --version`)."""
+        from fitter.measure.server import server_build
+
+        return {**server_build(str(self.llama_server)), "llama_server": str(self.llama_server)}
+
+
+def find_build(folder: str | Path) -> LlamaCppBuild:
+    """The binaries of a llama.cpp build's `bin/` folder; llama-server is required, the others optional."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise FitterError(f"--llama-cpp {folder}: not a folder; give a llama.cpp build's bin/ folder")
+    found = {name: root / name for name in BINARIES if (root / name).is_file()}
+    if "llama-server" not in found:
+        raise FitterError(f"--llama-cpp {folder}: no llama-server in it; give the bin/ folder of a llama.cpp build "
+                          "(cmake --build build --target llama-server llama-fit-params)")
+    return LlamaCppBuild(root, found["llama-server"], found.get("llama-fit-params"), found.get("llama-bench"))
+
+
+def parse_list_devices(text: str) -> tuple[ListedDevice, ...]:
+    """`llama-server --list-devices` output → the devices (the CPU is not listed)."""
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"\s+(\S+): (.*) \((\d+) MiB, (\d+) MiB free\)\s*$", line)
+        if m:
+            out.append(ListedDevice(m.group(1), m.group(2), int(m.group(3)) * MIB, int(m.group(4)) * MIB))
+    return tuple(out)
+
+
+def list_devices(build: LlamaCppBuild, rpc: tuple[str, ...] = (), timeout: float = 60.0) -> tuple[ListedDevice, ...]:
+    """The devices the build sees (with `--rpc` servers, if any)."""
+    # --rpc first: the list is printed while the arguments are parsed, with the servers registered so far
+    argv = [str(build.llama_server), *(["--rpc", ",".join(rpc)] if rpc else []), "--list-devices"]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise FitterError(f"{build.llama_server} --list-devices failed: {e}") from None
+    return parse_list_devices(proc.stdout + proc.stderr)
+
+
+def build_devices(listed: tuple[ListedDevice, ...]) -> tuple[tuple[Device, ...], list[str]]:
+    """The estimator's devices for what the build lists, and a warning for each backend fitter has no rules for
+    (its buffers are then not estimated)."""
+    devices, warnings = [], []
+    for d in listed:
+        kind = re.match(r"[A-Za-z]+", d.name)
+        profile = PROFILES.get(kind.group(0) if kind else "")
+        if profile is None:
+            warnings.append(f"{d.name} ({d.description}): fitter has no memory rules for this backend; it is left "
+                            "out of the estimate")
+            continue
+        # an RPC device's buffers are named after its server (`RPC0[host:port]`, ggml-rpc.cpp), its listing is not
+        name = f"{d.name}[{d.description}]" if profile is RPC else d.name
+        devices.append(Device(name, profile, d.total_bytes, d.free_bytes))
+    return tuple(devices), warnings

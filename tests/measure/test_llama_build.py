@@ -1,0 +1,79 @@
+"""fitter.measure.llama_build and `--llama-cpp DIR`: a user's own llama.cpp build runs the trials, gives the
+baseline, keys the results and is named by the exports; tested with the tools built from the pinned source on the
+emulated GPU (nothing in it assumes CUDA)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from fitter.cli import main
+from fitter.errors import FitterError
+from fitter.measure.llama_build import build_devices, find_build, list_devices, parse_list_devices
+from fitter.memory.devices import CUDA, RPC
+from fitter.units import MIB
+from tests.conftest import BUILT_TOOLS
+
+LISTING = """load_backend: loaded RPC backend from /x/libggml-rpc.so
+Available devices:
+  CUDA0: NVIDIA GeForce RTX 4090 (24080 MiB, 23451 MiB free)
+  Vulkan0: AMD Radeon RX 7900 XTX (RADV NAVI31) (24560 MiB, 24000 MiB free)
+  RPC0: 127.0.0.1:50052 (200 MiB, 200 MiB free)
+"""
+
+
+def test_the_devices_a_build_lists() -> None:
+    listed = parse_list_devices(LISTING)
+    assert [(d.name, d.description, d.total_bytes, d.free_bytes) for d in listed] == [
+        ("CUDA0", "NVIDIA GeForce RTX 4090", 24080 * MIB, 23451 * MIB),
+        ("Vulkan0", "AMD Radeon RX 7900 XTX (RADV NAVI31)", 24560 * MIB, 24000 * MIB),
+        ("RPC0", "127.0.0.1:50052", 200 * MIB, 200 * MIB),
+    ]
+    devices, warnings = build_devices(listed)
+    assert [(d.name, d.profile) for d in devices] == [("CUDA0", CUDA), ("RPC0[127.0.0.1:50052]", RPC)]
+    assert warnings == ["Vulkan0 (AMD Radeon RX 7900 XTX (RADV NAVI31)): fitter has no memory rules for this "
+                        "backend; it is left out of the estimate"]
+    assert parse_list_devices("Available devices:\n  (none)\n") == ()
+
+
+def test_a_folder_without_llama_server_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FitterError, match=r"^--llama-cpp .*/nope: not a folder"):
+        find_build(tmp_path / "nope")
+    with pytest.raises(FitterError, match=r"^--llama-cpp .*: no llama-server in it"):
+        find_build(tmp_path)
+
+
+@pytest.mark.tools("llama-server")
+def test_the_build_reports_its_commit_and_sees_an_rpc_device(llama_tools: dict[str, Path]) -> None:
+    from fitter.measure.emulated_gpu import EmulatedGpu
+
+    build = find_build(BUILT_TOOLS)
+    assert build.build() == {"commit": "0c1e570", "source": "llama-server --version",
+                             "llama_server": str(BUILT_TOOLS / "llama-server")}
+    assert list_devices(build) == ()  # a CPU build
+    with EmulatedGpu(200) as gpu:
+        (device,) = build_devices(list_devices(build, (gpu.endpoint,)))[0]
+        assert (device.name, device.profile, device.free_bytes) == (gpu.device_name, RPC, 200 * MIB)
+
+
+@pytest.mark.slow
+@pytest.mark.llama
+@pytest.mark.tools("llama-server", "llama-fit-params")
+def test_tune_through_a_users_build_end_to_end(llama_tools: dict[str, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "--llama-cpp", str(BUILT_TOOLS), "--emulated-gpu", "96", "--fit-target", "16",
+                 "--trials", "3", "-r", "2", "-p", "64", "-n", "16", "--results", str(tmp_path / "r"),
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["llama_cpp"] == {"commit": "0c1e570", "source": "llama-server --version",
+                                "llama_server": str(BUILT_TOOLS / "llama-server")}
+    assert doc["baseline"]["measurement"]["backend"] == "llama-server"  # llama.cpp's own fit, run by the build
+    assert all(e["measurement"]["backend"] == "llama-server" for e in doc["pareto"])
+    folder = next((tmp_path / "r").rglob("pareto.json")).parent
+    assert folder.name == "0c1e570"  # keyed by the build's commit
+    assert main(["export", str(folder), "--format", "server"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert shlex.split(line)[0] == str(BUILT_TOOLS / "llama-server")  # the export names the binary
