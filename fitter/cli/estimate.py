@@ -22,11 +22,36 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     plan = estimate(spec, config, target_devices(ns, config, snapshot), snapshot.cpu_profile)
     for w in plan.warnings:
         warn(w)
+    projection = _projection(ns, spec, config, plan.devices, snapshot.cpu_profile) if ns.llama_cpp else None
     if ns.json:
-        print(json.dumps(plan_json(plan, LLAMA_CPP_TARGET), indent=1, sort_keys=False))
+        out = plan_json(plan, LLAMA_CPP_TARGET)
+        if projection is not None:
+            out["projection"] = projection[0]
+        print(json.dumps(out, indent=1, sort_keys=False))
     else:
         print(plan_table(plan, LLAMA_CPP_TARGET, per_tensor=ns.tensors))
+        if projection is not None:
+            print("\n" + "\n".join(projection[1]))
     return 0
+
+
+def _projection(ns: argparse.Namespace, spec: Any, config: Any, devices: Any, cpu: Any) -> tuple[dict[str, Any],
+                                                                                                  list[str]]:
+    """The build's own projection (`llama-fit-params --fit-print on`) beside fitter's estimate of the same reading
+    of the flags (fitter.measure.projection): JSON and the table's lines."""
+    from fitter.measure.llama_build import find_build
+    from fitter.measure.projection import compare, project, tool_estimate
+
+    build = find_build(ns.llama_cpp)
+    if build.llama_fit_params is None:
+        warn(f"{build.folder}: no llama-fit-params, so no projection of the build's own to compare with")
+        return {"source": None, "llama_cpp": build.build(), "devices": {}}, []
+    proj = project(build.llama_fit_params, spec.path, list(config.flags))
+    ours = tool_estimate(spec, list(config.flags), devices, cpu)
+    lines = [f"the build's own projection ({proj.command}), beside fitter's estimate of the flags as that tool reads "
+             "them (-np streams, logits for a ubatch; the build's MiB are floored, and its host model leaves out "
+             "repacked weights):", *compare(ours, proj.devices)]
+    return {"source": proj.command, "llama_cpp": build.build(), "devices": proj.devices, "fitter": ours}, lines
 
 
 def register(sub: Any) -> None:

@@ -1,0 +1,50 @@
+"""fitter.measure.projection: a build's own projection (`llama-fit-params --fit-print on`) beside fitter's estimate;
+on the build fitter's rules were matched against, the two agree to the build's floored MiB."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fitter.gguf.model_spec import load_model_spec
+from fitter.measure.projection import compare, parse_fit_print, project, tool_estimate
+from fitter.memory.devices import CPU_AVX2, rpc_devices
+from fitter.units import MIB
+from tests.conftest import BUILT_TOOLS
+from tests.models import model_file
+
+
+def test_the_tools_lines() -> None:
+    out = "llama_fit_params: printing ...\nRPC0 12 28 10 \nRPC1 3 4 5\nHost 2 0 12 \n"
+    assert parse_fit_print(out, ("127.0.0.1:5", "127.0.0.1:6")) == {
+        "RPC0[127.0.0.1:5]": {"model": 12 * MIB, "kv": 28 * MIB, "compute": 10 * MIB},
+        "RPC1[127.0.0.1:6]": {"model": 3 * MIB, "kv": 4 * MIB, "compute": 5 * MIB},
+        "CPU": {"model": 2 * MIB, "kv": 0, "compute": 12 * MIB},
+    }
+    lines = compare({"CPU": {"model": 3 * MIB, "kv": MIB, "compute": MIB}}, {"CPU": {"model": 2 * MIB}})
+    assert lines[1] == f"{'CPU':<28}{'model':<9}{3.0:10.2f}{2.0:10.2f}{1.0:+10.2f}"
+    assert lines[2].endswith(f"{'-':>10}{'-':>10}")
+
+
+@pytest.mark.llama
+@pytest.mark.tools("llama-fit-params")
+@pytest.mark.parametrize("flags", [["-c", "4096", "-nr"], ["-c", "4096", "-ub", "2048", "-b", "2048", "-nr"],
+                                   ["-c", "8192", "-np", "2", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-nr"],
+                                   ["-c", "4096", "-ngl", "all", "-cmoe"], ["-c", "4096", "-ngl", "3"]])
+def test_the_pinned_build_projects_what_fitter_estimates(llama_tools: dict[str, Path], flags: list[str]) -> None:
+    from fitter.measure.emulated_gpu import EmulatedGpu
+
+    model = model_file("demo")
+    spec = load_model_spec(str(model))
+    with EmulatedGpu(4000) as gpu:
+        on_gpu = "-ngl" in flags
+        flags = [*flags, "--rpc", gpu.endpoint] if on_gpu else flags
+        theirs = project(BUILT_TOOLS / "llama-fit-params", model, flags).devices
+        ours = tool_estimate(spec, flags, rpc_devices([gpu.endpoint]) if on_gpu else (), CPU_AVX2)
+    assert ours.keys() == theirs.keys()
+    for name, kinds in theirs.items():
+        for kind, built in kinds.items():
+            if name == "CPU" and kind == "model" and "-nr" not in flags:
+                continue  # the dry run allocates no CPU_REPACK buffer and leaves those weights out
+            assert 0 <= ours[name][kind] - built < MIB, (name, kind, ours[name][kind] / MIB, built / MIB)
