@@ -65,7 +65,7 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         trials=ns.trials, timeout_s=ns.timeout, trial_timeout_s=ns.trial_timeout, seed=ns.seed,
         n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions, storage=ns.storage,
         results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu, emulated_cuda=ns.emulated_cuda,
-        llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp,
+        llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp, projection=ns.projection,
         backend=ns.backend, machine=ns.machine)
     snapshot = take_snapshot() if ns.backend != "sim" else None
     outcome = run_tune(options, snapshot, log, progress_printer, dry_run=ns.dry_run)
@@ -120,6 +120,10 @@ def register(sub: Any) -> None:
     tune.add_argument("--llama-fit-params", metavar="PATH", help="llama.cpp's llama-fit-params for the baseline")
     add_llama_cpp(tune, "every trial runs its llama-server at the deployed context, its llama-fit-params gives the "
                   "baseline, its commit keys the results")
+    tune.add_argument("--projection", choices=("auto", "always", "never"), default="auto",
+                      help="with --llama-cpp: screen each config with the build's own projection too (llama-fit-params "
+                      "--fit-print) — auto: when the build is another commit or backend than fitter's rules were "
+                      "matched against")
     tune.add_argument("--seed", type=int, default=0)
     add_process_arguments(tune, {"-t": "fix the threads (removes threads from the search)",
                                  "-tb": "fix the batch threads (removes threads-batch from the search)"},

@@ -43,7 +43,10 @@ class Screener:
             if reason is not None:
                 self._cache[key] = Screen(None, {}, reason)
             else:
-                self._cache[key] = screen(self.req.spec, cand.config, self.req.devices, self.req.cpu, self.budgets)
+                s = screen(self.req.spec, cand.config, self.req.devices, self.req.cpu, self.budgets)
+                if s.feasible and self.req.projector is not None:  # the drift guard: ask the build too
+                    s = s.with_projection(self.req.projector(cand.config), self.budgets)
+                self._cache[key] = s
         return self._cache[key]
 
     def placement(self, params: dict[str, Any]) -> dict[str, Any] | None:

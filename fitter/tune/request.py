@@ -5,6 +5,7 @@ bench spec with its threads, and the flags a trial records."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +49,9 @@ class TuneRequest:
     seed: int = 0
     rpc: tuple[str, ...] = ()
     space_source: str = ""  # where the search space came from (a file, or shipped:<name>)
+    # the build's own projection of a config (device → {model, kv, compute} bytes), asked before each launch when
+    # the build is not the llama.cpp fitter's rules were matched against (the drift guard, fitter.tune.session)
+    projector: Callable[[LaunchConfig], dict[str, dict[str, int]]] | None = field(default=None, compare=False)
 
     @property
     def default_threads(self) -> int:

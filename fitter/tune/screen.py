@@ -34,6 +34,17 @@ class Screen:
     plan: MemoryPlan | None
     constraints: dict[str, float]  # "vram:CUDA0" / "ram" → MiB over budget (≤ 0 feasible)
     error: str | None = None  # llama.cpp would refuse the config (e.g. quantized V without flash attention)
+    projection: dict[str, dict[str, int]] | None = None  # the build's own projection, when the drift guard asked
+
+    def with_projection(self, projection: dict[str, dict[str, int]], budgets: Budgets) -> Screen:
+        """Screened with the larger of fitter's estimate and the build's projection on each device."""
+        constraints = dict(self.constraints)
+        for name, budget in budgets.devices.items():
+            if name in projection:
+                theirs = sum(projection[name].values()) + budgets.margins.get(name, 0)
+                constraints[f"vram:{name}"] = max(constraints.get(f"vram:{name}", float("-inf")),
+                                                  (theirs - budget) / MIB)
+        return replace(self, constraints=constraints, projection=projection)
 
     @property
     def feasible(self) -> bool:

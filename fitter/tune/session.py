@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from fitter.flags.parse import flag_groups
 from fitter.flags.vocabulary import fixing
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot
+from fitter.measure.llama_build import LlamaCppBuild
 from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, check_target_count, device_budgets
 from fitter.memory.devices import Device
@@ -76,6 +77,7 @@ class TuneOptions:
     emulated_cuda: bool = False  # `--emulated-gpu cuda:MiB`: the CUDA-shaped emulated GPU
     llama_fit_params: str | None = None
     llama_cpp: str | None = None  # `--llama-cpp DIR`: trials through that build's llama-server, its fit the baseline
+    projection: str = "auto"  # the drift guard with --llama-cpp: auto (another build or backend), always, never
     backend: str = "llama-cpp-python"
     machine: str | None = None  # --backend sim: the simulated machine
 
@@ -223,6 +225,8 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
 
     with runner:
         req = plan_request(o, target, target.devices(runner), runner.rpc)
+        if users is not None:
+            req = replace(req, projector=drift_guard(o, users, build["commit"], runner.rpc, log))
         tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5)
         fit_devices: Any = sim_fit_devices(req) if target.sim is not None else (
             lambda: contextlib.nullcontext(req.rpc))
@@ -255,3 +259,41 @@ def record_overheads(study: optuna.Study, snapshot: MachineSnapshot, log: Callab
             if problem:
                 log(f"fitter: warning: {problem}")
                 return
+
+
+def drift_guard(o: TuneOptions, users: LlamaCppBuild, commit: str, rpc: tuple[str, ...],
+                log: Callable[[str], None]) -> Callable[[LaunchConfig], dict[str, dict[str, int]]] | None:
+    """The build's own projection of each config before it is launched, when fitter's rules may not hold for it:
+    another commit than the one they were matched against, a CUDA device (no golden from a CUDA build yet) or a
+    backend fitter has no rules for (`--projection auto`); `always`/`never` force it. The screen then takes the
+    larger of the two per device (fitter.tune.screen.Screen.with_projection), and the trial records both."""
+    from fitter import LLAMA_CPP_TARGET
+    from fitter.flags import pin
+    from fitter.measure.llama_build import list_devices
+    from fitter.measure.projection import project
+
+    tool = users.llama_fit_params
+    if o.projection == "never" or tool is None:
+        if o.projection == "always":
+            raise FitterError(f"--projection always: {users.folder} has no llama-fit-params to project with")
+        return None
+    why = None
+    if o.projection == "always":
+        why = "asked for"
+    elif not commit.startswith(LLAMA_CPP_TARGET["commit"]):
+        why = f"the build is {commit}, fitter's rules were matched against {LLAMA_CPP_TARGET['commit']}"
+    else:
+        names = [d.name for d in list_devices(users, rpc)]
+        other = [n for n in names if not n.startswith("RPC")]
+        if other:
+            why = f"{', '.join(other)}: no golden data from that backend yet"
+    if why is None:
+        return None
+    log(f"fitter: drift guard on ({why}): each config is projected by {tool} before it is launched, and screened "
+        "with the larger of that and fitter's estimate")
+    model = o.model
+
+    def projector(config: LaunchConfig) -> dict[str, dict[str, int]]:
+        return project(tool, model, pin(config)).devices
+
+    return projector

@@ -97,6 +97,8 @@ class Tuner:
         self._attrs(trial, cand, phase)
         if s.plan is not None:
             trial.set_user_attr("predicted_bytes", {k: v for k, v in device_totals(s.plan).items()})
+        if s.projection is not None:
+            trial.set_user_attr("projected_bytes", {k: sum(v.values()) for k, v in s.projection.items()})
         trial.set_user_attr("reason", s.reason())
         for name, value in (s.constraints or {"invalid": 1.0}).items():
             trial.set_constraint(name, value if s.error is None else max(value, 1.0))
@@ -166,6 +168,8 @@ class Tuner:
         trial.set_user_attr("launched", True)
         if s is not None and s.plan is not None:
             trial.set_user_attr("predicted_bytes", device_totals(s.plan))
+            if s.projection is not None:  # the build's own projection, beside fitter's (the drift guard)
+                trial.set_user_attr("projected_bytes", {k: sum(v.values()) for k, v in s.projection.items()})
         self.on_event("start", self.progress, self.study)
         stop_heartbeat = self._heartbeat(trial)
         try:

@@ -66,7 +66,7 @@ def test_tune_through_a_users_build_end_to_end(llama_tools: dict[str, Path], tmp
                                                capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tune", "--llama-cpp", str(BUILT_TOOLS), "--emulated-gpu", "96", "--fit-target", "16",
                  "--trials", "3", "-r", "2", "-p", "64", "-n", "16", "--results", str(tmp_path / "r"),
-                 "--json"]) == 0
+                 "--projection", "always", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["llama_cpp"] == {"commit": "0c1e570", "source": "llama-server --version",
                                 "llama_server": str(BUILT_TOOLS / "llama-server")}
@@ -74,6 +74,19 @@ def test_tune_through_a_users_build_end_to_end(llama_tools: dict[str, Path], tmp
     assert all(e["measurement"]["backend"] == "llama-server" for e in doc["pareto"])
     folder = next((tmp_path / "r").rglob("pareto.json")).parent
     assert folder.name == "0c1e570"  # keyed by the build's commit
+    # the drift guard (forced: this is the build fitter's rules were matched against): every launched config was
+    # projected by the build's llama-fit-params too, and the two agree within the tool's other reading of the flags
+    # (logits for a ubatch, streams never unified) and its floored MiB
+    import optuna
+
+    storage = f"sqlite:///{folder / 'study.db'}"
+    study = optuna.load_study(study_name=optuna.get_all_study_summaries(storage)[0].study_name, storage=storage)
+    launched = [t for t in study.trials if t.user_attrs.get("launched")]
+    assert launched and all("projected_bytes" in t.user_attrs for t in launched)
+    for t in launched:
+        for name, predicted in t.user_attrs["predicted_bytes"].items():
+            if name != "CPU":
+                assert abs(t.user_attrs["projected_bytes"][name] - predicted) < 4 * MIB, (t.number, name)
     assert main(["export", str(folder), "--format", "server"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert shlex.split(line)[0] == str(BUILT_TOOLS / "llama-server")  # the export names the binary
