@@ -59,7 +59,15 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
     cpu, gpus = snapshot.cpu, snapshot.gpus
     notes: list[str] = []
     default_fit_target = None
-    if emulated_mib is None and not gpus and not base.rpc and demo:
+    no_emulator = None
+    if llama_cpp is not None and emulated_mib is None and not gpus and not base.rpc and demo:
+        from fitter.measure.capdev import emulated_gpu_problem
+
+        no_emulator = emulated_gpu_problem()  # a user's build alone (no llama-cpp-python) has no emulated GPU
+        if no_emulator is not None:
+            notes.append("no GPU found and no emulated GPU without llama-cpp-python: tuning the demo model on the "
+                         "CPU with your build")
+    if emulated_mib is None and not gpus and not base.rpc and demo and no_emulator is None:
         emulated_mib = DEMO_EMULATED_GPU_MIB
         default_fit_target = (DEMO_FIT_TARGET_MIB,)
         shown = ",".join(map(str, fit_targets or default_fit_target))

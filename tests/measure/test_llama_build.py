@@ -90,3 +90,22 @@ def test_tune_through_a_users_build_end_to_end(llama_tools: dict[str, Path], tmp
     assert main(["export", str(folder), "--format", "server"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert shlex.split(line)[0] == str(BUILT_TOOLS / "llama-server")  # the export names the binary
+
+
+@pytest.mark.slow
+@pytest.mark.tools("llama-server", "llama-fit-params")
+def test_a_users_build_needs_no_llama_cpp_python(llama_tools: dict[str, Path], tmp_path: Path) -> None:
+    """`pip install` of fitter alone beside an existing llama.cpp: llama-cpp-python hidden from the process (as when
+    it is not installed), the demo model is tuned on the CPU through the build's llama-server."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['llama_cpp'] = None; from fitter.cli import main; "
+            f"sys.exit(main(['tune', '--llama-cpp', {str(BUILT_TOOLS)!r}, '--trials', '3', '-r', '2', '-p', '64', "
+            f"'-n', '16', '--results', {str(tmp_path / 'r')!r}, '--json']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no GPU found and no emulated GPU without llama-cpp-python: tuning the demo model on the CPU" in proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["llama_cpp"]["llama_server"] == str(BUILT_TOOLS / "llama-server") and doc["pareto"]
+    assert all(e["measurement"]["backend"] == "llama-server" for e in doc["pareto"])
