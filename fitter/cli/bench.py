@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the measuring side loads when a command measures, not when 
 
 def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnapshot, vocab_size: int) -> TrialRunner:
     """The backend the user chose: fitter's worker (default), their llama-server or their llama-bench."""
-    from fitter.measure.runner import LlamaBenchRunner, ServerRunner, WorkerRunner
+    from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, LlamaBenchRunner, ServerRunner, WorkerRunner
 
     nvml = bool(snapshot.gpus)
     if ns.llama_cpp:  # the build's own llama-server
@@ -39,8 +39,7 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
     if ns.llama_server and ns.llama_bench:
         raise LaunchConfigError("--llama-server and --llama-bench: measure with one backend at a time")
     if ns.emulated_cuda and (ns.llama_server or ns.llama_bench):
-        raise LaunchConfigError("--emulated-gpu cuda:MiB: CUDA's rules live in fitter's own llama.cpp client, which "
-                                "a llama-server or llama-bench binary is not; use --emulated-gpu MiB with them")
+        raise LaunchConfigError(CUDA_SHAPED_NEEDS_WORKER)
     if ns.llama_bench:
         if ns.threads_batch is not None:
             raise LaunchConfigError("-tb: llama-bench has one thread count (-t) for prefill and decode")
@@ -83,10 +82,10 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     result["machine"] = snapshot.record()
     print(json.dumps(result, indent=1) if ns.json else bench_table(result))
     if snapshot.gpus and result["outcome"] == "ok":
-        from fitter.machine.overhead import record_measurement
+        from fitter.machine.overhead import record_measurements
 
-        problem = record_measurement(result, snapshot.gpus, result["machine"]["fingerprint"],
-                                     snapshot.nvidia.driver, f"fitter bench {time.strftime('%Y-%m-%d')}")
+        problem = record_measurements([(result, f"fitter bench {time.strftime('%Y-%m-%d')}")], snapshot.gpus,
+                                      result["machine"]["fingerprint"], snapshot.nvidia.driver)
         if problem:
             warn(problem)
     return 0 if result["outcome"] == "ok" else 1

@@ -4,7 +4,6 @@ devices, the llama.cpp flags as the user gave them, notes on stderr."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -72,24 +71,20 @@ def launch_args(ns: argparse.Namespace, flags: list[str]) -> tuple[LaunchConfig,
 
 
 def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: MachineSnapshot) -> tuple[Device, ...]:
-    """`--devices`, else the config's `--rpc` servers, else this machine's NVIDIA GPUs; CUDA devices take
-    GGML_OP_OFFLOAD_MIN_BATCH from the environment as ggml-cuda does."""
-    from fitter.memory.devices import with_offload_min_batch
-
-    return with_offload_min_batch(_target_devices(ns, config, snapshot), os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
-
-
-def _target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: MachineSnapshot) -> tuple[Device, ...]:
+    """`--llama-cpp DIR`'s devices, else `--devices`, else the config's `--rpc` servers, else this machine's NVIDIA
+    GPUs (already read as the llama.cpp fitter starts will see them); each as that llama.cpp will see it
+    (fitter.machine.snapshot.with_environment)."""
+    from fitter.machine.snapshot import with_environment
     from fitter.memory.devices import parse_devices, rpc_devices
 
     if getattr(ns, "llama_cpp", None) and not getattr(ns, "devices", ""):
-        return llama_cpp_devices(ns.llama_cpp, config)
+        return with_environment(llama_cpp_devices(ns.llama_cpp, config))
 
     devices_arg = getattr(ns, "devices", "")
     if devices_arg and config.rpc:
         raise LaunchConfigError(f"--devices {devices_arg} and --rpc {','.join(config.rpc)}: give one target, not both")
     if devices_arg:
-        return parse_devices(devices_arg)
+        return with_environment(parse_devices(devices_arg))
     if config.rpc:
         return rpc_devices(list(config.rpc))
     return snapshot.devices()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 from dataclasses import replace
 from typing import Any
 
@@ -21,8 +20,7 @@ from fitter.cli.common import (
 from fitter.errors import LaunchConfigError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, parse_launch_flags, pin, server_command
 from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, parse_fit_targets
-from fitter.memory.devices import CUDA, RPC, Device, with_offload_min_batch
-from fitter.units import MIB
+from fitter.memory.devices import Device
 
 
 def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
@@ -43,10 +41,7 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
             if ns.devices or config.rpc:
                 raise LaunchConfigError("--emulated-gpu replaces --devices and --rpc: give one target")
             gpu = stack.enter_context(EmulatedGpu(cap_mib=ns.emulated_gpu, cuda=ns.emulated_cuda))
-            cap = ns.emulated_gpu * MIB
-            devices: tuple[Device, ...] = with_offload_min_batch(
-                (Device(gpu.device_name, CUDA if ns.emulated_cuda else RPC, cap, cap),),
-                os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
+            devices: tuple[Device, ...] = (gpu.device(),)
         else:
             devices = target_devices(ns, config, snapshot)
         result = fit(spec, config, devices, targets, ns.fit_ctx, snapshot.cpu_profile)

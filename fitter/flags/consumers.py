@@ -117,11 +117,16 @@ def _spelling(field: str) -> str:
     return names[0] if names else field
 
 
+def _given(config: Any) -> set[str]:
+    from fitter.flags.parse import fields_given  # parse imports this module
+
+    return fields_given(config.flags)
+
+
 def with_bench_context(config: Any, n_tokens: int) -> Any:
     """llama-bench sizes its context as p + n + d (`to_llama_cparams`): for `--for llama-bench` without -c, the
     measured run's tokens are the context."""
-    if config.consumer != "llama-bench" or any(f in config.flags for f in ("-c", "--ctx-size")) \
-            or any(f.startswith("--ctx-size=") for f in config.flags):
+    if config.consumer != "llama-bench" or "ctx_size" in _given(config):
         return config
     return dataclasses.replace(config, ctx_size=n_tokens)
 
@@ -133,5 +138,5 @@ def server_flags(config: Any) -> list[str]:
     if not consumer(config.consumer).outputs_per_slot:
         raise LaunchConfigError(f"--for {config.consumer}: llama-server cannot run the C API's memory rules "
                                 "(logits for a whole ubatch); measure with fitter's worker (no --llama-server)")
-    given = any(f in config.flags for f in ("-np", "--parallel"))
+    given = "parallel" in _given(config)
     return [*config.flags, *([] if given or config.consumer == DEFAULT_CONSUMER else ["-np", str(config.parallel)])]

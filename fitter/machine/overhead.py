@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -70,18 +71,23 @@ def overhead_for(gpu: GpuInfo, fingerprint: str | None, driver: str | None) -> O
     return default_overhead(gpu.name, gpu.compute_capability, sm_count(gpu.cuda_cores, gpu.compute_capability))
 
 
-def record_measurement(measurement: dict[str, Any], gpus: tuple[GpuInfo, ...], fingerprint: str,
-                       driver: str | None, where: str) -> str | None:
-    """Keep the overhead a measurement (`fitter bench --json` shape) saw on this machine's GPUs: its devices'
-    `overhead`, NVML's peak beyond the buffers llama.cpp logged there. Returns why it could not be kept (a fitter
-    home that cannot be written), else None: the measurement itself is never lost to this."""
+def record_measurements(measurements: Iterable[tuple[dict[str, Any], str]], gpus: tuple[GpuInfo, ...],
+                        fingerprint: str, driver: str | None) -> str | None:
+    """Keep the largest overhead measurements (`fitter bench --json` shape, each with where it was taken) saw on
+    this machine's GPUs: their devices' `overhead`, NVML's peak beyond the buffers llama.cpp logged there; the file
+    is written once per GPU, not once per measurement. Returns why it could not be kept (a fitter home that cannot
+    be written), else None: the measurements themselves are never lost to this."""
     by_name = {f"CUDA{g.index}": g for g in gpus}
-    for name, device in (measurement.get("devices") or {}).items():
-        nbytes = device.get("overhead")
-        if name in by_name and isinstance(nbytes, int) and nbytes >= 0:
-            gpu = by_name[name]
-            try:
-                record(fingerprint, driver, gpu.uuid or gpu.name, nbytes, where)
-            except OSError as e:
-                return f"could not keep the measured overhead in {_path()}: {e.strerror or e}"
+    largest: dict[str, tuple[int, str]] = {}
+    for measurement, where in measurements:
+        for name, device in (measurement.get("devices") or {}).items():
+            nbytes = device.get("overhead")
+            if name in by_name and isinstance(nbytes, int) and nbytes >= largest.get(name, (0, ""))[0]:
+                largest[name] = (nbytes, where)
+    for name, (nbytes, where) in largest.items():
+        gpu = by_name[name]
+        try:
+            record(fingerprint, driver, gpu.uuid or gpu.name, nbytes, where)
+        except OSError as e:
+            return f"could not keep the measured overhead in {_path()}: {e.strerror or e}"
     return None

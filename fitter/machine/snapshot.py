@@ -15,7 +15,14 @@ from fitter.machine.cpu import CpuInfo, RamInfo, build_cpu_info, detect_ram, rea
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.machine.nvidia import GpuInfo, NvidiaInfo, detect_nvidia
 from fitter.machine.overhead import overhead_for
-from fitter.memory.devices import CUDA, CpuProfile, Device, cpu_profile_for, with_offload_min_batch
+from fitter.memory.devices import (
+    CUDA,
+    OFFLOAD_MIN_BATCH_ENV,
+    CpuProfile,
+    Device,
+    cpu_profile_for,
+    with_offload_min_batch,
+)
 
 
 @dataclass(frozen=True)
@@ -32,9 +39,8 @@ class MachineSnapshot:
         outside llama.cpp's buffers (measured here before, else the default of its class); `gpus_now()` re-reads
         the free memory."""
         fingerprint = self.record()["fingerprint"] if self.gpus else None
-        return with_offload_min_batch(tuple(Device(f"CUDA{g.index}", CUDA, g.memory_total, g.memory_free,
-                                                   overhead_for(g, fingerprint, self.nvidia.driver))
-                                            for g in self.gpus), os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
+        return with_environment(tuple(Device(f"CUDA{g.index}", CUDA, g.memory_total, g.memory_free,
+                                             overhead_for(g, fingerprint, self.nvidia.driver)) for g in self.gpus))
 
     @property
     def cpu_profile(self) -> CpuProfile:
@@ -67,7 +73,13 @@ def gpus_now(snapshot: MachineSnapshot | None = None) -> tuple[Device, ...]:
                        source=overhead.source + (f", less {held[name] / 2**20:.0f} MiB fitter's processes already hold"
                                                  if held.get(name) else ""))
         out.append(Device(name, CUDA, g.memory_total, g.memory_free, left))
-    return with_offload_min_batch(tuple(out), os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
+    return with_environment(tuple(out))
+
+
+def with_environment(devices: tuple[Device, ...]) -> tuple[Device, ...]:
+    """`devices` as the llama.cpp fitter starts will see them: its children inherit this environment, and ggml-cuda
+    reads GGML_OP_OFFLOAD_MIN_BATCH from it (the estimator itself reads no environment)."""
+    return with_offload_min_batch(devices, os.environ.get(OFFLOAD_MIN_BATCH_ENV))
 
 
 def take_snapshot() -> MachineSnapshot:

@@ -28,7 +28,7 @@ from typing import Any
 
 from fitter.flags import LaunchConfig, TensorOverride
 from fitter.flags.consumers import consumer
-from fitter.memory.devices import offload_min_batch
+from fitter.memory.devices import OFFLOAD_MIN_BATCH_ENV, offload_min_batch
 
 # llama.h enum llama_load_mode / enum llama_flash_attn_type
 LOAD_MODE_AUTO = -1
@@ -126,7 +126,7 @@ class Ggml:
         lib.fitter_cudadev_patch.restype = ctypes.c_int
         self._sig(self.base, "ggml_backend_reg_dev_count", [ctypes.c_void_p], ctypes.c_size_t)
         self._sig(self.base, "ggml_backend_reg_dev_get", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p)
-        min_batch = offload_min_batch(os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))  # as ggml-cuda.cu reads it
+        min_batch = offload_min_batch(os.environ.get(OFFLOAD_MIN_BATCH_ENV))  # as ggml-cuda.cu reads it
         for i in range(self.base.ggml_backend_reg_dev_count(reg)):
             rc = lib.fitter_cudadev_patch(self.base.ggml_backend_reg_dev_get(reg, i), self.cpu_buffer_type(),
                                           min_batch)

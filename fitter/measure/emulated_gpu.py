@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from fitter.machine.snapshot import with_environment
 from fitter.measure import process
 from fitter.measure.capdev import (
     _DIR_PREFIX,
@@ -49,6 +50,7 @@ from fitter.measure.capdev import (
     shim_library,
 )
 from fitter.measure.capi import CUDA_RPC_ENV
+from fitter.memory.devices import CUDA, RPC, Device
 from fitter.units import MIB
 
 __all__ = ["EmulatedGpu", "EmulatedGpuError", "EmulatedGpuStats", "emulated_gpu_problem"]
@@ -68,6 +70,12 @@ def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
         return s.connect_ex((HOST, port)) != 0
+
+
+def emulated_device(name: str, cap_bytes: int, cuda: bool) -> Device:
+    """The emulated GPU as the estimator sees it: free memory = its cap, RPC's rules or (CUDA-shaped) CUDA's."""
+    (device,) = with_environment((Device(name, CUDA if cuda else RPC, cap_bytes, cap_bytes),))
+    return device
 
 
 def _set_cuda_endpoint(endpoint: str, on: bool) -> None:
@@ -180,6 +188,10 @@ class EmulatedGpu:
         the client registers; the client's device list calls it `RPC<n>` with a client-wide counter.
         """
         return f"RPC0[{self.endpoint}]"
+
+    def device(self) -> Device:
+        """This device as the estimator sees it (`emulated_device`)."""
+        return emulated_device(self.device_name, self.cap_bytes, self.cuda)
 
     @property
     def pid(self) -> int | None:

@@ -41,9 +41,9 @@ class LlamaCppBuild:
 
     def build(self) -> dict[str, str]:
         """The commit the build reports, and where it was read (`llama-server --version`)."""
-        from fitter.measure.server import server_build
+        from fitter.measure.server import binary_build
 
-        return {**server_build(str(self.llama_server)), "llama_server": str(self.llama_server)}
+        return binary_build(str(self.llama_server))
 
 
 def find_build(folder: str | Path) -> LlamaCppBuild:

@@ -13,7 +13,6 @@ trial.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -25,9 +24,13 @@ from fitter.flags.consumers import server_flags
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.measure.types import BenchSpec, Measurement, TrialResult
 from fitter.measure.worker import Worker
-from fitter.memory.devices import CUDA, RPC, CpuProfile, Device, with_offload_min_batch
+from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.estimator import MemoryPlan
 
+# The CUDA-shaped emulated GPU's client rules are loaded into fitter's own llama.cpp client (fitter.measure.capi):
+# a llama-server or llama-bench binary would see a plain RPC device.
+CUDA_SHAPED_NEEDS_WORKER = ("--emulated-gpu cuda:MiB: CUDA's rules live in fitter's own llama.cpp client, which a "
+                            "llama-server or llama-bench binary is not; use --emulated-gpu MiB with them")
 DEFAULT_TIMEOUT_S = 600.0  # a user's llama-server or llama-bench, when the caller gives no limit
 
 
@@ -112,9 +115,7 @@ class _Devices:
         """The emulated device as the estimator sees it (its free memory is its cap)."""
         if self._gpu is None:
             return ()
-        cap = self._gpu.cap_bytes
-        device = Device(self._gpu.device_name, CUDA if self._cuda else RPC, cap, cap)
-        return with_offload_min_batch((device,), os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
+        return (self._gpu.device(),)
 
     def cpu_profile(self) -> CpuProfile | None:
         return None  # this machine's CPU runs the trials
@@ -186,9 +187,9 @@ class ServerRunner(_Devices):
 
     def build(self) -> dict[str, str]:
         """The commit the binary reports, and the binary (results and exports name it)."""
-        from fitter.measure.server import server_build
+        from fitter.measure.server import binary_build
 
-        return {**server_build(self.binary), "llama_server": str(Path(self.binary).resolve())}
+        return binary_build(self.binary)
 
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: MemoryPlan | None = None) -> TrialResult:

@@ -73,6 +73,11 @@ def server_build(binary: str) -> dict[str, str]:
     return {"commit": match.group(1) if match else "unknown", "source": f"{Path(binary).name} --version"}
 
 
+def binary_build(binary: str) -> dict[str, str]:
+    """`server_build` and the binary itself (results and exports name it: `--llama-cpp DIR`)."""
+    return {**server_build(binary), "llama_server": str(Path(binary).resolve())}
+
+
 def _stats(n: int, depth: int, samples_ts: list[float]) -> SpeedStats:
     return SpeedStats.from_ns(n, depth, [round(n * 1e9 / ts) for ts in samples_ts])
 

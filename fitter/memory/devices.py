@@ -16,6 +16,8 @@ from fitter.memory.overhead import Overhead, default_overhead
 from fitter.units import MIB
 
 CPU_ALIGNMENT = 32  # TENSOR_ALIGNMENT, ggml/src/ggml-impl.h
+OFFLOAD_MIN_BATCH_ENV = "GGML_OP_OFFLOAD_MIN_BATCH"  # ggml-cuda.cu: read once when the CUDA backend registers
+OFFLOAD_MIN_BATCH = 32  # its value when unset
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,8 @@ class DeviceProfile:
     validated: str  # how this profile was checked against llama.cpp
     cuda_rules: bool = False  # CUDA's allocation sizes and flash-attention support (fitter.memory.cuda)
     # the batch from which op offload takes an op with a host weight: ggml-cuda.cu reads GGML_OP_OFFLOAD_MIN_BATCH
-    # once, default 32 (`with_offload_min_batch` applies the environment at a command's edge)
-    offload_min_batch: int = 32
+    # once, default 32 (fitter.machine.snapshot.with_environment applies the environment at a command's edge)
+    offload_min_batch: int = OFFLOAD_MIN_BATCH
 
 
 CUDA = DeviceProfile("cuda", 128, 512, "CUDA_Host", True,
@@ -99,7 +101,7 @@ def c_atoi(text: str) -> int:
 
 def offload_min_batch(value: str | None) -> int:
     """GGML_OP_OFFLOAD_MIN_BATCH as ggml-cuda.cu reads it: `getenv(...) ? atoi(getenv(...)) : 32`."""
-    return 32 if value is None else c_atoi(value)
+    return OFFLOAD_MIN_BATCH if value is None else c_atoi(value)
 
 
 def with_offload_min_batch(devices: tuple[Device, ...], value: str | None) -> tuple[Device, ...]:

@@ -248,17 +248,13 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
 def record_overheads(study: optuna.Study, snapshot: MachineSnapshot, log: Callable[[str], None]) -> None:
     """What NVML saw the trials use on this machine's GPUs beyond llama.cpp's buffers, kept for later budgets
     (fitter.machine.overhead): the next estimate, fit or tune here plans with it instead of the default."""
-    from fitter.machine.overhead import record_measurement
+    from fitter.machine.overhead import record_measurements
 
-    fingerprint = snapshot.record()["fingerprint"]
-    for t in study.get_trials(deepcopy=False):
-        m = t.user_attrs.get("measurement")
-        if isinstance(m, dict) and m.get("outcome") == "ok":
-            problem = record_measurement(m, snapshot.gpus, fingerprint, snapshot.nvidia.driver,
-                                         f"fitter tune trial {t.number}")
-            if problem:
-                log(f"fitter: warning: {problem}")
-                return
+    measured = [(m, f"fitter tune trial {t.number}") for t in study.get_trials(deepcopy=False)
+                if isinstance(m := t.user_attrs.get("measurement"), dict) and m.get("outcome") == "ok"]
+    problem = record_measurements(measured, snapshot.gpus, snapshot.record()["fingerprint"], snapshot.nvidia.driver)
+    if problem:
+        log(f"fitter: warning: {problem}")
 
 
 def drift_guard(o: TuneOptions, users: LlamaCppBuild, commit: str, rpc: tuple[str, ...],

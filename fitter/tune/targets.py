@@ -8,7 +8,6 @@ machine record that keys the results, cores and thread defaults, host RAM, the C
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,9 @@ from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
-from fitter.measure.runner import ServerRunner, TrialRunner, WorkerRunner
-from fitter.memory.devices import CUDA, RPC, CpuProfile, Device, rpc_devices, with_offload_min_batch
+from fitter.measure.emulated_gpu import emulated_device
+from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner
+from fitter.memory.devices import CpuProfile, Device, rpc_devices
 from fitter.tune.storage import machine_dir_name
 from fitter.units import GIB, MIB
 
@@ -90,9 +90,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         if emulated_cuda:
             machine["emulated_gpu_kind"] = "cuda"  # `fitter check` starts the same kind
         cap = emulated_mib * MIB
-        planned: tuple[Device, ...] = with_offload_min_batch(
-            (Device(f"RPC0[{PLACEHOLDER_ENDPOINT}]", CUDA if emulated_cuda else RPC, cap, cap),),
-            os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH"))
+        planned: tuple[Device, ...] = (emulated_device(f"RPC0[{PLACEHOLDER_ENDPOINT}]", cap, emulated_cuda),)
     else:
         planned = own
     cpus, nvml, build = process.cpus, bool(gpus), snapshot.llama_cpp or None
@@ -102,8 +100,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
             from fitter.measure.llama_build import find_build
 
             if emulated_cuda:
-                raise FitterError("--emulated-gpu cuda:MiB: CUDA's rules live in fitter's own llama.cpp client, "
-                                  "which a llama-server binary is not; use --emulated-gpu MiB with --llama-cpp")
+                raise FitterError(CUDA_SHAPED_NEEDS_WORKER)
             return ServerRunner(str(find_build(llama_cpp).llama_server), emulated_mib, process, nvml=nvml)
         return WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=nvml, build=build,
                             emulated_cuda=emulated_cuda)

@@ -8,7 +8,7 @@ import json
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.machine.nvidia import GpuInfo
-from fitter.machine.overhead import overhead_for, record, record_measurement
+from fitter.machine.overhead import overhead_for, record, record_measurements
 from fitter.measure.render import bench_json
 from fitter.measure.types import Measurement
 from fitter.memory.budgets import device_budgets
@@ -72,8 +72,9 @@ def test_a_measurement_says_what_nvml_saw_beyond_the_logged_buffers() -> None:
     out = bench_json(m, "llama-cpp-python", plan, emulated=False,
                      peak_vram={"CUDA0": {"bytes": 700 * MIB, "source": "nvml"}})
     assert out["devices"]["CUDA0"]["overhead"] == 580 * MIB
-    record_measurement(out, (RTX_4090,), "fp2", "580.1", "test")
-    assert overhead_for(RTX_4090, "fp2", "580.1").bytes == 580 * MIB
+    smaller = {"devices": {"CUDA0": {"overhead": 400 * MIB}}}
+    assert record_measurements([(out, "trial 1"), (smaller, "trial 2")], (RTX_4090,), "fp2", "580.1") is None
+    assert overhead_for(RTX_4090, "fp2", "580.1") == measured_overhead(580 * MIB, "trial 1")  # the largest
 
 
 def test_a_device_built_from_this_machine_carries_its_overhead() -> None:
