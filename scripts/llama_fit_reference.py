@@ -10,8 +10,9 @@ allocations past it), then loads llama.cpp's chosen placement on the same capped
 (the cap's peak counter). `fitter fit` is compared against this file.
 
 The tool is built once by `fitter.measure.tools` from the llama.cpp source vendored in llama-cpp-python 0.3.36 (the
-version fitter pins; `--llama-src DIR` names a llama.cpp tree instead) and cached with llama-server and
-llama-bench in `fitter_home()/tools/llama.cpp-0.3.36/`, so later runs skip the build.
+version fitter pins; `--llama-src DIR` names a llama.cpp tree instead) and cached with llama-server,
+llama-bench and their shared libraries in `fitter_home()/tools/llama.cpp-0.3.36-0c1e570-<recipe hash>/`, so later
+runs skip the build.
 
 A run takes ~3 minutes after the build, most of it copying two ~3.3 GiB placements of the real shapes into the
 emulated GPU; placements projected over 6 GiB are fitted but not loaded (`load_skipped` says so).

@@ -197,7 +197,7 @@ def llama_cpp_python_problem() -> str | None:
     it can."""
     lib_dir = llama_cpp_python_lib_dir()
     if lib_dir is None:
-        return "llama-cpp-python is not installed (pip install 'llama-fitter[llama]')"
+        return "llama-cpp-python is not installed"
     if not (lib_dir / "libggml-base.so.0").is_file():
         return f"llama-cpp-python has no llama.cpp libraries in {lib_dir}"
     return None

@@ -3,8 +3,9 @@ the layout of its counters file, and the server child `python -m fitter.measure.
 CPU device over llama.cpp's RPC backend with the shim preloaded.
 
 The child calls `ggml_backend_rpc_start_server(endpoint, cache_dir, n_threads, n_devices, devices)`
-(ggml/include/ggml-rpc.h, llama.cpp 0c1e570) through the ggml copies llama-cpp-python ships, serves one client at a
-time (ggml's accept loop is serial) and exits when its parent dies (it polls the parent's pid).
+(ggml/include/ggml-rpc.h, llama.cpp 0c1e570) through the ggml of a shared llama.cpp build with RPC (the one beside
+the user's llama-server, or fitter's tools) or, without one, the copies llama-cpp-python loads; serves one client
+at a time (ggml's accept loop is serial) and exits when its parent dies (it polls the parent's pid).
 """
 
 from __future__ import annotations
@@ -201,12 +202,27 @@ def native_library(name: str) -> Path:
     return out
 
 
-def _llama_lib_dir() -> Path:
+RPC_LIBRARIES = ("libggml-base.so.0", "libggml.so.0", "libggml-rpc.so.0")  # what the server loads, by soname
+
+
+def has_rpc_libraries(folder: Path) -> bool:
+    """`folder` holds a shared ggml with the RPC backend (a llama.cpp shared build's bin/, llama_cpp/lib)."""
+    return all((folder / name).is_file() for name in RPC_LIBRARIES)
+
+
+def _llama_lib_dir(build: Path | None = None) -> Path:
+    """Where the server's ggml comes from: the `build` folder (a llama.cpp shared build with RPC beside the
+    llama-server it serves: the same build on both ends of the protocol, no llama-cpp-python needed), else
+    llama-cpp-python's libraries."""
+    if build is not None and has_rpc_libraries(build):
+        return build
     lib_dir = llama_cpp_python_lib_dir()
     if lib_dir is None:
+        beside = f"{build} has no shared ggml with RPC ({', '.join(RPC_LIBRARIES)}), and " if build else ""
         raise EmulatedGpuError(
-            "the emulated GPU serves llama.cpp's RPC backend from llama-cpp-python, which is not installed: "
-            'install llama-fitter[llama] built with CMAKE_ARGS="-DGGML_RPC=ON"'
+            f"the emulated GPU serves llama.cpp's RPC backend from a shared llama.cpp build or from "
+            f"llama-cpp-python: {beside}llama-cpp-python is not installed (python -m fitter.measure.tools "
+            "--llama-cpp-python builds both)"
         )
     rpc = lib_dir / "libggml-rpc.so.0"
     if not rpc.is_file():
@@ -217,11 +233,12 @@ def _llama_lib_dir() -> Path:
     return lib_dir
 
 
-def emulated_gpu_problem() -> str | None:
-    """Why an emulated GPU cannot start on this machine (llama-cpp-python missing or built without RPC, no C
-    compiler for the shim that is not built yet); None when it can. Asked before a command creates anything."""
+def emulated_gpu_problem(build: Path | None = None) -> str | None:
+    """Why an emulated GPU cannot start on this machine (no shared ggml with RPC in `build`, llama-cpp-python missing
+    or built without RPC, no C compiler for the shim that is not built yet); None when it can. Asked before a
+    command creates anything."""
     try:
-        _llama_lib_dir()
+        _llama_lib_dir(build)
         if not _library_path(SHIM_SOURCE, _sources(SHIM_SOURCE)).is_file():
             _compiler()
     except EmulatedGpuError as e:
@@ -254,6 +271,10 @@ def _serve(endpoint: str, threads: int, parent_pid: int, lib_dir: Path) -> int:
     rpc = ctypes.CDLL(str(lib_dir / "libggml-rpc.so.0"))
     ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
     ggml.ggml_backend_dev_by_type.restype = vp
+    if not hasattr(rpc, "ggml_backend_rpc_add_server"):  # before it, start_server had another signature
+        print(f"emulated GPU server: {lib_dir / 'libggml-rpc.so.0'} predates the multi-device RPC server "
+              "(no ggml_backend_rpc_add_server)", file=sys.stderr)
+        return 3
     rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, sz, sz, ctypes.POINTER(vp)]
     rpc.ggml_backend_rpc_start_server.restype = None
     cpu = ggml.ggml_backend_dev_by_type(0)  # enum ggml_backend_dev_type: GGML_BACKEND_DEVICE_TYPE_CPU

@@ -64,13 +64,26 @@ def _healthy(port: int) -> bool:
 
 
 def server_build(binary: str) -> dict[str, str]:
-    """The build the binary reports (`version: 0.5.0-dev (build 1, commit 0c1e570)`, common/build-info)."""
+    """The build the binary reports (`version_commit`)."""
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": "unknown", "source": f"{binary} --version failed"}
-    match = re.search(r"commit ([0-9a-f]+|unknown)", out.stdout + out.stderr)
-    return {"commit": match.group(1) if match else "unknown", "source": f"{Path(binary).name} --version"}
+    return {"commit": version_commit(out.stdout + out.stderr), "source": f"{Path(binary).name} --version"}
+
+
+# `--version` as llama.cpp prints it: common/build-info.cpp.in at 0c1e570 (`version: %s (build %d, commit %s)`), and
+# common/arg.cpp before it (`version: %d (%s)`, e.g. e3a74b2, llama-cpp-python 0.3.30's) — builds deployed today
+_VERSION_RES = (re.compile(r"^version: .*\(build \d+, commit (\S+)\)\s*$", re.M),
+                re.compile(r"^version: \d+ \((\S+)\)\s*$", re.M))
+
+
+def version_commit(text: str) -> str:
+    """The commit a llama.cpp binary's `--version` names ("unknown" where it names none)."""
+    for pattern in _VERSION_RES:
+        if (match := pattern.search(text)) is not None:
+            return match.group(1)
+    return "unknown"
 
 
 def binary_build(binary: str) -> dict[str, str]:

@@ -1,17 +1,24 @@
-"""llama.cpp's own programs (llama-server, llama-bench, llama-fit-params) built from the source fitter pins.
+"""llama.cpp's own programs (llama-server, llama-bench, llama-fit-params) and its libraries, built once from the
+source fitter pins.
 
-llama-cpp-python ships only the libraries. To compare fitter with llama.cpp's tools, or to measure the binary users
-deploy, the tools are built once from the llama.cpp vendored in the pinned llama-cpp-python sdist (fetched with
-`pip download`, or a source tree given by the caller), statically, with the RPC backend, and cached in
-fitter's home. Building is slow (about 6 minutes on 2 cores for the first target) and needs cmake and a C++ compiler.
+To compare fitter with llama.cpp's tools, or to measure the binary users deploy, the tools are built once from the
+llama.cpp vendored in the pinned llama-cpp-python sdist (fetched once with `pip download` and kept in fitter's
+home, or a source tree given by the caller), with the RPC backend and portable CPU kernels, and cached in fitter's
+home. The build is shared (`BUILD_SHARED_LIBS=ON`): llama.cpp writes the binaries and libllama/libggml*/libmtmd
+into one `bin/` folder (CMakeLists.txt `CMAKE_RUNTIME_OUTPUT_DIRECTORY`/`CMAKE_LIBRARY_OUTPUT_DIRECTORY`), and with
+the rpath `$ORIGIN` the cached folder is a llama.cpp build like any user's (`--llama-cpp DIR` takes it). The same
+libraries are what llama-cpp-python loads when fitter's set-up installs it without its own compile
+(fitter.measure.bindings): one compile, ~7-10 minutes on 2 cores, needing cmake and a C++ compiler.
 
 The tools name their commit. The sdist's vendor/llama.cpp is a git submodule whose metadata lives in the sdist's
-`.git/modules/vendor/llama.cpp/`; only vendor/llama.cpp is extracted, so cmake finds no git and would build
-`commit unknown` (cmake/build-info.cmake). The submodule's HEAD is read from the sdist instead, checked against the
-pin, and given to cmake as LLAMA_BUILD_COMMIT (CMakeLists.txt: `if (NOT DEFINED LLAMA_BUILD_COMMIT)`), which
-`--version` (common/build-info.cpp.in `llama_print_build_info`) and llama-bench's `build_commit` print: the same 7
-characters llama-cpp-python's own build took from git. The cache is keyed by the build recipe, so tools built
-another way (an older fitter's, without the commit) are never reused.
+`.git/modules/vendor/llama.cpp/`; it is extracted with the tree, and git's index refreshed, so ggml/CMakeLists.txt
+(which asks git: `git rev-parse --short HEAD`, `git diff-index --quiet HEAD`) and cmake/build-info.cmake read the
+commit, clean. The submodule's HEAD is also read from the sdist, checked against the pin, and given to cmake as
+LLAMA_BUILD_COMMIT (CMakeLists.txt: `if (NOT DEFINED LLAMA_BUILD_COMMIT)`; it is ggml's too where git is missing),
+which `--version` (common/build-info.cpp.in `llama_print_build_info`) and llama-bench's `build_commit` print. A
+build whose libggml-base does not say the sdist's commit (ggml_commit()) is refused before it is cached. The cache
+is keyed by the build recipe, so tools built another way (an older fitter's: static, or without the commit) are
+never reused, and a folder counts as built only with its build.json.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.errors import FitterError
+from fitter.machine.llama_cpp import ggml_build
 from fitter.paths import fitter_home
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release fitter pins
@@ -39,7 +47,11 @@ CMAKE_ARGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_RPC=ON",
     "-DGGML_NATIVE=OFF",
-    "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries in the cache
+    # one build for the tools and llama-cpp-python: shared libraries beside the binaries, found through $ORIGIN
+    # wherever the folder is copied (cmake writes `$ORIGIN` literally; the loader expands it)
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+    "-DCMAKE_INSTALL_RPATH=$ORIGIN",
     "-DLLAMA_BUILD_COMMON=ON",
     "-DLLAMA_BUILD_TOOLS=ON",
     "-DLLAMA_BUILD_SERVER=ON",
@@ -70,14 +82,19 @@ def commit_args(commit: str) -> list[str]:
     return [f"-DLLAMA_BUILD_COMMIT={commit}"]
 
 
-def sdist_commit(tar: tarfile.TarFile, name: str) -> str:
-    """The vendored llama.cpp's commit, from the sdist's submodule HEAD, checked against the pin; 7 characters."""
+def submodule_head(tar: tarfile.TarFile, name: str) -> str:
+    """The full commit of the llama.cpp an sdist of llama-cpp-python vendors (its submodule HEAD)."""
     roots = sorted({m.name.split("/", 1)[0] for m in tar.getmembers()})
     member = next((m for r in roots if (m := _member(tar, f"{r}/{SUBMODULE_HEAD}")) is not None), None)
     if member is None:
         raise FitterError(f"{name}: no {SUBMODULE_HEAD}: cannot tell which llama.cpp commit it vendors")
     f = tar.extractfile(member)
-    head = (f.read() if f is not None else b"").decode(errors="replace").strip()
+    return (f.read() if f is not None else b"").decode(errors="replace").strip()
+
+
+def sdist_commit(tar: tarfile.TarFile, name: str) -> str:
+    """The vendored llama.cpp's commit, from the sdist's submodule HEAD, checked against the pin; 7 characters."""
+    head = submodule_head(tar, name)
     if not head.startswith(LLAMA_CPP_COMMIT):
         raise FitterError(f"{name}: its vendored llama.cpp is commit {head[:12] or '?'}, not the pinned "
                           f"{LLAMA_CPP_COMMIT} (llama-cpp-python {LLAMA_CPP_PYTHON})")
@@ -102,38 +119,107 @@ def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
                           f"log {log}:\n{tail}")
 
 
-def fetch_source(work: Path, log: Path) -> tuple[Path, str]:
-    """llama-cpp-python's sdist (pip download) with only vendor/llama.cpp extracted: that folder and its commit."""
-    dl = work / "sdist"
-    dl.mkdir()
-    pip = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps"]
-    _run([*pip, f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(dl)], log)
-    archives = sorted(dl.glob("llama_cpp_python-*.tar.gz"))
-    if not archives:
-        raise FitterError(f"pip download left no llama_cpp_python-*.tar.gz in {dl}")
+def sdist_archive(log: Path, version: str = LLAMA_CPP_PYTHON) -> Path:
+    """llama-cpp-python's sdist, downloaded once into fitter's home (pip download; 76 MB). The tools are built from
+    the pinned one's vendored llama.cpp and llama-cpp-python is installed from it (fitter.measure.bindings): one
+    download. Only the pinned version's commit is checked (another is what a drift benchmark asks for)."""
+    home = fitter_home() / "downloads"
+    path = home / f"llama_cpp_python-{version}.tar.gz"
+    if path.is_file():
+        return path
+    home.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=home, prefix=".download-") as tmp:
+        # --no-binary for llama-cpp-python alone: its build requirements come as wheels, not compiled for metadata
+        pip = [sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps"]
+        _run([*pip, f"llama-cpp-python=={version}", "-d", tmp], log)
+        archives = sorted(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        if not archives:
+            raise FitterError(f"pip download left no llama_cpp_python-*.tar.gz in {tmp}")
+        if version == LLAMA_CPP_PYTHON:
+            with tarfile.open(archives[0]) as tar:
+                sdist_commit(tar, archives[0].name)  # another commit is refused before it is kept
+        os.replace(archives[0], path)  # a half-downloaded archive is never kept
+    return path
+
+
+def fetch_source(work: Path, log: Path, version: str = LLAMA_CPP_PYTHON) -> tuple[Path, str]:
+    """The sdist's vendor/llama.cpp with its git metadata (extracted into `work`) and its commit (7 characters; the
+    pinned version's checked against the pin)."""
+    archive = sdist_archive(log, version)
     marker = "/vendor/llama.cpp/"
     out = work / "src"
-    with tarfile.open(archives[0]) as tar:
-        commit = sdist_commit(tar, archives[0].name)
-        members = [m for m in tar.getmembers() if marker in m.name + "/" and "/.git/" not in m.name]
-        if not members:
-            raise FitterError(f"{archives[0].name} has no vendor/llama.cpp")
+    with tarfile.open(archive) as tar:
+        commit = sdist_commit(tar, archive.name) if version == LLAMA_CPP_PYTHON else (
+            submodule_head(tar, archive.name)[: len(LLAMA_CPP_COMMIT)])
+        gitdir = "/" + SUBMODULE_HEAD.removesuffix("HEAD")
+        members = [m for m in tar.getmembers()
+                   if (marker in m.name + "/" and "/.git/" not in m.name) or gitdir in m.name + "/"]
+        if not any(marker in m.name for m in members):
+            raise FitterError(f"{archive.name} has no vendor/llama.cpp")
         kwargs: dict[str, Any] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         tar.extractall(out, members=members, **kwargs)
-    root = sorted({m.name.split(marker)[0] for m in members})[0]
-    return out / root / "vendor" / "llama.cpp", commit
+    root = sorted({m.name.split(marker)[0] for m in members if marker in m.name})[0]
+    src = out / root / "vendor" / "llama.cpp"
+    _refresh_git_index(src, log)
+    return src, commit
+
+
+def _refresh_git_index(src: Path, log: Path) -> None:
+    """Let git see the extracted tree as the commit it is. ggml/CMakeLists.txt asks git for the commit and whether
+    the tree is dirty (`git diff-index --quiet HEAD`), and git's index still holds the packager's file times, so
+    every file looked modified: llama-cpp-python's own build says `0c1e570-dirty`. A refresh re-reads the files'
+    contents; a tree that really differs from the commit is still reported dirty. Without git, cmake falls back to
+    LLAMA_BUILD_COMMIT (commit_args) for ggml too."""
+    git = shutil.which("git")
+    if git is not None and (src / ".git").exists():
+        _run([git, "update-index", "-q", "--refresh"], log, cwd=src)
+
+
+def is_library(name: str) -> bool:
+    """A shared library of the build (libllama.so, libggml-base.so.0, libmtmd.so.0.0.1, …), not a tool."""
+    return name.startswith("lib") and (name.endswith(".so") or ".so." in name)
+
+
+def install_build(bin_dir: Path, home: Path, tools: list[str]) -> list[str]:
+    """Copy a build's libraries (symlinks kept as symlinks) and then `tools` from `bin_dir` into `home`, each under a
+    temporary name first: a half-copied file is never cached, and a tool is there only once its libraries are."""
+    libraries = sorted(p.name for p in bin_dir.iterdir() if is_library(p.name))
+    for name in [*libraries, *tools]:
+        if not ((bin_dir / name).is_file() or (bin_dir / name).is_symlink()):
+            raise FitterError(f"the build finished but {bin_dir / name} is missing")
+        copy_entry(bin_dir / name, home)
+    return libraries
+
+
+def copy_entry(src: Path, folder: Path) -> None:
+    """`src` into `folder` under its name, a symlink as the same symlink (sonames point at versioned files), through
+    a temporary name: a half-copied file is never there."""
+    part = folder / f".{src.name}.part"
+    part.unlink(missing_ok=True)
+    if src.is_symlink():
+        part.symlink_to(os.readlink(src))
+    else:
+        shutil.copy2(src, part)
+    os.replace(part, folder / src.name)
 
 
 def ensure_tools(names: list[str], llama_src: Path | None = None, rebuild: bool = False) -> dict[str, Path]:
-    """The cached tools, building the missing ones (in one build tree) first."""
+    """The cached tools, building them all (one tree: the libraries they share) first when one is missing."""
     unknown = [n for n in names if n not in TOOLS]
     if unknown:
         raise FitterError(f"unknown llama.cpp tool(s) {unknown}; known: {', '.join(TOOLS)}")
     home = tools_dir()
     paths = {n: home / n for n in names}
-    missing = [n for n in names if rebuild or not paths[n].is_file()]
-    if not missing:
-        return paths
+    if rebuild or not (home / "build.json").is_file() or not all(p.is_file() for p in paths.values()):
+        # every tool: one built later in another tree would come with other copies of the libraries
+        build_llama_cpp(home, list(TOOLS), llama_src)
+    return paths
+
+
+def build_llama_cpp(home: Path, targets: list[str], llama_src: Path | None = None,
+                    version: str = LLAMA_CPP_PYTHON) -> dict[str, Any]:
+    """Build `targets` with fitter's recipe from `llama_src` (a git checkout: cmake reads its commit itself) or from
+    llama-cpp-python `version`'s sdist, into `home` with the libraries; what was built (also in home/build.json)."""
     cmake = shutil.which("cmake")
     if cmake is None:
         raise FitterError("building llama.cpp tools needs cmake on PATH and a C++ compiler (apt-get install cmake g++)")
@@ -142,40 +228,60 @@ def ensure_tools(names: list[str], llama_src: Path | None = None, rebuild: bool 
     with tempfile.TemporaryDirectory(dir=home, prefix=".build-") as tmp:
         work = Path(tmp)
         log = work / "build.log"
-        if llama_src is not None:  # a git checkout: cmake reads its commit itself
-            src, named = llama_src.resolve(), []
+        if llama_src is not None:
+            src, named, commit = llama_src.resolve(), [], None
         else:
-            src, commit = fetch_source(work, log)
+            src, commit = fetch_source(work, log, version)
             named = commit_args(commit)
         build = work / "build"
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
         _run([cmake, "-S", str(src), "-B", str(build), *gen, *CMAKE_ARGS, *named], log)
         jobs = str(max(1, os.cpu_count() or 1))
-        _run([cmake, "--build", str(build), "--target", *missing, "-j", jobs], log)
-        for name in missing:
-            built = build / "bin" / name
-            if not built.is_file():
-                raise FitterError(f"the build finished but {built} is missing; log {log}")
-            part = home / f".{name}.part"
-            shutil.copy2(built, part)
-            os.replace(part, paths[name])  # a half-copied binary is never cached
+        _run([cmake, "--build", str(build), "--target", *targets, "-j", jobs], log)
+        ggml_commit = ggml_build(build / "bin").get("ggml_commit", "unknown")
+        if llama_src is None and ggml_commit != commit:  # checked before anything is cached
+            raise FitterError(f"the build of {src} says commit {ggml_commit} (its ggml_commit()), not the sdist's "
+                              f"{commit}")
+        (home / "build.json").unlink(missing_ok=True)  # the folder is a finished build only once it is back
+        libraries = install_build(build / "bin", home, targets)
         info = {
-            "llama_cpp_python": LLAMA_CPP_PYTHON,
-            "llama_cpp_commit": LLAMA_CPP_COMMIT,
-            "source": str(src) if llama_src is not None else f"llama-cpp-python {LLAMA_CPP_PYTHON} sdist",
+            "llama_cpp_python": version if llama_src is None else None,
+            "llama_cpp_commit": commit,
+            "source": str(src) if llama_src is not None else f"llama-cpp-python {version} sdist",
             "cmake_args": [*CMAKE_ARGS, *named],
-            "targets": missing,
+            "targets": targets,
+            "libraries": libraries,
+            "ggml_commit": ggml_commit,
             "seconds": round(time.perf_counter() - t0, 1),
         }
-        (home / f"build-{'-'.join(missing)}.json").write_text(json.dumps(info, indent=1) + "\n")
-    return paths
+        (home / "build.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m fitter.measure.tools",
+                                 description="Build llama.cpp's tools and libraries once from the pinned source.")
+    ap.add_argument("tools", nargs="*", default=list(TOOLS), help=f"default: {' '.join(TOOLS)}")
+    ap.add_argument("--llama-src", type=Path, help="a llama.cpp git checkout instead of the pinned sdist")
+    ap.add_argument("--rebuild", action="store_true")
+    ap.add_argument("--llama-cpp-python", action="store_true",
+                    help="also install llama-cpp-python into this Python without its own compile, on these libraries")
+    ns = ap.parse_args(argv)
+    try:
+        for tool, path in ensure_tools(ns.tools, ns.llama_src, ns.rebuild).items():
+            print(f"{tool}: {path}")
+        if ns.llama_cpp_python:
+            from fitter.measure.bindings import install_llama_cpp_python
+
+            print(install_llama_cpp_python(tools_dir()))
+    except FitterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    # python -m fitter.measure.tools [--llama-src DIR] TOOL...
-    args = sys.argv[1:]
-    source = None
-    if args[:1] == ["--llama-src"]:
-        source, args = Path(args[1]), args[2:]
-    for tool, path in ensure_tools(args or ["llama-server", "llama-bench"], source).items():
-        print(f"{tool}: {path}")
+    # python -m fitter.measure.tools [--llama-src DIR] [--rebuild] [--llama-cpp-python] [TOOL...]
+    sys.exit(main())

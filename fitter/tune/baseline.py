@@ -107,19 +107,21 @@ def _llama_fit(tool: Path, req: TuneRequest, flags: list[str], targets: tuple[in
         return run_llama_fit(tool, req.model, flags, rpc, targets, threads=req.default_threads)
 
 
-def sim_fit_devices(req: TuneRequest) -> Any:
+def sim_fit_devices(req: TuneRequest, tool: Path | None = None) -> Any:
     """A simulated GPU stood in for by an emulated one with the same free memory: the fit only queries memory and
-    projects (no_alloc), so a header-only model is enough."""
+    projects (no_alloc), so a header-only model is enough. Served by the ggml beside `tool` (llama-fit-params) when
+    its build is a shared one with RPC (fitter's own tools are), else by llama-cpp-python's."""
     import contextlib
 
     from fitter.measure.emulated_gpu import EmulatedGpu
+    from fitter.measure.runner import binary_folder
 
     @contextlib.contextmanager
     def devices() -> Any:
         if len(req.devices) != 1:
             raise LlamaFitError(f"the simulated machine has {len(req.devices)} GPUs; the baseline fit emulates one")
         free = req.devices[0].free_bytes or req.devices[0].total_bytes or 0
-        with EmulatedGpu(cap_mib=free // MIB) as gpu:
+        with EmulatedGpu(cap_mib=free // MIB, build=binary_folder(str(tool)) if tool is not None else None) as gpu:
             yield (gpu.endpoint,)
 
     return devices

@@ -3,8 +3,8 @@ confirm runs and the files, in an order that refuses bad input before anything s
 
 1. the flags, model, objectives, fit targets and space (parsed by the caller or here), the target's devices before
    anything starts (an emulated GPU's placeholder of the same size), whether anything fits;
-2. what the run will need: the emulated GPU's pieces (llama-cpp-python with RPC, a C compiler) when trials run on
-   one, llama-fit-params for the baseline;
+2. what the run will need: the emulated GPU's pieces (a shared ggml with RPC: the user's build or llama-cpp-python; a C
+   compiler) when trials run on one, llama-fit-params for the baseline;
 3. the storage: the results folder and its study.db (a corrupt one is refused, nothing changed), the study opened
    or created;
 4. then the runner (the worker, the emulated GPU), the baseline, the search, the confirm runs, pareto.json and
@@ -179,6 +179,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     from fitter.machine.llama_cpp import llama_cpp_python_problem
     from fitter.measure.emulated_gpu import emulated_gpu_problem
     from fitter.measure.llama_fit import find_llama_fit_params
+    from fitter.measure.runner import binary_folder
 
     t_start = time.monotonic()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # fitter reports its own progress
@@ -204,10 +205,15 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     # what the run needs, before anything is created: trials on the emulated GPU need it; so does the baseline of
     # a simulated GPU (llama.cpp's fit runs on an emulated one of the same size), which is skipped without it
     if target.sim is None and o.llama_cpp is None and (problem := llama_cpp_python_problem()) is not None:
-        raise FitterError(f"fitter tune measures with llama.cpp through llama-cpp-python: {problem}")
-    if target.emulated_mib is not None and (problem := emulated_gpu_problem()) is not None:
+        raise FitterError(f"fitter tune measures with llama.cpp: give your build's bin/ folder with --llama-cpp DIR, "
+                          f"or install llama-cpp-python (python -m fitter.measure.tools --llama-cpp-python builds "
+                          f"llama.cpp and installs it on that build); here {problem}")
+    # the user's build serves its emulated GPU if it can
+    serving = binary_folder(str(users.llama_server)) if users is not None else None
+    if target.emulated_mib is not None and (problem := emulated_gpu_problem(serving)) is not None:
         raise FitterError(problem)
-    baseline_unavailable = emulated_gpu_problem() if target.sim is not None and planned.devices else None
+    baseline_unavailable = (emulated_gpu_problem(binary_folder(str(tool)) if tool is not None else None)
+                            if target.sim is not None and planned.devices else None)
 
     runner = target.make_runner()
     build = runner.build()
@@ -228,7 +234,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         if users is not None:
             req = replace(req, projector=drift_guard(o, users, build["commit"], runner.rpc, log))
         tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5)
-        fit_devices: Any = sim_fit_devices(req) if target.sim is not None else (
+        fit_devices: Any = sim_fit_devices(req, tool) if target.sim is not None else (
             lambda: contextlib.nullcontext(req.rpc))
         baseline = run_baseline(req, tuner, tool, targets, fit_devices, log, baseline_unavailable)
         tuner.run()

@@ -18,7 +18,7 @@ from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
 from fitter.measure.emulated_gpu import emulated_device
-from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner
+from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner, binary_folder
 from fitter.memory.devices import CpuProfile, Device, rpc_devices
 from fitter.tune.storage import machine_dir_name
 from fitter.units import GIB, MIB
@@ -62,11 +62,13 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
     no_emulator = None
     if llama_cpp is not None and emulated_mib is None and not gpus and not base.rpc and demo:
         from fitter.measure.capdev import emulated_gpu_problem
+        from fitter.measure.llama_build import find_build
 
-        no_emulator = emulated_gpu_problem()  # a user's build alone (no llama-cpp-python) has no emulated GPU
+        # the build's own shared ggml serves the emulated GPU when it has RPC; a static build needs llama-cpp-python's
+        no_emulator = emulated_gpu_problem(binary_folder(str(find_build(llama_cpp).llama_server)))
         if no_emulator is not None:
-            notes.append("no GPU found and no emulated GPU without llama-cpp-python: tuning the demo model on the "
-                         "CPU with your build")
+            notes.append(f"no GPU found, and no emulated GPU ({no_emulator}): tuning the demo model on the CPU with "
+                         "your build")
     if emulated_mib is None and not gpus and not base.rpc and demo and no_emulator is None:
         emulated_mib = DEMO_EMULATED_GPU_MIB
         default_fit_target = (DEMO_FIT_TARGET_MIB,)

@@ -39,6 +39,15 @@ def test_the_devices_a_build_lists() -> None:
     assert parse_list_devices("Available devices:\n  (none)\n") == ()
 
 
+def test_the_commit_from_either_version_format() -> None:
+    from fitter.measure.server import version_commit
+
+    assert version_commit("version: 0.5.0-dev (build 1, commit 0c1e570)\nbuilt with GNU 12.2.0\n") == "0c1e570"
+    assert version_commit("load_backend: …\nversion: 6345 (e3a74b2)\nbuilt with GNU 12.2.0 for Linux\n") == "e3a74b2"
+    assert version_commit("version: 1 (unknown)\n") == "unknown"
+    assert version_commit("error: invalid argument: --version\n") == "unknown"
+
+
 def test_a_folder_without_llama_server_is_named(tmp_path: Path) -> None:
     with pytest.raises(FitterError, match=r"^--llama-cpp .*/nope: not a folder"):
         find_build(tmp_path / "nope")
@@ -100,20 +109,55 @@ def test_tune_through_a_users_build_end_to_end(llama_tools: dict[str, Path], tmp
     assert shlex.split(line)[0] == str(BUILT_TOOLS / "llama-server")  # the export names the binary
 
 
+def _without_llama_cpp_python(tmp_path: Path) -> dict[str, str]:
+    """An environment in which no Python process sees llama-cpp-python, as in a venv without it: a sitecustomize on
+    PYTHONPATH hides it from the command and from every Python child (the emulated GPU's server)."""
+    import os
+
+    hide = tmp_path / "hide"
+    hide.mkdir(exist_ok=True)
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['llama_cpp'] = None\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")]))}
+
+
 @pytest.mark.slow
 @pytest.mark.tools("llama-server", "llama-fit-params")
-def test_a_users_build_needs_no_llama_cpp_python(llama_tools: dict[str, Path], tmp_path: Path) -> None:
-    """`pip install` of fitter alone beside an existing llama.cpp: llama-cpp-python hidden from the process (as when
-    it is not installed), the demo model is tuned on the CPU through the build's llama-server."""
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-build", "static-build"])
+def test_a_users_build_needs_no_llama_cpp_python(llama_tools: dict[str, Path], tmp_path: Path, shared: bool) -> None:
+    """`pip install` of fitter alone beside an existing llama.cpp, with llama-cpp-python hidden from every process.
+    A shared build with RPC (the tools' folder: libggml-rpc.so.0 beside llama-server) serves the emulated GPU with
+    its own ggml, so the demo model on this machine without a GPU is tuned on it, as with llama-cpp-python; a build
+    without those libraries beside its binaries (the binaries copied into a folder of their own, their libraries
+    found through LD_LIBRARY_PATH, as a static build needs none) has no emulated GPU, and the demo model is tuned on
+    the CPU."""
+    import shutil
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['llama_cpp'] = None; from fitter.cli import main; "
-            f"sys.exit(main(['tune', '--llama-cpp', {str(BUILT_TOOLS)!r}, '--trials', '3', '-r', '2', '-p', '64', "
-            f"'-n', '16', '--results', {str(tmp_path / 'r')!r}, '--json']))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    env = _without_llama_cpp_python(tmp_path)
+    folder = BUILT_TOOLS
+    if not shared:
+        folder = tmp_path / "static"
+        folder.mkdir()
+        for name in ("llama-server", "llama-fit-params"):
+            shutil.copy2(BUILT_TOOLS / name, folder / name)
+        env["LD_LIBRARY_PATH"] = str(BUILT_TOOLS)
+    args = ["tune", "--llama-cpp", str(folder), "--trials", "3", "-r", "2", "-p", "64", "-n", "16",
+            "--results", str(tmp_path / "r"), "--json"]
+    code = f"import sys; from fitter.cli import main; sys.exit(main({args!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "no GPU found and no emulated GPU without llama-cpp-python: tuning the demo model on the CPU" in proc.stderr
+    check = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('llama_cpp'))"],
+                           capture_output=True, text=True, env=env)
+    assert check.stdout.strip() == "None"  # it was hidden
     doc = json.loads(proc.stdout)
-    assert doc["llama_cpp"]["llama_server"] == str(BUILT_TOOLS / "llama-server") and doc["pareto"]
+    assert doc["llama_cpp"]["llama_server"] == str(folder / "llama-server") and doc["pareto"]
     assert all(e["measurement"]["backend"] == "llama-server" for e in doc["pareto"])
+    if shared:
+        assert "fitter: no GPU found: tuning the demo model on fitter's emulated GPU (96 MiB" in proc.stderr
+        assert doc["emulated"] and doc["baseline"]["measurement"]["backend"] == "llama-server"
+        assert any(k.startswith("RPC0[") for e in doc["pareto"] for k in e["measurement"]["devices"])
+    else:
+        assert (f"fitter: no GPU found, and no emulated GPU (the emulated GPU serves llama.cpp's RPC backend from a "
+                f"shared llama.cpp build or from llama-cpp-python: {folder} has no shared ggml with RPC") in proc.stderr
+        assert "): tuning the demo model on the CPU with your build" in proc.stderr and not doc["emulated"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -60,3 +61,47 @@ def test_the_built_tools_name_their_commit(llama_tools: dict[str, Path]) -> None
     version = subprocess.run([str(llama_tools["llama-server"]), "--version"], capture_output=True, text=True,
                              timeout=60)
     assert f"commit {LLAMA_CPP_COMMIT})" in version.stdout + version.stderr
+    # and ggml says it too, not `unknown` (no git metadata) nor `-dirty` (a stale git index)
+    from fitter.machine.llama_cpp import ggml_build
+    from tests.conftest import BUILT_TOOLS
+
+    assert ggml_build(BUILT_TOOLS)["ggml_commit"] == LLAMA_CPP_COMMIT
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "PATH": "/usr/bin:/bin"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_extracted_source_is_its_commit_to_git_not_dirty(tmp_path: Path) -> None:
+    # an sdist laid out as llama-cpp-python's: vendor/llama.cpp is a submodule whose git dir is .git/modules/…, and
+    # its index holds the packager's file times; ggml's CMakeLists asks `git diff-index --quiet HEAD`
+    import os
+
+    from fitter.paths import fitter_home
+
+    root = tmp_path / "pkg" / "llama_cpp_python-9.9.9"
+    sub = root / "vendor" / "llama.cpp"
+    sub.mkdir(parents=True)
+    (sub / "CMakeLists.txt").write_text("project(llama.cpp)\n")
+    _git(sub, "init", "-q")
+    _git(sub, "add", ".")
+    _git(sub, "commit", "-qm", "x")
+    _git(sub, "checkout", "-q", "--detach")  # a submodule's HEAD is the commit itself
+    head = _git(sub, "rev-parse", "HEAD")
+    (root / ".git" / "modules" / "vendor").mkdir(parents=True)
+    os.replace(sub / ".git", root / ".git" / "modules" / "vendor" / "llama.cpp")
+    (sub / ".git").write_text("gitdir: ../../.git/modules/vendor/llama.cpp\n")
+    _git(root / ".git" / "modules" / "vendor" / "llama.cpp", "config", "core.worktree", "../../../../vendor/llama.cpp")
+    archive = fitter_home() / "downloads" / "llama_cpp_python-9.9.9.tar.gz"
+    archive.parent.mkdir(parents=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(root, arcname=root.name)
+    src, commit = tools.fetch_source(tmp_path / "work", tmp_path / "log", "9.9.9")  # extracted anew: new file times
+    assert (src, commit) == (tmp_path / "work" / "src" / root.name / "vendor" / "llama.cpp", head[:7])
+    assert _git(src, "rev-parse", "--short=7", "HEAD") == head[:7]
+    assert subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--", "."], cwd=src).returncode == 0  # clean
+    (src / "CMakeLists.txt").write_text("changed\n")
+    assert subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--", "."], cwd=src).returncode == 1  # still told
