@@ -14,6 +14,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fitter.errors import FitterError
 from fitter.memory.devices import CUDA, RPC, Device, DeviceProfile
@@ -39,8 +40,9 @@ class LlamaCppBuild:
     llama_fit_params: Path | None
     llama_bench: Path | None
 
-    def build(self) -> dict[str, str]:
-        """The commit the build reports, and where it was read (`llama-server --version`)."""
+    def build(self) -> dict[str, Any]:
+        """The commit and version the build reports, where they were read (`llama-server --version`), its
+        backends and its llama-server (`fitter.measure.server.binary_build`)."""
         from fitter.measure.server import binary_build
 
         return binary_build(str(self.llama_server))

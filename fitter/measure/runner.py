@@ -193,8 +193,8 @@ class ServerRunner(_Devices):
         self._process = process or ProcessFlags()
         self._vocab_size = vocab_size
 
-    def build(self) -> dict[str, str]:
-        """The commit the binary reports, and the binary (results and exports name it)."""
+    def build(self) -> dict[str, Any]:
+        """The commit, version and backends the binary reports, and the binary (results and exports name it)."""
         from fitter.measure.server import binary_build
 
         return binary_build(self.binary)

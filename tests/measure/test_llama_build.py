@@ -40,12 +40,30 @@ def test_the_devices_a_build_lists() -> None:
 
 
 def test_the_commit_from_either_version_format() -> None:
-    from fitter.measure.server import version_commit
+    from fitter.measure.server import version_commit, version_info
+
+    assert version_info("version: 0.5.0-dev (build 1, commit 0c1e570)\n") == ("0.5.0-dev, build 1", "0c1e570")
+    assert version_info("version: 6345 (e3a74b2)\n") == ("build 6345", "e3a74b2")
+    assert version_info("nothing\n") == ("unknown", "unknown")
 
     assert version_commit("version: 0.5.0-dev (build 1, commit 0c1e570)\nbuilt with GNU 12.2.0\n") == "0c1e570"
     assert version_commit("load_backend: …\nversion: 6345 (e3a74b2)\nbuilt with GNU 12.2.0 for Linux\n") == "e3a74b2"
     assert version_commit("version: 1 (unknown)\n") == "unknown"
     assert version_commit("error: invalid argument: --version\n") == "unknown"
+
+
+def test_the_backends_of_a_build_from_its_libraries(tmp_path: Path) -> None:
+    # a shared CUDA build's bin/: ggml's backend libraries name its backends (its --list-devices fails here: the
+    # "binary" is a script that prints nothing, so the devices add none)
+    from fitter.measure.server import build_backends
+
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\nexit 1\n")
+    server.chmod(0o755)
+    for name in ("libggml-base.so.0", "libggml-cpu-haswell.so", "libggml-cuda.so.0.9.4", "libggml-rpc.so",
+                 "libggml-hip.so", "libllama.so"):
+        (tmp_path / name).write_bytes(b"")
+    assert build_backends(str(server)) == ["CPU", "CUDA", "ROCm", "RPC"]
 
 
 def test_a_folder_without_llama_server_is_named(tmp_path: Path) -> None:
@@ -60,8 +78,8 @@ def test_the_build_reports_its_commit_and_sees_an_rpc_device(llama_tools: dict[s
     from fitter.measure.emulated_gpu import EmulatedGpu
 
     build = find_build(BUILT_TOOLS)
-    assert build.build() == {"commit": "0c1e570", "source": "llama-server --version",
-                             "llama_server": str(BUILT_TOOLS / "llama-server")}
+    assert build.build() == {"commit": "0c1e570", "source": "llama-server --version", "version": "0.5.0-dev, build 1",
+                             "backends": ["CPU", "RPC"], "llama_server": str(BUILT_TOOLS / "llama-server")}
     assert list_devices(build) == ()  # a CPU build
     with EmulatedGpu(200) as gpu:
         (device,) = build_devices(list_devices(build, (gpu.endpoint,)))[0]
@@ -78,6 +96,7 @@ def test_tune_through_a_users_build_end_to_end(llama_tools: dict[str, Path], tmp
                  "--projection", "always", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["llama_cpp"] == {"commit": "0c1e570", "source": "llama-server --version",
+                                "version": "0.5.0-dev, build 1", "backends": ["CPU", "RPC"],
                                 "llama_server": str(BUILT_TOOLS / "llama-server")}
     assert doc["baseline"]["measurement"]["backend"] == "llama-server"  # llama.cpp's own fit, run by the build
     assert all(e["measurement"]["backend"] == "llama-server" for e in doc["pareto"])
