@@ -63,7 +63,7 @@ def run(label: str, tool: Path, gpu_mib: int) -> list[float]:
     spec = load_model_spec(str(model))
     worst: list[float] = []
     print(f"\n== {label}: {tool}")
-    with EmulatedGpu(gpu_mib, build=tool.parent) as gpu:  # the build's own RPC server: its protocol
+    with EmulatedGpu(gpu_mib, beside=tool) as gpu:  # the build's own RPC server: its protocol
         for name, flags in CONFIGS.items():
             on_gpu = "-ngl" in flags
             flags = [*flags, "--rpc", gpu.endpoint] if on_gpu else flags

@@ -210,10 +210,16 @@ def has_rpc_libraries(folder: Path) -> bool:
     return all((folder / name).is_file() for name in RPC_LIBRARIES)
 
 
-def _llama_lib_dir(build: Path | None = None) -> Path:
-    """Where the server's ggml comes from: the `build` folder (a llama.cpp shared build with RPC beside the
-    llama-server it serves: the same build on both ends of the protocol, no llama-cpp-python needed), else
+def binary_folder(binary: str | Path) -> Path:
+    """The folder a binary really lives in (PATH looked up, symlinks resolved): where its $ORIGIN libraries are."""
+    return Path(shutil.which(str(binary)) or binary).resolve().parent
+
+
+def _llama_lib_dir(beside: str | Path | None = None) -> Path:
+    """Where the server's ggml comes from: the folder of the llama.cpp binary it serves (`beside`), when that is a
+    shared build with RPC (the same build on both ends of the protocol, no llama-cpp-python needed), else
     llama-cpp-python's libraries."""
+    build = binary_folder(beside) if beside is not None else None
     if build is not None and has_rpc_libraries(build):
         return build
     lib_dir = llama_cpp_python_lib_dir()
@@ -233,12 +239,12 @@ def _llama_lib_dir(build: Path | None = None) -> Path:
     return lib_dir
 
 
-def emulated_gpu_problem(build: Path | None = None) -> str | None:
-    """Why an emulated GPU cannot start on this machine (no shared ggml with RPC in `build`, llama-cpp-python missing
-    or built without RPC, no C compiler for the shim that is not built yet); None when it can. Asked before a
-    command creates anything."""
+def emulated_gpu_problem(beside: str | Path | None = None) -> str | None:
+    """Why an emulated GPU cannot start on this machine (no shared ggml with RPC beside the binary `beside`,
+    llama-cpp-python missing or built without RPC, no C compiler for the shim that is not built yet); None when it
+    can. Asked before a command creates anything."""
     try:
-        _llama_lib_dir(build)
+        _llama_lib_dir(beside)
         if not _library_path(SHIM_SOURCE, _sources(SHIM_SOURCE)).is_file():
             _compiler()
     except EmulatedGpuError as e:

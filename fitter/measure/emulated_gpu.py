@@ -11,7 +11,7 @@ refusals) live in a shared file that `EmulatedGpu.stats()` reads.
 The server is `python -m fitter.measure.capdev serve …` (fitter.measure.capdev): a child that calls ggml's
 `ggml_backend_rpc_start_server(endpoint, cache_dir, n_threads, n_devices, devices)` (ggml/include/ggml-rpc.h,
 llama.cpp 0c1e570) on the CPU device, through the ggml of a shared build with RPC beside the llama.cpp binary it
-serves (`build`), else the copies llama-cpp-python loads. It serves one client at a time (ggml's accept loop is
+serves (`beside`), else the copies llama-cpp-python loads. It serves one client at a time (ggml's accept loop is
 serial) and frees a client's buffers when it disconnects. It is stopped by `stop()`,
 leaving the `with` block, interpreter exit, SIGTERM/SIGINT in the parent, or the parent's death (the child polls
 its parent pid).
@@ -151,7 +151,7 @@ class EmulatedGpu:
     ...     gpu.stats().peak_bytes
     """
 
-    def __init__(self, cap_mib: int, threads: int = 1, cuda: bool = False, build: Path | None = None) -> None:
+    def __init__(self, cap_mib: int, threads: int = 1, cuda: bool = False, beside: str | Path | None = None) -> None:
         if cap_mib < 1:
             raise EmulatedGpuError(f"emulated GPU cap: must be at least 1 MiB, got {cap_mib}")
         if threads < 1:
@@ -159,7 +159,7 @@ class EmulatedGpu:
         self.cap_mib = cap_mib
         self.threads = threads
         self.cuda = cuda  # CUDA-shaped: CUDA's buffer sizes on the server, its scheduling rules in the clients
-        self.build = build  # a llama.cpp shared build whose ggml serves, when it has RPC (else llama-cpp-python's)
+        self.beside = beside  # the llama.cpp binary served: its shared ggml serves, when it has RPC
         self._proc: subprocess.Popen[bytes] | None = None
         self._port: int | None = None
         self._dir: Path | None = None
@@ -224,7 +224,7 @@ class EmulatedGpu:
             shim = shim_library()
             if self.cuda:
                 cuda_library()  # built now, so the clients only load it
-            lib_dir = _llama_lib_dir(self.build)
+            lib_dir = _llama_lib_dir(self.beside)
             self._final = None
             self._dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
             try:

@@ -13,7 +13,6 @@ trial.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -77,11 +76,6 @@ def with_rpc(config: LaunchConfig, endpoints: tuple[str, ...]) -> LaunchConfig:
     return replace(config, rpc=endpoints, flags=(*config.flags, "--rpc", ",".join(endpoints)))
 
 
-def binary_folder(binary: str) -> Path:
-    """The folder a binary really lives in (PATH looked up, symlinks resolved): where its $ORIGIN libraries are."""
-    return Path(shutil.which(binary) or binary).resolve().parent
-
-
 class _Devices:
     """The emulated GPU and NVML peak sampling every real runner shares."""
 
@@ -89,9 +83,9 @@ class _Devices:
     deployed_context = True
 
     def __init__(self, emulated_gpu_mib: int | None = None, nvml: bool = False, emulated_cuda: bool = False,
-                 build: Path | None = None) -> None:
+                 beside: str | None = None) -> None:
         self.emulated = emulated_gpu_mib is not None
-        self._build_dir = build  # a user's binary's folder: its own ggml serves the emulated GPU when it can
+        self._beside = beside  # a user's binary: its own ggml serves the emulated GPU when it can
         self._cap_mib = emulated_gpu_mib
         self._cuda = emulated_cuda  # the CUDA-shaped emulated GPU (fitter's own llama.cpp client only)
         self._gpu: Any = None
@@ -103,7 +97,7 @@ class _Devices:
         if self._cap_mib is not None:
             from fitter.measure.emulated_gpu import EmulatedGpu
 
-            self._gpu = EmulatedGpu(cap_mib=self._cap_mib, cuda=self._cuda, build=self._build_dir).start()
+            self._gpu = EmulatedGpu(cap_mib=self._cap_mib, cuda=self._cuda, beside=self._beside).start()
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
@@ -188,7 +182,7 @@ class ServerRunner(_Devices):
 
     def __init__(self, binary: str, emulated_gpu_mib: int | None = None, process: ProcessFlags | None = None,
                  nvml: bool = False, vocab_size: int = 256) -> None:
-        super().__init__(emulated_gpu_mib, nvml, build=binary_folder(binary))
+        super().__init__(emulated_gpu_mib, nvml, beside=binary)
         self.binary = binary
         self._process = process or ProcessFlags()
         self._vocab_size = vocab_size
@@ -217,7 +211,7 @@ class LlamaBenchRunner(_Devices):
 
     def __init__(self, binary: str, emulated_gpu_mib: int | None = None, cpu_mask: str | None = None,
                  nvml: bool = False) -> None:
-        super().__init__(emulated_gpu_mib, nvml, build=binary_folder(binary))
+        super().__init__(emulated_gpu_mib, nvml, beside=binary)
         self.binary = binary
         self._cpu_mask = cpu_mask
 

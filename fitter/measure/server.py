@@ -89,11 +89,6 @@ def version_info(text: str) -> tuple[str, str]:
     return "unknown", "unknown"
 
 
-def version_commit(text: str) -> str:
-    """The commit a llama.cpp binary's `--version` names ("unknown" where it names none)."""
-    return version_info(text)[1]
-
-
 # ggml's backend libraries (ggml/src/ggml-<name>/) by the name their devices carry (CUDA0, ROCm0, Vulkan0, RPC0[…])
 _BACKEND_NAMES = {"cpu": "CPU", "rpc": "RPC", "cuda": "CUDA", "hip": "ROCm", "vulkan": "Vulkan", "metal": "Metal",
                   "sycl": "SYCL", "opencl": "OpenCL", "musa": "MUSA", "cann": "CANN", "blas": "BLAS"}

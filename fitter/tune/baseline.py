@@ -114,14 +114,13 @@ def sim_fit_devices(req: TuneRequest, tool: Path | None = None) -> Any:
     import contextlib
 
     from fitter.measure.emulated_gpu import EmulatedGpu
-    from fitter.measure.runner import binary_folder
 
     @contextlib.contextmanager
     def devices() -> Any:
         if len(req.devices) != 1:
             raise LlamaFitError(f"the simulated machine has {len(req.devices)} GPUs; the baseline fit emulates one")
         free = req.devices[0].free_bytes or req.devices[0].total_bytes or 0
-        with EmulatedGpu(cap_mib=free // MIB, build=binary_folder(str(tool)) if tool is not None else None) as gpu:
+        with EmulatedGpu(cap_mib=free // MIB, beside=tool) as gpu:
             yield (gpu.endpoint,)
 
     return devices

@@ -179,7 +179,6 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     from fitter.machine.llama_cpp import llama_cpp_python_problem
     from fitter.measure.emulated_gpu import emulated_gpu_problem
     from fitter.measure.llama_fit import find_llama_fit_params
-    from fitter.measure.runner import binary_folder
 
     t_start = time.monotonic()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # fitter reports its own progress
@@ -208,12 +207,10 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         raise FitterError(f"fitter tune measures with llama.cpp: give your build's bin/ folder with --llama-cpp DIR, "
                           f"or install llama-cpp-python (python -m fitter.measure.tools --llama-cpp-python builds "
                           f"llama.cpp and installs it on that build); here {problem}")
-    # the user's build serves its emulated GPU if it can
-    serving = binary_folder(str(users.llama_server)) if users is not None else None
+    serving = users.llama_server if users is not None else None  # the user's build serves its emulated GPU if it can
     if target.emulated_mib is not None and (problem := emulated_gpu_problem(serving)) is not None:
         raise FitterError(problem)
-    baseline_unavailable = (emulated_gpu_problem(binary_folder(str(tool)) if tool is not None else None)
-                            if target.sim is not None and planned.devices else None)
+    baseline_unavailable = emulated_gpu_problem(tool) if target.sim is not None and planned.devices else None
 
     runner = target.make_runner()
     build = runner.build()

@@ -18,7 +18,7 @@ from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
 from fitter.measure.emulated_gpu import emulated_device
-from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner, binary_folder
+from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner
 from fitter.memory.devices import CpuProfile, Device, rpc_devices
 from fitter.tune.storage import machine_dir_name
 from fitter.units import GIB, MIB
@@ -65,7 +65,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         from fitter.measure.llama_build import find_build
 
         # the build's own shared ggml serves the emulated GPU when it has RPC; a static build needs llama-cpp-python's
-        no_emulator = emulated_gpu_problem(binary_folder(str(find_build(llama_cpp).llama_server)))
+        no_emulator = emulated_gpu_problem(find_build(llama_cpp).llama_server)
         if no_emulator is not None:
             notes.append(f"no GPU found, and no emulated GPU ({no_emulator}): tuning the demo model on the CPU with "
                          "your build")

@@ -40,16 +40,15 @@ def test_the_devices_a_build_lists() -> None:
 
 
 def test_the_commit_from_either_version_format() -> None:
-    from fitter.measure.server import version_commit, version_info
+    from fitter.measure.server import version_info
 
-    assert version_info("version: 0.5.0-dev (build 1, commit 0c1e570)\n") == ("0.5.0-dev, build 1", "0c1e570")
-    assert version_info("version: 6345 (e3a74b2)\n") == ("build 6345", "e3a74b2")
+    assert version_info("version: 0.5.0-dev (build 1, commit 0c1e570)\nbuilt with GNU 12.2.0\n") == (
+        "0.5.0-dev, build 1", "0c1e570")
+    assert version_info("load_backend: …\nversion: 6345 (e3a74b2)\nbuilt with GNU 12.2.0 for Linux\n") == (
+        "build 6345", "e3a74b2")
+    assert version_info("version: 1 (unknown)\n") == ("build 1", "unknown")
+    assert version_info("error: invalid argument: --version\n") == ("unknown", "unknown")
     assert version_info("nothing\n") == ("unknown", "unknown")
-
-    assert version_commit("version: 0.5.0-dev (build 1, commit 0c1e570)\nbuilt with GNU 12.2.0\n") == "0c1e570"
-    assert version_commit("load_backend: …\nversion: 6345 (e3a74b2)\nbuilt with GNU 12.2.0 for Linux\n") == "e3a74b2"
-    assert version_commit("version: 1 (unknown)\n") == "unknown"
-    assert version_commit("error: invalid argument: --version\n") == "unknown"
 
 
 def test_the_backends_of_a_build_from_its_libraries(tmp_path: Path) -> None:
