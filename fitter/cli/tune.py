@@ -54,6 +54,8 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
 
     if ns.trials < 1:
         raise FitterError(f"--trials {ns.trials}: give at least 1")
+    if ns.confirm_rounds < 1:
+        raise FitterError(f"--confirm-rounds {ns.confirm_rounds}: give at least 1 (2 or more for intervals and ties)")
     config, process = launch_args(ns, flags)  # bad flags stop here, before anything starts
     config = with_bench_context(config, ns.n_prompt + ns.n_gen + ns.n_depth)
     model = model_path(ns.model)
@@ -63,7 +65,8 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         objectives=parse_objectives(ns.objectives),
         fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None, space=ns.space,
         trials=ns.trials, timeout_s=ns.timeout, trial_timeout_s=ns.trial_timeout, seed=ns.seed,
-        n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions, storage=ns.storage,
+        n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
+        confirm_rounds=ns.confirm_rounds, storage=ns.storage,
         results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu, emulated_cuda=ns.emulated_cuda,
         llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp, projection=ns.projection,
         backend=ns.backend, machine=ns.machine)
@@ -94,8 +97,9 @@ def register(sub: Any) -> None:
         "space (-ncmoe/-ngl, -b/-ub, -ctk/-ctv, -fa, -t/-tb), under the free-VRAM target and host RAM. Every config "
         "is screened by the estimator first (predicted over budget: never launched); every launched trial is "
         "measured like `fitter bench` at the deployed context. Trial 0 is llama.cpp's own --fit choice, the "
-        "baseline. The Pareto-optimal configs are re-measured and written with the picks to "
-        "results/<model>/<machine>/<llama.cpp build>/pareto.json; a killed tune resumes from study.db.",
+        "baseline. The Pareto-optimal configs and the baseline are re-measured in interleaved rounds and written "
+        "with the picks to results/<model>/<machine>/<llama.cpp build>/pareto.json; a killed tune resumes from "
+        "study.db.",
         epilog=SERVER_DEFAULTS_HELP + "\n\nThe context (-c), slots (-np) and other llama.cpp flags you give are "
         "fixed; a searched flag you give (e.g. -ub 512) is removed from the search.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -124,6 +128,9 @@ def register(sub: Any) -> None:
                       help="with --llama-cpp: screen each config with the build's own projection too (llama-fit-params "
                       "--fit-print) — auto: when the build is another commit or backend than fitter's rules were "
                       "matched against")
+    tune.add_argument("--confirm-rounds", type=int, default=4, metavar="N",
+                      help="interleaved confirm rounds of the front and the baseline, each of -r repetitions, a fresh "
+                      "order each round; ratios, their 95 %% intervals and ties come from them (default 4)")
     tune.add_argument("--seed", type=int, default=0)
     add_process_arguments(tune, {"-t": "fix the threads (removes threads from the search)",
                                  "-tb": "fix the batch threads (removes threads-batch from the search)"},

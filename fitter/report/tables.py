@@ -36,7 +36,8 @@ class Front:
     dropped: list[dict[str, Any]] = field(default_factory=list)
 
 
-PARETO_COLUMNS = ("trial", "phase", "picks", "pp_ts", "tg_ts", "vram_mib", "pp_ratio", "tg_ratio", "flags")
+PARETO_COLUMNS = ("trial", "phase", "picks", "pp_ts", "tg_ts", "vram_mib", "pp_ratio", "tg_ratio", "pp_ci_low",
+                  "pp_ci_high", "tg_ci_low", "tg_ci_high", "ties", "flags")
 
 
 def front(result: StudyResult) -> Front:
@@ -46,9 +47,14 @@ def front(result: StudyResult) -> Front:
 
 
 def _row(trial: int | str, phase: str | None, pick: list[str], m: dict[str, Any], vram: float | None,
-         r: dict[str, float | None], flags: list[str]) -> dict[str, Any]:
+         r: dict[str, float | None], flags: list[str], entry: Entry | None = None) -> dict[str, Any]:
+    """One row of pareto.csv; `entry` (a confirmed pareto.json entry) adds the 95 % intervals and ties."""
+    iv = entry.intervals if entry is not None else {}
     return {"trial": trial, "phase": phase, "picks": ",".join(pick), "pp_ts": speed(m, "pp"), "tg_ts": speed(m, "tg"),
-            "vram_mib": _mib(vram), "pp_ratio": r.get("pp"), "tg_ratio": r.get("tg"), "flags": " ".join(flags)}
+            "vram_mib": _mib(vram), "pp_ratio": r.get("pp"), "tg_ratio": r.get("tg"),
+            "pp_ci_low": iv["pp"][0] if "pp" in iv else None, "pp_ci_high": iv["pp"][1] if "pp" in iv else None,
+            "tg_ci_low": iv["tg"][0] if "tg" in iv else None, "tg_ci_high": iv["tg"][1] if "tg" in iv else None,
+            "ties": " ".join(map(str, entry.ties)) if entry is not None else "", "flags": " ".join(flags)}
 
 
 def _picks_by_trial(p: dict[str, int]) -> dict[int, list[str]]:
@@ -70,7 +76,7 @@ def _front_from_pareto(doc: ParetoDoc) -> Front:
     rows = _baseline_row(base.measurement, list(base.flags or []))
     for e in doc.pareto:
         rows.append(_row(e.trial if e.trial is not None else "?", e.phase, by_trial.get(e.trial or -1, []),
-                         e.measurement or {}, e.vram_bytes, e.ratios, list(e.flags or [])))
+                         e.measurement or {}, e.vram_bytes, e.ratios, list(e.flags or []), e))
     return Front(rows, "pareto.json", doc.dropped)
 
 

@@ -4,15 +4,19 @@ A step for users' CI: pin a tuned config, and let a new llama.cpp build, driver 
 when it made that config slower or when the config no longer fits.
 
 - **Slower**: for prefill (pp) and decode (tg) each, the re-measurement fails when
-  `new_avg < old_avg·(1 − tolerance) − 2·√(σ_old² + σ_new²)` (σ: each measurement's `stddev_ts` over its
-  repetitions), i.e. when it fell by more than the tolerance beyond what the two runs' noise explains.
+  `new_avg < old_avg·(1 − tolerance) − 2·√(σ_old² + σ_new²)`, i.e. when it fell by more than the tolerance beyond
+  what noise explains. σ is the noise *between runs*: the standard deviation of the recorded config's averages over
+  its interleaved confirm rounds (fitter.tune.confirm), for both runs, since the new run is one more run of the same
+  config on the same machine. On a shared machine runs differ far more than one run's repetitions do (decode
+  260-408 t/s in six runs whose own spread was 2-15 %), so the within-run `stddev_ts` would fail healthy configs.
+  A result without rounds (written before them) falls back to each run's `stddev_ts`, and says so.
 - **No longer fits**: the re-measurement ends `oom` (any failed outcome fails), or the estimator predicts the config
   over a device's budget: its free memory now minus the fit target the result recorded (for fitter's emulated GPU,
   free = its cap).
 
 The re-measurement repeats the recorded one: the same pinned flags, threads (`-t`/`-tb`), prompt, generation,
-depth and repetitions (read back from the recorded pp/tg: `n`, `depth`, the number of samples). A result measured
-on the emulated GPU carries the `--rpc` endpoint of a server long gone: a fresh emulated GPU of the same cap is
+depth and repetitions (read back from the recorded pp/tg: `n`, `depth`; the confirm rounds' repetitions). A result
+measured on the emulated GPU carries the `--rpc` endpoint of a server long gone: a fresh emulated GPU of the same cap is
 started and its endpoint put in its place.
 
 `compare`, `regression_threshold` and `parse_tolerance` are pure; `run_check` does the I/O through a runner factory
@@ -39,7 +43,8 @@ from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, target_of
 from fitter.memory.devices import CPU_AVX2, CpuProfile, Device, rpc_devices
 from fitter.memory.estimator import MemoryPlan, estimate
-from fitter.tune.result import Entry, ParetoDoc, load_result, vram_bytes
+from fitter.tune.noise import between_run_sd
+from fitter.tune.result import Entry, ParetoDoc, load_result, round_avgs, vram_bytes
 from fitter.tune.screen import device_totals
 from fitter.tune.study import measurement_json
 from fitter.units import MIB
@@ -86,6 +91,7 @@ def parse_tolerance(text: str) -> float:
 def compare(old: dict[str, Any], new: dict[str, Any], tolerance: float) -> CheckVerdict:
     """The recorded measurement against the re-measurement (both `fitter bench --json` shapes): each of pp and tg
     the old one has passes unless the new average is below `regression_threshold`; a failed new outcome fails."""
+    rounds = round_avgs(old)
     recorded = [(k, label, o) for k, label in METRICS if (o := _stats(old, k)) is not None]
     if old.get("outcome") != "ok" or not recorded:
         raise FitterError(f"the recorded measurement ended {old.get('outcome')!r} with no pp/tg speeds: nothing to "
@@ -98,7 +104,11 @@ def compare(old: dict[str, Any], new: dict[str, Any], tolerance: float) -> Check
         lines.append(f"FAIL  {what}: {outcome}: {reason}")
         return CheckVerdict(False, tuple(lines), new, (f"no longer runs: {outcome}",),
                             {"outcome": outcome, "reason": reason, "metrics": {}})
-    failures, metrics = [], {}
+    failures: list[str] = []
+    metrics: dict[str, dict[str, Any]] = {}
+    if any(len(rounds.get(k, ())) > 1 for k, _, _ in recorded):
+        lines.append(f"noise: between runs, the spread of the recorded config's {max(map(len, rounds.values()))} "
+                     "interleaved confirm rounds (± below)")
     for key, label, o in recorded:
         n = _stats(new, key)
         if n is None:
@@ -107,14 +117,20 @@ def compare(old: dict[str, Any], new: dict[str, Any], tolerance: float) -> Check
             metrics[key] = {"old_avg": o[0], "old_sd": o[1], "new_avg": None, "new_sd": None, "threshold": None,
                             "pass": False}
             continue
-        threshold = regression_threshold(o[0], o[1], n[1], tolerance)
+        if len(rounds.get(key, ())) > 1:  # the noise between runs, from the recorded confirm rounds
+            noise, sd = "between runs", between_run_sd(rounds[key])
+            threshold = regression_threshold(o[0], sd, sd, tolerance)
+        else:
+            noise, sd = "within runs: no confirm rounds", o[1]
+            threshold = regression_threshold(o[0], o[1], n[1], tolerance)
         passed = n[0] >= threshold
         change = (n[0] - o[0]) / o[0] * 100 if o[0] else 0.0
-        lines.append(f"{key}  {label:<8} old {o[0]:10.2f} ± {o[1]:<8.2f} new {n[0]:10.2f} ± {n[1]:<8.2f} "
+        lines.append(f"{key}  {label:<8} old {o[0]:10.2f} ± {sd:<8.2f} new {n[0]:10.2f} ± {n[1]:<8.2f} "
                      f"{change:+7.1f} %  threshold {threshold:10.2f}  {'PASS' if passed else 'FAIL'}")
         if not passed:
             failures.append(f"{key} {n[0]:.2f} t/s < threshold {threshold:.2f} t/s ({change:+.1f} %)")
         metrics[key] = {"old_avg": o[0], "old_sd": o[1], "new_avg": n[0], "new_sd": n[1],
+                        "noise_sd": sd, "noise": noise.split(":")[0],
                         "threshold": threshold, "change_pct": round(change, 2), "pass": passed}
     return CheckVerdict(not failures, tuple(lines), new, tuple(failures),
                         {"outcome": "ok", "metrics": metrics})
@@ -198,11 +214,19 @@ def recorded_spec(measurement: dict[str, Any], threads: int, threads_batch: int,
             raise TypeError("neither pp nor tg")
         return BenchSpec(n_prompt=int(pp["n"]) if isinstance(pp, dict) else 0,
                          n_gen=int(tg["n"]) if isinstance(tg, dict) else 0,
-                         n_depth=int(first.get("depth", 0)), repetitions=len(first["samples_ts"]),
+                         n_depth=int(first.get("depth", 0)), repetitions=_repetitions(measurement, first),
                          threads=threads, threads_batch=threads_batch)
     except (KeyError, TypeError, ValueError, FitterError) as e:
         raise FitterError(f"{where}: its measurement has no usable pp/tg n, depth and samples_ts ({e}): cannot "
                           "repeat it") from None
+
+
+def _repetitions(measurement: dict[str, Any], first: dict[str, Any]) -> int:
+    """A confirm run's repetitions per round (its samples pool every round), else the number of samples."""
+    confirm = measurement.get("confirm")
+    if isinstance(confirm, dict) and isinstance(confirm.get("repetitions"), int) and confirm["repetitions"] > 0:
+        return int(confirm["repetitions"])
+    return len(first["samples_ts"])
 
 
 # -- the check (I/O through the runner) ---------------------------------------------------------------------------

@@ -1,10 +1,20 @@
-"""After the search: every Pareto-optimal trial and the baseline are measured again (confirm runs, twice the
-repetitions), the front of the confirm runs is kept, and the result document is built from them."""
+"""After the search: the front's trials and the baseline are measured again in interleaved rounds (confirm runs), the
+front of the confirm runs is kept, and the result document is built from them.
+
+Interleaved: each round runs every contender once, in a fresh shuffled order (seeded), so slow drift (a job that
+starts beside the tune, a throttling CPU) hits every config alike, and each ratio over the baseline is taken
+within rounds (fitter.tune.noise: a t interval over the rounds' paired log ratios). A contender whose run fails in
+any round is dropped and reported. The baseline is also the drift monitor: measured at the start of the study (its
+trial), in the middle (fitter.tune.study.Tuner.drift_probe) and at the end (these rounds); a study whose baseline
+moved more than its configs differ says so.
+"""
 
 from __future__ import annotations
 
+import random
+import statistics
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +22,14 @@ from optuna.trial import TrialState
 
 from fitter.flags import pin
 from fitter.measure.runner import TrialRunner
-from fitter.measure.types import BenchSpec, TrialResult
 from fitter.memory.estimator import MemoryPlan
 from fitter.tune.baseline import Baseline
-from fitter.tune.plan import Screener
-from fitter.tune.request import Candidate, TuneRequest, candidate
-from fitter.tune.result import Entry, ParetoDoc, picks, ratios, vram_bytes
+from fitter.tune.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
+from fitter.tune.request import Candidate, TuneRequest, _default_distance, candidate
+from fitter.tune.result import Entry, ParetoDoc, picks, round_avgs, vram_bytes
 from fitter.tune.study import Tuner, measurement_json
+
+DEFAULT_ROUNDS = 4  # t(0.975, 3) = 3.18: an interval ~1.8× the per-round spread; 3 rounds would make it 2.5×
 
 
 def pinned_flags(cand: Candidate, plan: MemoryPlan | None) -> list[str]:
@@ -26,93 +37,216 @@ def pinned_flags(cand: Candidate, plan: MemoryPlan | None) -> list[str]:
     return pin(cand.config, plan.context if plan is not None else None, cand.process)
 
 
-def confirm_spec(spec: BenchSpec) -> BenchSpec:
-    """Confirm runs take twice the repetitions (at least 5): they decide the picks and the ratios, and a trial's
-    spread on a busy or emulated machine is 10-20 % per sample."""
-    return replace(spec, repetitions=max(5, 2 * spec.repetitions))
+@dataclass
+class Contender:
+    """One config of the confirm rounds: a trial of the study's front, or the baseline."""
+
+    trial: int
+    phase: str
+    cand: Candidate
+    plan: MemoryPlan | None
+    study_values: list[float] | None = None
+    runs: list[dict[str, Any]] = field(default_factory=list)  # bench JSON of each round, in round order
+    positions: list[int] = field(default_factory=list)  # where it ran in each round's order
+    failed: dict[str, Any] | None = None
+
+    def per_round(self, key: str) -> list[float]:
+        return [float(m[key]["avg_ts"]) for m in self.runs if isinstance(m.get(key), dict)]
 
 
-def _confirm(req: TuneRequest, screener: Screener, runner: TrialRunner,
-             cand: Candidate) -> tuple[TrialResult, dict[str, Any], MemoryPlan | None]:
-    """One confirm run: its result, its bench JSON and the config's memory plan (from the search's cache)."""
-    plan = screener(cand).plan
-    result = runner.run(req.model, cand.config, confirm_spec(cand.spec), req.trial_timeout_s, plan)
-    return result, measurement_json(result, runner.backend, plan, runner.emulated), plan
-
-
-def confirm_pareto(req: TuneRequest, tuner: Tuner, runner: TrialRunner,
-                   log: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Re-measure every Pareto-optimal trial; a pick that fails its confirm run is dropped and reported."""
-    entries, dropped = [], []
+def contenders(req: TuneRequest, tuner: Tuner, baseline: Baseline) -> list[Contender]:
+    """The study's Pareto-optimal trials (one per config) and the baseline when it ran ok."""
+    out: list[Contender] = []
     seen: set[str] = set()
-    for t in sorted(tuner.study.best_trials, key=lambda t: t.number):
-        if t.user_attrs.get("phase") == "baseline":
-            continue  # confirmed by confirm_baseline, which every tune runs
-        key = t.user_attrs.get("key", "")
-        if key in seen:  # a trial answered from storage repeats an earlier one
-            continue
-        seen.add(key)
-        flags = list(t.user_attrs["flags"])
-        cand = candidate(req, dict(t.params))
-        log(f"fitter: confirm run of trial {t.number}: {' '.join(flags)}")
-        result, m, plan = _confirm(req, tuner.screener, runner, cand)
-        if result.measurement.outcome != "ok":
-            dropped.append({"trial": t.number, "flags": flags, "outcome": result.measurement.outcome,
-                            "reason": result.measurement.reason})
-            continue
-        entries.append({"trial": t.number, "phase": t.user_attrs.get("phase"), "flags": pinned_flags(cand, plan),
-                        "measurement": m, "vram_bytes": vram_bytes(m), "study_values": list(t.values)})
-    return entries, dropped
-
-
-def confirm_baseline(req: TuneRequest, screener: Screener, runner: TrialRunner, baseline: Baseline,
-                     log: Callable[[str], None]) -> Baseline:
-    """Re-measure the baseline beside the confirm runs, so every ratio compares runs made under the same conditions
-    (the baseline's trial ran first, on a cold machine). Its trial measurement stays in the study."""
-    data, cand = baseline.data, baseline.candidate
-    if cand is None or (data.get("measurement") or {}).get("outcome") != "ok":
-        return baseline
-    log(f"fitter: confirm run of the baseline: {' '.join(data['flags'])}")
-    _, m, _ = _confirm(req, screener, runner, cand)
-    return replace(baseline, data={**data, "trial_measurement": data["measurement"], "measurement": m})
-
-
-def final_front(req: TuneRequest, screener: Screener, entries: list[dict[str, Any]], dropped: list[dict[str, Any]],
-                baseline: Baseline) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The Pareto front of the confirm runs: the study's front was chosen from single noisy trials, so what its
-    confirm runs show dominated is dropped (and reported). llama.cpp's own choice competes too: when its confirm run
-    is not dominated, it is on the front and may be a pick."""
-    pool = list(entries)
     bm = baseline.data.get("measurement") or {}
-    if bm.get("outcome") == "ok" and baseline.candidate is not None and "trial" in baseline.data:
+    if baseline.candidate is not None and bm.get("outcome") == "ok" and "trial" in baseline.data:
         cand = baseline.candidate
-        pool.append({"trial": baseline.data["trial"], "phase": "baseline",
-                     "flags": pinned_flags(cand, screener(cand).plan), "measurement": bm, "vram_bytes": vram_bytes(bm)})
+        out.append(Contender(baseline.data["trial"], "baseline", cand, tuner.screener(cand).plan))
+        seen.add(cand.key)
+    for t in sorted(tuner.study.best_trials, key=lambda t: t.number):
+        key = t.user_attrs.get("key", "")
+        if t.user_attrs.get("phase") == "baseline" or key in seen:
+            continue  # the baseline is in already; a trial answered from storage repeats an earlier one
+        seen.add(key)
+        cand = candidate(req, dict(t.params))
+        out.append(Contender(t.number, str(t.user_attrs.get("phase")), cand, tuner.screener(cand).plan,
+                             list(t.values)))
+    return out
 
-    def vector(e: dict[str, Any]) -> tuple[float, ...]:  # larger is better in every coordinate
-        m = e["measurement"]
-        out = {"tg": m["tg"]["avg_ts"], "pp": m["pp"]["avg_ts"], "vram": -float(e["vram_bytes"])}
-        return tuple(out[o] for o in req.objectives)
 
+def run_rounds(req: TuneRequest, runner: TrialRunner, pool: list[Contender], rounds: int,
+               log: Callable[[str], None]) -> None:
+    """`rounds` interleaved rounds over `pool`, each in a fresh seeded order; a failed run drops its contender."""
+    for k in range(rounds):
+        alive = [c for c in pool if c.failed is None]
+        order = list(alive)
+        random.Random(f"{req.seed}|confirm|{k}").shuffle(order)
+        log(f"fitter: confirm round {k + 1}/{rounds}: trials " + " ".join(
+            "base" if c.phase == "baseline" else str(c.trial) for c in order))
+        for position, c in enumerate(order):
+            result = runner.run(req.model, c.cand.config, c.cand.spec, req.trial_timeout_s, c.plan)
+            m = measurement_json(result, runner.backend, c.plan, runner.emulated)
+            if result.measurement.outcome != "ok":
+                c.failed = {"trial": c.trial, "flags": list(c.cand.flags), "outcome": result.measurement.outcome,
+                            "reason": f"round {k + 1}: {result.measurement.reason}"}
+                continue
+            m["round"] = k + 1
+            c.runs.append(m)
+            c.positions.append(position)
+
+
+def pooled(runs: list[dict[str, Any]], repetitions: int) -> dict[str, Any]:
+    """The rounds of one config as one bench JSON: every round's samples, their mean and spread, each device's
+    highest peak; `confirm` says how it was taken (rounds × repetitions) and keeps each round's averages."""
+    out = dict(runs[-1])
+    out.pop("round", None)
+    for key in SPEEDS:
+        stats = [m[key] for m in runs if isinstance(m.get(key), dict)]
+        if not stats:
+            continue
+        samples = [float(s) for st in stats for s in st["samples_ts"]]
+        out[key] = {**stats[0], "avg_ts": statistics.fmean(samples),
+                    "stddev_ts": statistics.stdev(samples) if len(samples) > 1 else 0.0, "samples_ts": samples}
+    peaks: dict[str, dict[str, Any]] = {}
+    for m in runs:
+        for name, p in (m.get("peak_vram") or {}).items():
+            if name not in peaks or int(p["bytes"]) > int(peaks[name]["bytes"]):
+                peaks[name] = dict(p)
+    if peaks:
+        out["peak_vram"] = peaks
+    out["confirm"] = {"rounds": len(runs), "repetitions": repetitions,
+                      "round_avg_ts": {k: [float(m[k]["avg_ts"]) for m in runs if isinstance(m.get(k), dict)]
+                                       for k in SPEEDS}}
+    return out
+
+
+def _entry(c: Contender, repetitions: int) -> dict[str, Any]:
+    m = pooled(c.runs, repetitions)
+    return {"trial": c.trial, "phase": c.phase, "flags": pinned_flags(c.cand, c.plan), "measurement": m,
+            "vram_bytes": vram_bytes(m), "study_values": c.study_values,
+            "defaults_distance": -1 if c.phase == "baseline" else _default_distance(c.cand.params),
+            "positions": c.positions}
+
+
+def confirm(req: TuneRequest, tuner: Tuner, runner: TrialRunner, baseline: Baseline, log: Callable[[str], None],
+            rounds: int = DEFAULT_ROUNDS) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Baseline]:
+    """The confirm rounds: the entries that survived them (the baseline among them when it ran), what was dropped,
+    and the baseline with its confirmed measurement."""
+    pool = contenders(req, tuner, baseline)
+    run_rounds(req, runner, pool, rounds, log)
+    dropped = [c.failed for c in pool if c.failed is not None]
+    entries = [_entry(c, req.bench.repetitions) for c in pool if c.failed is None and c.runs]
+    base = next((e for e in entries if e["phase"] == "baseline"), None)
+    if base is not None:
+        data = baseline.data
+        baseline = replace(baseline, data={**data, "trial_measurement": data["measurement"],
+                                           "measurement": base["measurement"]})
+    return entries, dropped, baseline
+
+
+# -- the front of the confirm runs, ratios, intervals and ties (pure) ---------------------------------------------
+
+
+def _dominates(o: dict[str, Any], e: dict[str, Any], objectives: tuple[str, ...]) -> bool:
+    """o is at least as good as e in every objective's estimate and better beyond noise in one (a speed whose
+    interval of o/e lies above 1, or less measured VRAM, which is a peak counter, not a noisy rate)."""
+    om, em = o["measurement"], e["measurement"]
+    ro, re = round_avgs(om), round_avgs(em)
+    strictly = False
+    for obj in objectives:
+        if obj == "vram":
+            if o["vram_bytes"] > e["vram_bytes"]:
+                return False
+            strictly |= o["vram_bytes"] < e["vram_bytes"]
+            continue
+        if om[obj]["avg_ts"] < em[obj]["avg_ts"]:
+            return False
+        if ro.get(obj) and re.get(obj) and len(ro[obj]) == len(re[obj]) > 1:
+            strictly |= better_beyond_noise(ro[obj], re[obj])
+        else:  # no rounds to judge noise by: the estimates decide
+            strictly |= om[obj]["avg_ts"] > em[obj]["avg_ts"]
+    return strictly
+
+
+def final_front(objectives: tuple[str, ...], entries: list[dict[str, Any]], dropped: list[dict[str, Any]]
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The Pareto front of the confirm runs: the study's front was chosen from single noisy trials, so a config its
+    confirm runs show dominated beyond noise is dropped (and reported). llama.cpp's own choice competes too: when it
+    is not dominated it is on the front and may be a pick."""
     front, out_dropped = [], list(dropped)
-    for e in pool:
-        by = next((o for o in pool if o is not e and all(a >= b for a, b in zip(vector(o), vector(e), strict=True))
-                   and vector(o) != vector(e)), None)
+    for e in entries:
+        by = next((o for o in entries if o is not e and _dominates(o, e, objectives)), None)
         if by is None:
             front.append(e)
         elif e["phase"] != "baseline":
             out_dropped.append({"trial": e["trial"], "flags": e["flags"], "outcome": "dominated",
-                                "reason": f"its confirm run is dominated by trial {by['trial']}'s"})
+                                "reason": f"its confirm runs are dominated by trial {by['trial']}'s"})
     return sorted(front, key=lambda e: e["trial"]), out_dropped
+
+
+def annotate(objectives: tuple[str, ...], front: list[dict[str, Any]], base_m: dict[str, Any] | None) -> None:
+    """Each entry's ratios over the baseline with their 95 % intervals (paired by round), and its ties: the other
+    entries it cannot be told apart from in any speed objective."""
+    speeds = tuple(k for k in SPEEDS if k in objectives)
+    base_rounds = round_avgs(base_m) if base_m and base_m.get("outcome") == "ok" else {}
+    for e in front:
+        rounds = round_avgs(e["measurement"])
+        e["ratios"], e["intervals"] = {}, {}
+        for k in SPEEDS:
+            iv = ratio_interval(rounds[k], base_rounds[k]) if k in rounds and k in base_rounds and len(
+                rounds[k]) == len(base_rounds[k]) else None
+            if iv is not None:
+                e["ratios"][k] = round(iv[0], 3)
+                e["intervals"][k] = [round(iv[1], 3), round(iv[2], 3)]
+            elif base_m and base_m.get("outcome") == "ok" and k in e["measurement"] and k in base_m:
+                e["ratios"][k] = round(e["measurement"][k]["avg_ts"] / base_m[k]["avg_ts"], 3)
+            else:
+                e["ratios"][k] = None
+        e["ties"] = [o["trial"] for o in front if o is not e and tied(rounds, round_avgs(o["measurement"]), speeds)]
+
+
+def drift_record(start: dict[str, Any] | None, middle: dict[str, Any] | None, end: dict[str, Any] | None,
+                 front: list[dict[str, Any]]) -> dict[str, Any]:
+    """The baseline measured at the start, middle and end of the study: how far it moved per speed, against how far
+    the front's configs differ from it; `exceeds_differences` when the drift is the larger."""
+    points = [{"at": at, **{k: float(m[k]["avg_ts"]) for k in SPEEDS if isinstance(m.get(k), dict)},
+               **({"launched": m["launched"]} if "launched" in m else {})}
+              for at, m in (("start", start), ("middle", middle), ("end", end))
+              if isinstance(m, dict) and m.get("outcome", "ok") == "ok"]
+    spread = {k: round(relative_spread([p[k] for p in points if k in p]), 4) for k in SPEEDS}
+    diffs = {k: round(max((abs(r - 1.0) for e in front if e["phase"] != "baseline"
+                           if (r := (e.get("ratios") or {}).get(k)) is not None), default=0.0), 4) for k in SPEEDS}
+    exceeds = len(points) > 1 and any(spread[k] > diffs[k] for k in SPEEDS)
+    out: dict[str, Any] = {"baseline": points, "spread": spread, "differences": diffs,
+                           "exceeds_differences": exceeds}
+    if exceeds:
+        worst = max(SPEEDS, key=lambda k: spread[k] - diffs[k])
+        out["note"] = (f"the baseline's {worst} moved {spread[worst]:.0%} during the study, more than the front's "
+                       f"configs differ from it ({diffs[worst]:.0%}): the search compared trials under drift; the "
+                       "confirm rounds are interleaved, so their intervals hold, but a quieter machine would choose "
+                       "more surely")
+    elif len(points) < 2:
+        out["note"] = ("no drift monitor: the baseline was measured once" if points else
+                       "no drift monitor: there is no baseline")
+    return out
 
 
 def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str], targets: tuple[int, ...],
                emulated: bool, baseline: Baseline, entries: list[dict[str, Any]], dropped: list[dict[str, Any]],
-               tuner: Tuner, wall_s: float, url: str, source: str) -> ParetoDoc:
+               tuner: Tuner, wall_s: float, url: str, source: str, rounds: int = DEFAULT_ROUNDS) -> ParetoDoc:
     """pareto.json of a finished tune (CONTRACTS.md), read back as the one result model."""
     base_m = baseline.data.get("measurement")
-    for e in entries:
-        e["ratios"] = ratios(e["measurement"], base_m)
+    front, dropped = final_front(req.objectives, entries, dropped)
+    annotate(req.objectives, front, base_m)
+    base_entry = next((e for e in front if e["phase"] == "baseline"), None)
+    base_data = dict(baseline.data)
+    if base_m and base_m.get("outcome") == "ok":
+        base_data["intervals"] = {k: [1.0, 1.0] for k in SPEEDS if k in base_m}
+        base_data["ties"] = list(base_entry["ties"]) if base_entry else [
+            e["trial"] for e in front if tied(round_avgs(base_m), round_avgs(e["measurement"]),
+                                              tuple(k for k in SPEEDS if k in req.objectives))]
+    drift = drift_record(baseline.data.get("trial_measurement"), tuner.study.user_attrs.get("drift_middle"),
+                         base_m, front)
     trials = tuner.study.get_trials(deepcopy=False)
     spec, model = req.spec, req.model
     data = {
@@ -124,13 +258,17 @@ def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str],
         # what the screen allowed each device (free memory less the fit target) and the host: an export for
         # another program is re-planned against these
         "budgets": {"devices": dict(req.budgets.devices), "host": req.budgets.host},
-        "baseline": baseline.data, "pareto": entries, "dropped": dropped,
-        "picks": picks([Entry.from_json(e, source) for e in entries]),
+        "baseline": base_data, "pareto": front, "dropped": dropped,
+        "picks": picks([Entry.from_json(e, source) for e in front]),
+        "confirm": {"rounds": rounds, "repetitions": req.bench.repetitions, "interleaved": True,
+                    "interval": "95 % Student t over the rounds' paired log ratios"},
+        "drift": drift,
         "study": {"storage": url, "trials": len(trials),
                   "launched": sum(1 for t in trials if t.user_attrs.get("launched")),
                   "screened_out": sum(1 for t in trials if t.state == TrialState.PRUNED
                                       and not t.user_attrs.get("launched")),
                   "answered_from_storage": sum(1 for t in trials if "same_as" in t.user_attrs),
+                  "pooled": sum(1 for t in trials if t.user_attrs.get("pooled")),
                   "model_loads_this_run": tuner.progress.model_loads, "wall_s": round(wall_s, 1),
                   "margins": tuner.study.user_attrs.get("margins", {})},
     }

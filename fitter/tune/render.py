@@ -5,47 +5,90 @@ from __future__ import annotations
 from fitter.flags.vocabulary import SEARCHED
 from fitter.tune.plan import Screener, structured_start
 from fitter.tune.request import TuneRequest, candidate, combos
-from fitter.tune.result import ParetoDoc, vram_bytes
+from fitter.tune.result import Entry, ParetoDoc, vram_bytes
 from fitter.tune.screen import device_totals
 from fitter.units import MIB
 
 
 def pareto_table(result: ParetoDoc) -> str:
-    """The result as `fitter tune` prints it: the baseline, the front with picks and ratios, what was dropped."""
+    """The result as `fitter tune` prints it: the baseline, the front with picks, ratios and their 95 % intervals,
+    ties, what was dropped, the drift monitor and what each pick gains over llama.cpp's own choice."""
     doc = result.data
     picks_by_trial: dict[int, list[str]] = {}
     for name, n in result.picks.items():
         picks_by_trial.setdefault(n, []).append(name)
-    lines = [f"{'trial':>5}  {'pp t/s':>9} {'tg t/s':>8} {'VRAM MiB':>9} {'pp×':>6} {'tg×':>6}  picks / flags"]
+    lines = [f"{'trial':>5}  {'pp t/s':>9} {'tg t/s':>8} {'VRAM MiB':>9}  {'pp× [95 % CI]':<20} {'tg× [95 % CI]':<20}"
+             " picks / flags"]
     base = doc["baseline"]
     bm = base.get("measurement")
     if bm and bm.get("outcome") == "ok":
         vram = vram_bytes(bm) / MIB
-        lines.append(f"{'base':>5}  {bm['pp']['avg_ts']:9.1f} {bm['tg']['avg_ts']:8.1f} {vram:9.1f} {'1.000':>6} "
-                     f"{'1.000':>6}  llama.cpp --fit: {' '.join(base['flags'] or [])}")
+        lines.append(f"{'base':>5}  {bm['pp']['avg_ts']:9.1f} {bm['tg']['avg_ts']:8.1f} {vram:9.1f}  {'1':<20} "
+                     f"{'1':<20} llama.cpp --fit: {' '.join(base['flags'] or [])}")
     elif base.get("flags") or base.get("reason") or bm:
         lines.append(f"{'base':>5}  llama.cpp --fit: {(bm or {}).get('outcome') or base.get('reason')}")
-    for e in doc["pareto"]:
-        m, r = e["measurement"], e["ratios"]
-        lines.append(f"{e['trial']:>5}  {m['pp']['avg_ts']:9.1f} {m['tg']['avg_ts']:8.1f} "
-                     f"{e['vram_bytes'] / MIB:9.1f} {_ratio(r['pp'])} {_ratio(r['tg'])}  "
-                     f"{','.join(picks_by_trial.get(e['trial'], [])) or '-'}: "
-                     + ("llama.cpp --fit (the baseline) " if e.get("phase") == "baseline" else "")
-                     + " ".join(_short(e["flags"])))
+    for e in result.pareto:
+        m = e.measurement or {}
+        ties = f" (tie: {', '.join('base' if t == base.get('trial') else str(t) for t in e.ties)})" if e.ties else ""
+        lines.append(f"{e.trial:>5}  {m['pp']['avg_ts']:9.1f} {m['tg']['avg_ts']:8.1f} "
+                     f"{(e.vram_bytes or 0) / MIB:9.1f}  {_ratio(e, 'pp'):<20} {_ratio(e, 'tg'):<20} "
+                     f"{','.join(picks_by_trial.get(e.trial or -1, [])) or '-'}{ties}: "
+                     + ("llama.cpp --fit (the baseline) " if e.phase == "baseline" else "")
+                     + " ".join(_short(list(e.flags or []))))
     for d in doc["dropped"]:
         if d["outcome"] == "dominated":
             lines.append(f"{d['trial']:>5}  dropped: {d['reason']}")
         else:
             lines.append(f"{d['trial']:>5}  dropped: its confirm run ended {d['outcome']}: {d['reason']}")
     s = doc["study"]
+    confirm = doc.get("confirm") or {}
     lines.append(f"\n{s['trials']} trials: {s['launched']} launched, {s['screened_out']} screened out by the "
-                 f"estimator, {s['answered_from_storage']} answered from storage; {s['model_loads_this_run']} model "
-                 f"loads this run; {s['wall_s']:.0f} s")
+                 f"estimator, {s['answered_from_storage']} answered from storage"
+                 + (f", {s['pooled']} pooled by physics" if s.get("pooled") else "")
+                 + f"; {s['model_loads_this_run']} model loads this run; {s['wall_s']:.0f} s"
+                 + (f"; confirm: {confirm['rounds']} interleaved rounds × {confirm['repetitions']} repetitions"
+                    if confirm else ""))
+    lines += verdict_lines(result)
     return "\n".join(lines)
 
 
-def _ratio(x: float | None) -> str:
-    return f"{x:6.3f}" if x is not None else f"{'-':>6}"
+def verdict_lines(result: ParetoDoc) -> list[str]:
+    """What each pick gains over llama.cpp's own choice, with the interval, or that it is a tie with it; and the
+    drift monitor's note."""
+    base = result.baseline
+    out: list[str] = []
+    by_trial = {e.trial: e for e in result.pareto}
+    for policy in ("balanced", "max-decode", "max-prefill"):
+        e = by_trial.get(result.picks.get(policy, -1))
+        if e is None or not base.ok:
+            continue
+        if e.phase == "baseline":
+            out.append(f"{policy}: llama.cpp's own choice (the baseline)")
+        elif base.trial in e.ties:
+            out.append(f"{policy}: trial {e.trial} is a tie with llama.cpp's own choice within noise: keep llama.cpp's")
+        else:
+            out.append(f"{policy}: trial {e.trial}: decode {_gain(e, 'tg')}, prefill {_gain(e, 'pp')} of llama.cpp's "
+                       "own choice")
+    note = (result.data.get("drift") or {}).get("note")
+    if note:
+        out.append(f"drift: {note}")
+    return out
+
+
+def _ratio(e: Entry, key: str) -> str:
+    """A table cell: the ratio over the baseline and its 95 % interval, `1.121 [1.04–1.20]`."""
+    x, iv = e.ratios.get(key), e.intervals.get(key)
+    if x is None:
+        return "-"
+    return f"{x:.3f}" + (f" [{iv[0]:.2f}–{iv[1]:.2f}]" if iv else "")
+
+
+def _gain(e: Entry, key: str) -> str:
+    """In a sentence: `1.12× (95 % CI 1.04–1.20)`."""
+    x, iv = e.ratios.get(key), e.intervals.get(key)
+    if x is None:
+        return "-"
+    return f"{x:.2f}×" + (f" (95 % CI {iv[0]:.2f}–{iv[1]:.2f})" if iv else " (one round: no interval)")
 
 
 def _short(flags: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.errors import FitterError
+from fitter.tune.noise import tied
 
 POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram")
 RESULT_FILE = "pareto.json"
@@ -55,6 +56,10 @@ class Entry:
     vram_bytes: int | None = None
     ratios: dict[str, float | None] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict, compare=False)  # the entry as written
+    # the 95 % interval of each ratio over the baseline, from the confirm rounds (fitter.tune.noise)
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ties: tuple[int, ...] = ()  # the entries it cannot be told apart from within noise
+    defaults_distance: int = 0  # searched flags off llama-server's defaults (-1: llama.cpp's own choice)
 
     @property
     def ok(self) -> bool:
@@ -71,9 +76,20 @@ class Entry:
             raise ResultError(source, f"trial {trial}: \"flags\" must be a list of strings, got {flags!r}")
         m = data.get("measurement")
         vram = data.get("vram_bytes")
+        intervals = data.get("intervals") or {}
+        if not isinstance(intervals, dict) or not all(
+                isinstance(v, list) and len(v) == 2 and all(isinstance(x, int | float) for x in v)
+                for v in intervals.values()):
+            raise ResultError(source, f"trial {trial}: \"intervals\" must map tg/pp to [low, high], got {intervals!r}")
+        ties = data.get("ties") or []
+        if not isinstance(ties, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ties):
+            raise ResultError(source, f"trial {trial}: \"ties\" must be a list of trial numbers, got {ties!r}")
+        distance = data.get("defaults_distance", -1 if data.get("phase") == "baseline" else 0)
         return Entry(trial if isinstance(trial, int) else None, tuple(flags) if flags is not None else None,
                      m if isinstance(m, dict) else None, data.get("phase"),
-                     int(vram) if isinstance(vram, int | float) else None, dict(data.get("ratios") or {}), data)
+                     int(vram) if isinstance(vram, int | float) else None, dict(data.get("ratios") or {}), data,
+                     {k: (float(v[0]), float(v[1])) for k, v in intervals.items()}, tuple(ties),
+                     int(distance) if isinstance(distance, int) else 0)
 
 
 @dataclass(frozen=True)
@@ -196,9 +212,24 @@ def write_result(folder: Path, data: dict[str, Any]) -> Path:
 # -- picks and ratios --------------------------------------------------------------------------------------------
 
 
+def round_avgs(measurement: dict[str, Any] | None) -> dict[str, list[float]]:
+    """Per-round averages of a confirmed measurement (fitter.tune.confirm.pooled); empty for one without rounds (a
+    single run, or a result written before confirm runs were interleaved)."""
+    confirm = (measurement or {}).get("confirm")
+    raw = confirm.get("round_avg_ts") if isinstance(confirm, dict) else None
+    if not isinstance(raw, dict):
+        return {}
+    return {k: [float(x) for x in v] for k, v in raw.items()
+            if isinstance(v, list) and v and all(isinstance(x, int | float) for x in v)}
+
+
 def picks(entries: list[Entry]) -> dict[str, int]:
     """max-decode, max-prefill, balanced (highest min(pp/pp_best, tg/tg_best), never a sum) and min-vram (least
-    VRAM within 5 % of the best decode), over confirmed Pareto entries, by trial number."""
+    VRAM within 5 % of the best decode), over confirmed Pareto entries, by trial number.
+
+    Configs the confirm rounds cannot tell apart from a pick (fitter.tune.noise: the interval of their ratio
+    contains 1) are a tie, resolved toward less VRAM, then toward llama.cpp's defaults (its own choice first, then
+    the fewest searched flags off llama-server's defaults), then the faster estimate."""
     if not entries:
         return {}
 
@@ -210,14 +241,25 @@ def picks(entries: list[Entry]) -> dict[str, int]:
 
     tg_best, pp_best = max(map(tg, entries)), max(map(pp, entries))
 
-    def trial(e: Entry) -> int:
-        assert e.trial is not None
-        return e.trial
+    def balanced(e: Entry) -> float:
+        return min(pp(e) / pp_best if pp_best else 0.0, tg(e) / tg_best if tg_best else 0.0)
 
-    out = {"max-decode": trial(max(entries, key=tg)), "max-prefill": trial(max(entries, key=pp)),
-           "balanced": trial(max(entries, key=lambda e: min(pp(e) / pp_best, tg(e) / tg_best)))}
-    close = [e for e in entries if tg(e) >= 0.95 * tg_best]
-    out["min-vram"] = trial(min(close, key=lambda e: (e.vram_bytes or 0, -tg(e))))
+    def resolve(best: Entry, speeds: tuple[str, ...], fast: float) -> int:
+        rounds = round_avgs(best.measurement)
+        group = [e for e in entries if e is best or tied(rounds, round_avgs(e.measurement), speeds)]
+        chosen = min(group, key=lambda e: (e.vram_bytes or 0, e.defaults_distance, -fast * tg(e) - pp(e)))
+        assert chosen.trial is not None
+        return chosen.trial
+
+    out = {"max-decode": resolve(max(entries, key=tg), ("tg",), 1.0),
+           "max-prefill": resolve(max(entries, key=pp), ("pp",), 0.0),
+           "balanced": resolve(max(entries, key=balanced), ("tg", "pp"), 1.0)}
+    top = max(entries, key=tg)
+    top_rounds = round_avgs(top.measurement)
+    close = [e for e in entries if tg(e) >= 0.95 * tg_best or tied(top_rounds, round_avgs(e.measurement), ("tg",))]
+    chosen = min(close, key=lambda e: (e.vram_bytes or 0, e.defaults_distance, -tg(e)))
+    assert chosen.trial is not None
+    out["min-vram"] = chosen.trial
     return out
 
 

@@ -37,7 +37,7 @@ from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, check_target_count, de
 from fitter.memory.devices import Device
 from fitter.memory.fit import fit
 from fitter.tune.baseline import run_baseline, sim_fit_devices
-from fitter.tune.confirm import confirm_baseline, confirm_pareto, final_front, result_doc
+from fitter.tune.confirm import DEFAULT_ROUNDS, confirm, result_doc
 from fitter.tune.plan import Screener
 from fitter.tune.render import dry_run_text
 from fitter.tune.request import OBJECTIVES, TuneRequest, candidate, combos
@@ -71,6 +71,7 @@ class TuneOptions:
     n_gen: int = 128
     n_depth: int = 0
     repetitions: int = 3
+    confirm_rounds: int = DEFAULT_ROUNDS  # interleaved confirm rounds (fitter.tune.confirm), each of -r repetitions
     storage: str | None = None
     results: Path = Path("results")
     emulated_gpu_mib: int | None = None
@@ -234,13 +235,13 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         fit_devices: Any = sim_fit_devices(req, tool) if target.sim is not None else (
             lambda: contextlib.nullcontext(req.rpc))
         baseline = run_baseline(req, tuner, tool, targets, fit_devices, log, baseline_unavailable)
+        if baseline.candidate is not None:
+            tuner.drift_probe = baseline.candidate  # the baseline again half-way: the drift monitor's middle
         tuner.run()
         log("")
-        entries, dropped = confirm_pareto(req, tuner, runner, log)
-        baseline = confirm_baseline(req, tuner.screener, runner, baseline, log)
-        entries, dropped = final_front(req, tuner.screener, entries, dropped, baseline)
+        entries, dropped, baseline = confirm(req, tuner, runner, baseline, log, o.confirm_rounds)
     doc = result_doc(req, target.machine, build, targets, target.emulated_mib is not None, baseline, entries,
-                     dropped, tuner, time.monotonic() - t_start, url, str(folder / RESULT_FILE))
+                     dropped, tuner, time.monotonic() - t_start, url, str(folder / RESULT_FILE), o.confirm_rounds)
     write_result(folder, doc.data)
     write_trials_csv(folder, study)
     if snapshot is not None and snapshot.gpus and target.emulated_mib is None:

@@ -28,7 +28,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import optuna
@@ -39,6 +39,7 @@ from fitter.measure.runner import TrialRunner
 from fitter.measure.types import TrialResult
 from fitter.memory.devices import Device
 from fitter.tune.plan import Screener, neighbours, structured_start
+from fitter.tune.pooling import SamplePool
 from fitter.tune.request import Candidate, TuneRequest, _choices, candidate
 from fitter.tune.result import vram_bytes
 from fitter.tune.screen import Screen, device_totals
@@ -75,11 +76,17 @@ class Tuner:
         for device, margin in study.user_attrs.get("margins", {}).items():
             self.screener.learn_margin(device, int(margin))
         self._done: dict[str, FrozenTrial] = {}
+        self.pool = SamplePool.empty()  # samples shared by configs a speed cannot tell apart (fitter.tune.pooling)
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
             key = t.user_attrs.get("key")
             if key and t.user_attrs.get("launched"):
                 self._done.setdefault(key, t)
+                if t.state == TrialState.COMPLETE and t.params and "same_as" not in t.user_attrs:
+                    self._pool_own(candidate(req, dict(t.params)), t.number, t.user_attrs.get("measurement") or {})
         self.progress.launched = self.launched_so_far()
+        # the baseline's candidate, measured again half-way through the launches: the drift monitor's middle point
+        # (its start is the baseline's trial, its end the confirm rounds; fitter.tune.confirm.drift_record)
+        self.drift_probe: Candidate | None = None
 
     # counts over the whole study, so a resumed study continues where it stopped
     def launched_so_far(self) -> int:
@@ -171,9 +178,12 @@ class Tuner:
             if s.projection is not None:  # the build's own projection, beside fitter's (the drift guard)
                 trial.set_user_attr("projected_bytes", {k: sum(v.values()) for k, v in s.projection.items()})
         self.on_event("start", self.progress, self.study)
+        spec = cand.spec
+        if phase != "baseline" and spec.n_gen and self.pool.has(cand, "tg"):
+            spec = replace(spec, n_gen=0)  # its decode class was measured: prefill only (fitter.tune.pooling)
         stop_heartbeat = self._heartbeat(trial)
         try:
-            result = self.runner.run(self.req.model, cand.config, cand.spec, self.req.trial_timeout_s,
+            result = self.runner.run(self.req.model, cand.config, spec, self.req.trial_timeout_s,
                                      s.plan if s is not None else None)
         finally:
             stop_heartbeat()
@@ -181,10 +191,14 @@ class Tuner:
         self.progress.launched += 1
         self.progress.model_loads += 0 if m.reused_model else 1
         measurement = measurement_json(result, self.runner.backend, s.plan if s else None, self.runner.emulated)
+        if m.outcome == "ok" and phase != "baseline":
+            pooled = self._pool_measurement(cand, trial.number, measurement)
+            if pooled:
+                trial.set_user_attr("pooled", pooled)
         trial.set_user_attr("measurement", measurement)
         trial.set_user_attr("reason", m.reason)
         trial.set_user_attr("outcome", m.outcome)
-        if m.outcome == "ok" and m.pp is not None and m.tg is not None:
+        if m.outcome == "ok" and all(isinstance(measurement.get(k), dict) for k in ("pp", "tg")):
             vram = vram_bytes(measurement)  # the devices' measured peak, else their logged buffers
             trial.set_user_attr("vram_bytes", vram)
             for name, value in (s.constraints if s else {}).items():
@@ -201,7 +215,48 @@ class Tuner:
         frozen = self.study._storage.get_trial(trial._trial_id)
         self._done[cand.key] = frozen
         self.on_event("end", self.progress, self.study)
+        self._probe_drift()
         return result
+
+    def _pool_own(self, cand: Candidate, number: int, measurement: dict[str, Any]) -> None:
+        """A trial's own samples (not those it pooled from others) into the pool."""
+        for speed in ("tg", "pp"):
+            stats = measurement.get(speed) or {}
+            samples = list(stats.get("samples_ts") or [])
+            own = (stats.get("pooled") or {}).get("own", len(samples))
+            self.pool.add(cand, speed, number, samples[:own])
+
+    def _pool_measurement(self, cand: Candidate, number: int, measurement: dict[str, Any]) -> dict[str, list[int]]:
+        """Pool the trial's speeds with its classes' earlier samples (in place); then add its own. Returns the trials
+        each speed pooled from."""
+        own = {k: dict(v) for k in ("tg", "pp") if isinstance(v := measurement.get(k), dict)}
+        spec, out = cand.spec, {}
+        for speed, n in (("tg", spec.n_gen), ("pp", spec.n_prompt)):
+            if not n:
+                continue
+            pooled = self.pool.pooled(cand, speed, own.get(speed), n, spec.n_depth)
+            if pooled is not None:
+                measurement[speed] = pooled
+                if "pooled" in pooled:
+                    out[speed] = list(pooled["pooled"]["trials"])
+        self._pool_own(cand, number, own)
+        return out
+
+    def _probe_drift(self) -> None:
+        """The baseline once more when half the launches are spent: the drift monitor's middle point. Not a trial
+        (it would be answered from storage): kept in the study's attributes, so a resumed study keeps it."""
+        cand = self.drift_probe
+        half = max(2, (self.req.n_trials + 1) // 2)
+        if cand is None or self.progress.launched < half or "drift_middle" in self.study.user_attrs:
+            return
+        s = self.screener(cand)
+        result = self.runner.run(self.req.model, cand.config, cand.spec, self.req.trial_timeout_s, s.plan)
+        self.progress.model_loads += 0 if result.measurement.reused_model else 1
+        m = measurement_json(result, self.runner.backend, s.plan, self.runner.emulated)
+        self.study.set_user_attr("drift_middle", {
+            "outcome": m["outcome"], "launched": self.progress.launched, "at": round(time.time(), 1),
+            **{k: {"avg_ts": m[k]["avg_ts"], "stddev_ts": m[k]["stddev_ts"]} for k in ("pp", "tg")
+               if isinstance(m.get(k), dict)}})
 
     def _learn_from_oom(self, trial: optuna.Trial, m: Any, s: Screen | None) -> None:
         """The device that refused an allocation: measured need = its logged buffers + the refused request."""

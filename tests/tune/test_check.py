@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -429,3 +430,18 @@ def test_check_prints_the_models_warnings(tmp_path: Path, capsys: pytest.Capture
     assert cmd_check(check_ns(folder), [], runner_factory=Factory(FakeRunner())) == 0
     assert (f"fitter: warning: {model}: architecture 'llamb' is not one fitter has matched against llama.cpp"
             in capsys.readouterr().err)
+
+
+def test_the_threshold_comes_from_the_noise_between_the_recorded_confirm_rounds() -> None:
+    # four rounds of decode 90/110/95/105 t/s (sd 9.13) around a within-run spread of 1 t/s: a run at 85 t/s is
+    # within what the rounds showed, though 12 within-run σ below the average
+    old = {**bench((500.0, 10.0), (100.0, 1.0)),
+           "confirm": {"rounds": 4, "repetitions": 3,
+                       "round_avg_ts": {"pp": [500.0, 500.0, 500.0, 500.0], "tg": [90.0, 110.0, 95.0, 105.0]}}}
+    v = compare(old, bench((500.0, 10.0), (85.0, 1.0)), 0.05)
+    sd = statistics.stdev([90.0, 110.0, 95.0, 105.0])
+    assert v.ok and v.details["metrics"]["tg"]["threshold"] == pytest.approx(95 - 2 * math.sqrt(2) * sd)
+    assert v.details["metrics"]["tg"]["noise"] == "between runs" and v.details["metrics"]["tg"]["noise_sd"] == sd
+    assert v.lines[1] == "noise: between runs, the spread of the recorded config's 4 interleaved confirm rounds " \
+                         "(± below)"
+    assert not compare({**bench((500.0, 10.0), (100.0, 1.0))}, bench((500.0, 10.0), (85.0, 1.0)), 0.05).ok
