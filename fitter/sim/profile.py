@@ -72,6 +72,8 @@ class Machine:
     models: tuple[str, ...] = field(default=(), metadata={"doc": "fitter.gguf.demo_models SHAPES it is meant for"})
     disk_gbps: float = _num(0, "model file read rate, GB/s (load time only)", 3.0, lo_open=True)
     noise: float = _num(0, "relative standard deviation of one repetition's time", 0.0, hi=0.5)
+    run_noise: float = _num(0, "relative standard deviation between runs of one config (other jobs, throttling): one "
+                                "factor on every repetition of a run", 0.0, hi=0.5)
     seed: int = _num(0, "seed of the noise", 0)
     path: str = ""
 

@@ -46,6 +46,7 @@ class SimRunner:
         self.trials_run = 0
         self.model_loads = 0
         self._loaded: tuple[Any, ...] | None = None
+        self._runs: dict[str, int] = {}  # runs of each config so far: its next run's between-run factor
 
     def devices(self) -> tuple[Device, ...]:
         g = self.machine.gpu
@@ -124,12 +125,18 @@ class SimRunner:
         # named its program (`consumer`), so seeded figures recorded then reproduce
         config_key = repr(replace(plan.config, flags=())).replace(f", consumer='{DEFAULT_CONSUMER}'", "")
 
+        run_key = f"{config_key}|t{spec.threads}|tb{tb}"
+        run = self._runs.get(run_key, 0)
+        self._runs[run_key] = run + 1
+        # between runs: one factor for the whole run (none without run_noise, so seeded figures stay as they were)
+        between = _noise_factors(self.seed, f"{run_key}|run", run + 1, m.run_noise)[run] if m.run_noise else 1.0
+
         def stats(test: str, n: int, seconds: float) -> SpeedStats | None:
             if not n:
                 return None
-            key = f"{config_key}|t{spec.threads}|tb{tb}|{test}"
+            key = f"{run_key}|{test}"
             factors = _noise_factors(self.seed, key, spec.repetitions, m.noise)
-            return SpeedStats.from_ns(n, spec.n_depth, [round(seconds * f * 1e9) for f in factors])
+            return SpeedStats.from_ns(n, spec.n_depth, [round(seconds * f * between * 1e9) for f in factors])
 
         pp, tg = stats("pp", spec.n_prompt, pp_s), stats("tg", spec.n_gen, tg_s)
         wall = base.wall_s + (pp_s + tg_s / max(spec.n_gen, 1) if spec.warmup else 0.0)

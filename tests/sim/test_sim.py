@@ -176,6 +176,20 @@ def test_noise_free_profile_gives_the_model_itself(tmp_path: Path) -> None:
     assert m.pp.avg_ts == pytest.approx(pp, rel=1e-6) and m.tg.avg_ts == pytest.approx(tg, rel=1e-6)
 
 
+def test_run_noise_scales_a_whole_run_and_differs_between_runs_of_one_config(tmp_path: Path) -> None:
+    text = (MACHINES_DIR / "seeds.toml").read_text().replace("noise = 0.02", "noise = 0\nrun_noise = 0.1")
+    (tmp_path / "busy.toml").write_text(text)
+    r = SimRunner(load_machine(tmp_path / "busy.toml"), spec("gpt-oss-20b"))
+    first, second = run(r, ["-c", "8192"]).measurement, run(r, ["-c", "8192"]).measurement
+    assert first.tg is not None and second.tg is not None
+    assert len(set(first.tg.samples_ns)) == 1  # one factor on every repetition of a run
+    assert first.tg.avg_ts != second.tg.avg_ts
+    again = SimRunner(load_machine(tmp_path / "busy.toml"), spec("gpt-oss-20b"))
+    assert run(again, ["-c", "8192"]).measurement.tg == first.tg  # seeded: the same first run again
+    quiet = runner("seeds", "gpt-oss-20b")  # no run_noise: runs of one config are identical, as before
+    assert run(quiet, ["-c", "8192"]).measurement.tg == run(quiet, ["-c", "8192"]).measurement.tg
+
+
 def test_model_reused_when_model_level_flags_repeat() -> None:
     r = runner("seeds", "gpt-oss-20b")
     first = run(r, ["-c", "8192", "-ncmoe", "4"]).measurement
@@ -287,7 +301,7 @@ mts = 4800
 
 @pytest.mark.parametrize(("change", "message"), [
     (("description", "colour = 1\ndescription"),
-     "unknown key 'colour'; allowed: description, models, disk_gbps, noise, seed, gpu, cpu, ram"),
+     "unknown key 'colour'; allowed: description, models, disk_gbps, noise, run_noise, seed, gpu, cpu, ram"),
     (("tflops = 10", "tflops = 10\nwatts = 300"), "unknown key 'watts' in [gpu]; allowed: memory_gib, bandwidth_gbps"),
     (("memory_gib = 8", "memory_gib = -8"), "gpu.memory_gib = -8: must be a number > 0 (memory of each GPU)"),
     (("p_cores = 8", 'p_cores = "eight"'), "cpu.p_cores = 'eight': must be an integer >= 1"),
