@@ -17,6 +17,7 @@ from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.machine.snapshot import take_snapshot
 from fitter.sim import MACHINES_DIR
+from fitter.tune.noise import ratio_interval
 from fitter.tune.session import TuneOptions, run_tune
 from fitter.tune.storage import machine_dir_name, result_dir
 from tests.conftest import BUILT_TOOLS
@@ -49,7 +50,12 @@ def test_tune_on_the_demo_model_writes_a_confirmed_pareto_front_and_resumes(tmp_
     for e in doc["pareto"]:  # confirmed, pinned, with ratios over the re-measured baseline
         assert e["measurement"]["outcome"] == "ok" and "-fit" in e["flags"] and "-np" in e["flags"]
         base = doc["baseline"]["measurement"]
-        assert e["ratios"]["tg"] == round(e["measurement"]["tg"]["avg_ts"] / base["tg"]["avg_ts"], 3)
+        rounds, base_rounds = (m["confirm"]["round_avg_ts"]["tg"] for m in (e["measurement"], base))
+        point, lo, hi = ratio_interval(rounds, base_rounds)  # type: ignore[misc]
+        assert len(rounds) == 4 and e["ratios"]["tg"] == round(point, 3)
+        assert e["intervals"]["tg"] == [round(lo, 3), round(hi, 3)] and isinstance(e["ties"], list)
+    # the drift monitor: the baseline's trial, its run half-way through the launches, its confirm rounds
+    assert [p["at"] for p in doc["drift"]["baseline"]] == ["start", "middle", "end"]
     assert set(doc["picks"]) == {"max-decode", "max-prefill", "balanced", "min-vram"}
     rows = list(csv.DictReader((folder / "trials.csv").open()))
     launched = [r for r in rows if r["launched"] == "True"]
