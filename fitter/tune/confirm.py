@@ -184,9 +184,11 @@ def final_front(objectives: tuple[str, ...], entries: list[dict[str, Any]], drop
     return sorted(front, key=lambda e: e["trial"]), out_dropped
 
 
-def annotate(objectives: tuple[str, ...], front: list[dict[str, Any]], base_m: dict[str, Any] | None) -> None:
+def annotate(objectives: tuple[str, ...], front: list[dict[str, Any]], base_m: dict[str, Any] | None,
+             base_trial: int | None = None) -> None:
     """Each entry's ratios over the baseline with their 95 % intervals (paired by round), and its ties: the other
-    entries it cannot be told apart from in any speed objective."""
+    entries, and the baseline (trial `base_trial`) also when it is off the front, it cannot be told apart from in
+    any speed objective."""
     speeds = tuple(k for k in SPEEDS if k in objectives)
     base_rounds = round_avgs(base_m) if base_m and base_m.get("outcome") == "ok" else {}
     for e in front:
@@ -203,6 +205,9 @@ def annotate(objectives: tuple[str, ...], front: list[dict[str, Any]], base_m: d
             else:
                 e["ratios"][k] = None
         e["ties"] = [o["trial"] for o in front if o is not e and tied(rounds, round_avgs(o["measurement"]), speeds)]
+        if base_trial is not None and base_trial not in (o["trial"] for o in front) and tied(
+                rounds, base_rounds, speeds):  # llama.cpp's choice, off the front (less VRAM beat it), is still a tie
+            e["ties"].append(base_trial)
 
 
 def drift_record(start: dict[str, Any] | None, middle: dict[str, Any] | None, end: dict[str, Any] | None,
@@ -237,7 +242,7 @@ def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str],
     """pareto.json of a finished tune (CONTRACTS.md), read back as the one result model."""
     base_m = baseline.data.get("measurement")
     front, dropped = final_front(req.objectives, entries, dropped)
-    annotate(req.objectives, front, base_m)
+    annotate(req.objectives, front, base_m, baseline.data.get("trial"))
     base_entry = next((e for e in front if e["phase"] == "baseline"), None)
     base_data = dict(baseline.data)
     if base_m and base_m.get("outcome") == "ok":

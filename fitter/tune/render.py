@@ -64,11 +64,15 @@ def verdict_lines(result: ParetoDoc) -> list[str]:
             continue
         if e.phase == "baseline":
             out.append(f"{policy}: llama.cpp's own choice (the baseline)")
-        elif base.trial in e.ties:
-            out.append(f"{policy}: trial {e.trial} is a tie with llama.cpp's own choice within noise: keep llama.cpp's")
+            continue
+        gains = f"decode {_gain(e, 'tg')}, prefill {_gain(e, 'pp')} of llama.cpp's own choice"
+        if base.trial in e.ties:
+            less = (e.vram_bytes or 0) < (base.vram_bytes or 0)
+            out.append(f"{policy}: trial {e.trial} is a tie with llama.cpp's own choice within noise ({gains})"
+                       + (f"; it holds less VRAM ({(e.vram_bytes or 0) / MIB:.1f} vs {(base.vram_bytes or 0) / MIB:.1f}"
+                          " MiB)" if less else ": keep llama.cpp's"))
         else:
-            out.append(f"{policy}: trial {e.trial}: decode {_gain(e, 'tg')}, prefill {_gain(e, 'pp')} of llama.cpp's "
-                       "own choice")
+            out.append(f"{policy}: trial {e.trial}: {gains}")
     note = (result.data.get("drift") or {}).get("note")
     if note:
         out.append(f"drift: {note}")
