@@ -28,6 +28,10 @@ attend n_kv cells on average:
              bandwidth: siblings share their core's miss slots); past the logical CPUs, time slicing scales both by
              logical / threads. With c and b those P-core equivalents, F = c · core_gflops and
              B = min(b · core_gbps, channels · MT/s · 8 B · efficiency): decode saturates at the memory limit.
+             static_split w: that share of each op's work is one equal chunk per thread, run at n × the slowest
+             thread's speed (harmonic blend with the rest). busy_cores: cores another job holds (P first), gone
+             from the pool; past the free hardware threads each CPU op also waits barrier_wait_us.
+  FA:        with -fa on, attention runs at fa_efficiency of its device's rates (the CPU's or the GPU's).
 
     decode t/s  = 1 / ubatch(1) at n_kv = depth + n/2                         (threads: -t)
     prefill t/s = n_prompt / Σ ubatch(m_i) over the -b/-ub chunks at n_kv = their mean position (-tb, else -t)
@@ -60,14 +64,34 @@ _STEP = {Role.ROUTER: 2, Role.SHARED_EXPERT: 3, Role.DENSE_FFN: 4, Role.EXPERT: 
 
 
 def thread_capacity(cpu: Cpu, threads: int) -> tuple[float, float]:
-    """(compute, bandwidth) of `threads` threads in P-core equivalents."""
-    p = min(threads, cpu.p_cores)
-    e = min(max(threads - cpu.p_cores, 0), cpu.e_cores)
-    s = min(max(threads - cpu.p_cores - cpu.e_cores, 0), cpu.p_cores * (cpu.smt - 1))
+    """(compute, bandwidth) of `threads` threads in P-core equivalents, on the cores `busy_cores` leaves free."""
+    p_free = cpu.p_cores - min(cpu.busy_cores, cpu.p_cores)
+    e_free = cpu.e_cores - min(max(cpu.busy_cores - cpu.p_cores, 0), cpu.e_cores)
+    p = min(threads, p_free)
+    e = min(max(threads - p_free, 0), e_free)
+    s = min(max(threads - p_free - e_free, 0), p_free * (cpu.smt - 1))
     compute, bandwidth = p + e * cpu.e_core_speed + s * cpu.smt_gain, p + e * cpu.e_core_speed
-    logical = cpu.p_cores * cpu.smt + cpu.e_cores
-    scale = min(1.0, logical / threads)
+    if cpu.static_split:
+        # ggml-cpu splits most ops into one equal chunk per thread: the row-split ops (ops.cpp: dr = (nr + nth - 1) /
+        # nth, ir0 = dr * ith) and mul_mat whenever its chunks are fewer than 4 per thread (ggml-cpu.c
+        # ggml_compute_forward_mul_mat: "Re-chunk it by thread"); ggml_graph_compute_thread then waits at
+        # ggml_barrier after every node, so such an op ends when the slowest thread ends: every thread runs at the
+        # pace of the slowest (an E-core, or a P-core shared by two SMT siblings). Time is the harmonic blend.
+        n = p + e + s
+        slow_c = min(cpu.e_core_speed if e else 1.0, (1 + cpu.smt_gain) / 2 if s else 1.0)
+        slow_b = min(cpu.e_core_speed if e else 1.0, 0.5 if s else 1.0)
+        w = cpu.static_split
+        compute = 1 / (w / (n * slow_c) + (1 - w) / compute)
+        bandwidth = 1 / (w / (n * slow_b) + (1 - w) / bandwidth)
+    scale = min(1.0, _free_logical(cpu) / threads)
     return compute * scale, bandwidth * scale
+
+
+def _free_logical(cpu: Cpu) -> int:
+    """Hardware threads not held by the other job: past them the OS time-slices llama.cpp's threads."""
+    p_free = cpu.p_cores - min(cpu.busy_cores, cpu.p_cores)
+    e_free = cpu.e_cores - min(max(cpu.busy_cores - cpu.p_cores, 0), cpu.e_cores)
+    return p_free * cpu.smt + e_free
 
 
 def _rates(m: Machine, dev: str, threads: int) -> tuple[float, float]:
@@ -105,7 +129,7 @@ def ubatch_seconds(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thr
         layer = spec.n_layer if t.layer is None else t.layer
         work.append(((layer, _STEP.get(t.role, 0)), dev, 2.0 * n_el * rows, size))
     for il in range(spec.n_layer):
-        work.append(((il, 1), *_attention(plan, il, n_tokens, n_kv)))
+        work.append(((il, 1), *_attention(m, plan, il, n_tokens, n_kv)))
     work.sort(key=lambda w: w[0])
     seconds = pcie / m.gpu.pcie_gbps / 1e9 if m.gpu and pcie else 0.0
     rates = {dev: _rates(m, dev, threads) for dev in {CPU, *gpus}}
@@ -117,11 +141,16 @@ def ubatch_seconds(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thr
     cpu_ops = sum(w[1] == CPU for w in work)
     if m.gpu is not None:
         seconds += (hand_offs * m.gpu.split_sync_us + (len(work) - cpu_ops) * m.gpu.launch_us) * 1e-6
-    return seconds + cpu_ops * m.cpu.sync_us * threads * 1e-6
+    sync = m.cpu.sync_us * threads
+    if threads > _free_logical(m.cpu):
+        # ggml_barrier spins (ggml_thread_cpu_relax) until every thread has arrived: with more threads than free
+        # hardware threads one of them is descheduled at most barriers, and the op waits for the OS to run it again
+        sync += m.cpu.barrier_wait_us
+    return seconds + cpu_ops * sync * 1e-6
 
 
-def _attention(plan: MemoryPlan, il: int, n_tokens: int, n_kv: float) -> tuple[str, float, float]:
-    """(device, flops, bytes) of layer il's attention over its KV cache."""
+def _attention(m: Machine, plan: MemoryPlan, il: int, n_tokens: int, n_kv: float) -> tuple[str, float, float]:
+    """(device, flops, bytes) of layer il's attention over its KV cache, in the unfused path's terms."""
     spec, config, ctx = plan.model, plan.config, plan.context
     dev = CPU if config.no_kv_offload else plan.layer_devices[il]
     cells = min(n_kv, spec.n_swa) if spec.swa_layers[il] and spec.n_swa else n_kv
@@ -135,7 +164,12 @@ def _attention(plan: MemoryPlan, il: int, n_tokens: int, n_kv: float) -> tuple[s
     size = cells * cell_bytes + n_tokens * cell_bytes  # read the cache, write the new cells
     if not ctx.flash_attn:
         size += FA_OFF_PASSES * 4.0 * heads * n_tokens * cells
-    return dev, flops, size
+        return dev, flops, size
+    # the fused kernel (ggml_compute_forward_flash_attn_ext on the CPU: one query row at a time, every KV cell
+    # dequantised and dotted per row, no reuse across the ubatch's queries) may run below the rate of the unfused
+    # path's batched mul_mats: llama.cpp #27086 measures ~2x the instructions of a whole pp512 on Neoverse-V2
+    fa = m.gpu.fa_efficiency if dev != CPU and m.gpu is not None else m.cpu.fa_efficiency
+    return dev, flops / fa, size / fa
 
 
 def decode_seconds(m: Machine, plan: MemoryPlan, bench: BenchSpec) -> float:

@@ -35,6 +35,8 @@ class Gpu:
     context_mib: float = _num(0, "CUDA context, cuBLAS workspace and pools: memory beyond llama.cpp's buffers", 400.0)
     launch_us: float = _num(0, "per op: kernel launch and graph overhead", 5.0)
     split_sync_us: float = _num(0, "per CPU↔GPU hand-off: stream sync, activation copy, waking the CPU threads", 80.0)
+    fa_efficiency: float = _num(0, "the flash-attention kernel's rate relative to the unfused attention path's "
+                                "(< 1: FA is slower on this GPU)", 1.0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,13 @@ class Cpu:
     smt_gain: float = _num(0, "compute a P-core's SMT sibling adds, relative to the core", 0.15, hi=1)
     sync_us: float = _num(0, "per op and thread: the barrier that ends every CPU op", 0.1)
     isa: str = field(default="avx2", metadata={"choices": tuple(CPU_PROFILES), "doc": "CPU repack kernels"})
+    static_split: float = _num(0, "share of each op's work split into one equal chunk per thread, so that it ends "
+                               "when the slowest thread does (0: threads share the work by speed)", 0.0, hi=1)
+    busy_cores: int = _num(0, "cores another job keeps busy (P-cores first): llama.cpp's threads get the rest", 0)
+    barrier_wait_us: float = _num(0, "per op, when threads outnumber the free hardware threads: the wait at the "
+                                  "spin barrier for a thread the OS has descheduled", 0.0)
+    fa_efficiency: float = _num(0, "the flash-attention kernel's rate relative to the unfused attention path's "
+                                "(< 1: FA is slower on this CPU)", 1.0, lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,10 @@ def load_machine(name_or_path: str | Path) -> Machine:
             if not isinstance(data[key], dict):
                 raise FitterError(f"{path}: {key} = {data[key]!r}: must be a table [{key}]")
             tables[key] = cls(**_values(path, key, cls, data[key]))
+    cpu = tables["cpu"]
+    if cpu.busy_cores >= cpu.p_cores + cpu.e_cores:
+        raise FitterError(f"{path}: cpu.busy_cores = {cpu.busy_cores}: must be below the {cpu.p_cores + cpu.e_cores} "
+                          "cores (P + E), or llama.cpp's threads get none")
     return Machine(name=path.stem, path=str(path), **top, **tables)
 
 

