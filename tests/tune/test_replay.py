@@ -20,7 +20,7 @@ from fitter.sim.landscape import Landscape, Point
 from fitter.tune.record import _label, record_landscape, round_order
 from fitter.tune.session import TuneOptions, run_tune
 
-CPU_LANDSCAPE = Path(__file__).resolve().parents[2] / "landscapes" / "demo-cpu.json"
+LANDSCAPES = Path(__file__).resolve().parents[2] / "landscapes"
 
 
 def _options(**kw: Any) -> TuneOptions:
@@ -213,13 +213,13 @@ def test_a_replayed_tune_writes_its_result_from_recorded_runs_only(recorded: Lan
         run_tune(replace(o, space="other.toml"), None)
 
 
-@pytest.mark.skipif(not CPU_LANDSCAPE.is_file(), reason="the recorded CPU landscape is not in this checkout")
-def test_the_recorded_cpu_landscape_replays_end_to_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["demo-cpu.json", "demo-emulated-96mib.json"])
+def test_the_recorded_landscapes_replay_end_to_end(name: str, tmp_path: Path) -> None:
     model = str(demo_model_path())
-    land = load_landscape(CPU_LANDSCAPE)
+    land = load_landscape(LANDSCAPES / name)
     assert land.model["identity"] == load_model_spec(model).identity  # the demo model is the recorded one
     o = TuneOptions(model=model, spec=load_model_spec(model), base=parse_launch_flags([]), backend="replay",
-                    landscape=str(CPU_LANDSCAPE), trials=6, results=tmp_path)
+                    landscape=str(LANDSCAPES / name), trials=6, results=tmp_path)
     outcome = run_tune(o, None)
     assert outcome.folder is not None and (outcome.folder / "pareto.json").is_file()
     doc = json.loads((outcome.folder / "pareto.json").read_text())
