@@ -12,12 +12,12 @@ import sys
 from typing import NoReturn
 
 from fitter import __version__
-from fitter.cli import bench, check, estimate, fit, misc, results, tune
+from fitter.cli import bench, check, estimate, fit, grid, misc, results, tune
 from fitter.cli.common import llama_flags, own_options
 from fitter.errors import FitterError
 from fitter.flags.vocabulary import launch_flags
 
-COMMANDS = (estimate, fit, bench, tune, results, check, misc)
+COMMANDS = (estimate, fit, bench, tune, grid, results, check, misc)
 _LAUNCH = {name for f in launch_flags() for name in f.names}  # passed on; everything else a command takes is its own
 
 

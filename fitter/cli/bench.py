@@ -64,6 +64,8 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     spec = load_model(model)
     if ns.backend == "sim":
         return _bench_sim(ns, model, spec, config, process)
+    if ns.backend == "replay":
+        return _bench_replay(ns, model, spec, config)
     snapshot = take_snapshot()
     # llama.cpp's advice for hybrid CPUs: one thread per physical performance core (fitter probe)
     threads = ns.threads if ns.threads is not None else snapshot.cpu.recommended_threads
@@ -115,6 +117,31 @@ def _bench_sim(ns: argparse.Namespace, model: str, spec: Any, config: Any, proce
     return 0 if out["outcome"] == "ok" else 1
 
 
+def _bench_replay(ns: argparse.Namespace, model: str, spec: Any, config: Any) -> int:
+    """One recorded run of a config of a landscape (fitter.sim.replay): same result shape, backend "replay"."""
+    from fitter.measure.bench import bench
+    from fitter.measure.render import bench_table
+    from fitter.measure.types import BenchSpec
+    from fitter.sim import ReplayRunner, load_landscape
+
+    if not ns.landscape:
+        raise FitterError("--backend replay: give --landscape FILE (fitter grid records one)")
+    if ns.emulated_gpu is not None or ns.llama_server or ns.llama_bench:
+        raise FitterError("--backend replay plays a recorded landscape back: drop --emulated-gpu/--llama-server/"
+                          "--llama-bench")
+    land = load_landscape(ns.landscape)
+    runner = ReplayRunner(land, seed=ns.seed or 0)
+    threads = ns.threads or land.target["default_threads"]
+    b = land.bench
+    bench_spec = BenchSpec(n_prompt=b["p"], n_gen=b["n"], n_depth=b["d"], repetitions=ns.repetitions,
+                           threads=threads, threads_batch=ns.threads_batch or threads)
+    out = bench(model, spec, config, bench_spec, runner, land.cpu_profile, timeout=ns.timeout)
+    out["threads"] = threads
+    out["machine"] = {"replay": ns.landscape, "recorded": land.machine}
+    print(json.dumps(out, indent=1) if ns.json else f"replay of {ns.landscape}\n" + bench_table(out))
+    return 0 if out["outcome"] == "ok" else 1
+
+
 def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
     """What bench and tune measure (llama-bench's -p -n -d -r), where (-C/-Cr) and on what (--backend/--machine)."""
     g = parser.add_argument_group("measurement")
@@ -123,9 +150,11 @@ def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("-d", "--n-depth", dest="n_depth", type=int, default=0, metavar="N")
     g.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
     add_process_arguments(g, names=("-C", "-Cr"))
-    g.add_argument("--backend", choices=("llama-cpp-python", "sim"), default="llama-cpp-python",
-                   help="measure with llama.cpp (default) or on a simulated machine (--machine)")
+    g.add_argument("--backend", choices=("llama-cpp-python", "sim", "replay"), default="llama-cpp-python",
+                   help="measure with llama.cpp (default), on a simulated machine (--machine) or replay a recorded "
+                   "landscape (--landscape)")
     g.add_argument("--machine", metavar="NAME|FILE", help="the simulated machine (fitter machines lists them)")
+    g.add_argument("--landscape", metavar="FILE", help="the landscape --backend replay plays back (fitter grid)")
 
 
 def register(sub: Any) -> None:

@@ -69,8 +69,8 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         confirm_rounds=ns.confirm_rounds, storage=ns.storage,
         results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu, emulated_cuda=ns.emulated_cuda,
         llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp, projection=ns.projection,
-        backend=ns.backend, machine=ns.machine)
-    snapshot = take_snapshot() if ns.backend != "sim" else None
+        backend=ns.backend, machine=ns.machine, landscape=ns.landscape)
+    snapshot = take_snapshot() if ns.backend not in ("sim", "replay") else None
     outcome = run_tune(options, snapshot, log, progress_printer, dry_run=ns.dry_run)
     if outcome.dry_run is not None:
         print(outcome.dry_run)

@@ -63,14 +63,25 @@ def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tup
     for t in tuner.study.get_trials(deepcopy=False):
         if t.user_attrs.get("phase") == "baseline":
             return _recorded(req, t)
+    cand, why, message = baseline_candidate(req, tool, targets, fit_devices, unavailable)
+    if cand is None:
+        log(f"fitter: {message}")
+        return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
+    return _launch(req, tuner, cand)
+
+
+def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, ...], fit_devices: Callable[[], Any],
+                       unavailable: str | None = None) -> tuple[Candidate | None, str, str]:
+    """The baseline as a trial (llama.cpp's fit on the devices, llama-server's defaults otherwise), or None, why
+    there is none and the line that says so. `fitter tune` launches it as trial 0; `fitter grid` records it as a
+    point."""
     flags = list(req.fixed_flags)
     if req.devices:
         if tool is None or unavailable is not None:
             why = (f"llama.cpp's fit cannot run here: {unavailable}" if unavailable is not None else
                    "llama-fit-params not found (python -m fitter.measure.tools llama-fit-params, or "
                    "--llama-fit-params PATH)")
-            log(f"fitter: {why}: no baseline, so no ratios over llama.cpp's own choice")
-            return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
+            return None, why, f"{why}: no baseline, so no ratios over llama.cpp's own choice"
         # the deployed context, explicitly: the fit must place the model for the context every trial runs with
         # (with -c 0 llama-fit-params resolves a context of its own, not llama-server's)
         n_ctx = estimate(req.spec, req.base, (), req.cpu).context.n_ctx
@@ -78,8 +89,7 @@ def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tup
         try:
             fitted = _llama_fit(tool, req, flags, targets, fit_devices)
         except LlamaFitError as e:
-            log(f"fitter: llama.cpp's --fit failed, no baseline: {e}")
-            return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": str(e)})
+            return None, str(e), f"llama.cpp's --fit failed, no baseline: {e}"
         base_flags = baseline_flags(fitted, flags)
         if req.rpc and "--rpc" not in base_flags:
             base_flags += ["--rpc", ",".join(req.rpc)]
@@ -88,8 +98,25 @@ def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tup
     else:
         base_flags, config = flags, req.base
     threads = req.default_threads
-    cand = Candidate({}, config, replace(req.bench, threads=threads, threads_batch=threads),
-                     (*base_flags, "-t", str(threads), "-tb", str(threads)))
+    return Candidate({}, config, replace(req.bench, threads=threads, threads_batch=threads),
+                     (*base_flags, "-t", str(threads), "-tb", str(threads))), "", ""
+
+
+def replay_baseline(req: TuneRequest, tuner: Tuner, flags: list[str] | None, reason: str | None,
+                    log: Callable[[str], None]) -> Baseline:
+    """A replayed landscape's baseline (fitter.sim.replay): the recorded point's flags, no fit run; launched as trial
+    0 like a measured one, so the replay answers it with one of its recorded runs."""
+    for t in tuner.study.get_trials(deepcopy=False):
+        if t.user_attrs.get("phase") == "baseline":
+            return _recorded(req, t)
+    if flags is None:
+        why = f"the landscape has no baseline ({reason or 'not recorded'})"
+        log(f"fitter: {why}")
+        return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
+    return _launch(req, tuner, _candidate(req, flags, "the landscape's baseline flags"))
+
+
+def _launch(req: TuneRequest, tuner: Tuner, cand: Candidate) -> Baseline:
     s = tuner.screener(cand)
     trial = tuner.ask()
     # Measured even when fitter predicts it over the fit target: it is llama.cpp's choice, the reference point.

@@ -38,12 +38,12 @@ from fitter.flags.consumers import retarget
 from fitter.flags.parse import flag_value, process_flags_of, with_endpoint
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.machine.snapshot import MachineSnapshot
+from fitter.measure.noise import between_run_sd
 from fitter.measure.runner import RunnerFactory, ServerRunner, WorkerRunner
 from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, target_of
 from fitter.memory.devices import CPU_AVX2, CpuProfile, Device, rpc_devices
 from fitter.memory.estimator import MemoryPlan, estimate
-from fitter.tune.noise import between_run_sd
 from fitter.tune.result import Entry, ParetoDoc, load_result, round_avgs, vram_bytes
 from fitter.tune.screen import device_totals
 from fitter.tune.study import measurement_json

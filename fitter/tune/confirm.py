@@ -3,7 +3,7 @@ front of the confirm runs is kept, and the result document is built from them.
 
 Interleaved: each round runs every contender once, in a fresh shuffled order (seeded), so slow drift (a job that
 starts beside the tune, a throttling CPU) hits every config alike, and each ratio over the baseline is taken
-within rounds (fitter.tune.noise: a t interval over the rounds' paired log ratios). A contender whose run fails in
+within rounds (fitter.measure.noise: a t interval over the rounds' paired log ratios). A contender whose run fails in
 any round is dropped and reported. The baseline is also the drift monitor: measured at the start of the study (its
 trial), in the middle (fitter.tune.study.Tuner.drift_probe) and at the end (these rounds); a study whose baseline
 moved more than its configs differ says so.
@@ -21,10 +21,10 @@ from typing import Any
 from optuna.trial import TrialState
 
 from fitter.flags import pin
+from fitter.measure.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
 from fitter.measure.runner import TrialRunner
 from fitter.memory.estimator import MemoryPlan
 from fitter.tune.baseline import Baseline
-from fitter.tune.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
 from fitter.tune.request import Candidate, TuneRequest, _default_distance, candidate
 from fitter.tune.result import Entry, ParetoDoc, picks, round_avgs, vram_bytes
 from fitter.tune.study import Tuner, measurement_json

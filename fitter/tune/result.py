@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.errors import FitterError
-from fitter.tune.noise import tied
+from fitter.measure.noise import tied
 
 POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram")
 RESULT_FILE = "pareto.json"
@@ -56,7 +56,7 @@ class Entry:
     vram_bytes: int | None = None
     ratios: dict[str, float | None] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict, compare=False)  # the entry as written
-    # the 95 % interval of each ratio over the baseline, from the confirm rounds (fitter.tune.noise)
+    # the 95 % interval of each ratio over the baseline, from the confirm rounds (fitter.measure.noise)
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
     ties: tuple[int, ...] = ()  # the entries it cannot be told apart from within noise
     defaults_distance: int = 0  # searched flags off llama-server's defaults (-1: llama.cpp's own choice)
@@ -227,7 +227,7 @@ def picks(entries: list[Entry]) -> dict[str, int]:
     """max-decode, max-prefill, balanced (highest min(pp/pp_best, tg/tg_best), never a sum) and min-vram (least
     VRAM within 5 % of the best decode), over confirmed Pareto entries, by trial number.
 
-    Configs the confirm rounds cannot tell apart from a pick (fitter.tune.noise: the interval of their ratio
+    Configs the confirm rounds cannot tell apart from a pick (fitter.measure.noise: the interval of their ratio
     contains 1) are a tie, resolved toward less VRAM, then toward llama.cpp's defaults (its own choice first, then
     the fewest searched flags off llama-server's defaults), then the faster estimate."""
     if not entries:

@@ -36,7 +36,7 @@ from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, check_target_count, device_budgets
 from fitter.memory.devices import Device
 from fitter.memory.fit import fit
-from fitter.tune.baseline import run_baseline, sim_fit_devices
+from fitter.tune.baseline import replay_baseline, run_baseline, sim_fit_devices
 from fitter.tune.confirm import DEFAULT_ROUNDS, confirm, result_doc
 from fitter.tune.plan import Screener
 from fitter.tune.render import dry_run_text
@@ -46,7 +46,7 @@ from fitter.tune.screen import Budgets
 from fitter.tune.space import default_space_name, load_space, params_to_flags, resolve, shipped_space
 from fitter.tune.storage import StudyKey, ensure_writable, open_study, result_dir, storage_url
 from fitter.tune.study import StudyCallback, Tuner
-from fitter.tune.targets import Target, local_target, sim_target
+from fitter.tune.targets import Target, local_target, replay_target, sim_target
 from fitter.tune.trials import write_trials_csv
 from fitter.units import MIB
 
@@ -81,6 +81,7 @@ class TuneOptions:
     projection: str = "auto"  # the drift guard with --llama-cpp: auto (another build or backend), always, never
     backend: str = "llama-cpp-python"
     machine: str | None = None  # --backend sim: the simulated machine
+    landscape: str | None = None  # --backend replay: the recorded landscape (fitter grid)
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,12 @@ def parse_objectives(text: str) -> tuple[str, ...]:
     return names
 
 
-def _target(o: TuneOptions, snapshot: MachineSnapshot | None) -> Target:
+def tune_target(o: TuneOptions, snapshot: MachineSnapshot | None) -> Target:
+    """What the trials run on: this machine (`snapshot`), a simulated one, or a replayed landscape."""
     if o.backend == "sim":
         return sim_target(o.machine, o.emulated_gpu_mib, o.spec, o.seed)
+    if o.backend == "replay":
+        return replay_target(o.landscape, o.seed)
     assert snapshot is not None, "a tune on this machine needs its snapshot"
     return local_target(snapshot, o.base, o.process, o.emulated_gpu_mib, o.demo, o.fit_targets, o.emulated_cuda,
                         o.llama_cpp)
@@ -114,9 +118,13 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
     if "vram" in objectives and not target.has_gpu:
         objectives = tuple(x for x in objectives if x != "vram")
         log("fitter: no GPU: the vram objective is dropped")
-    space = load_space(o.space) if o.space else shipped_space(default_space_name(o.spec.n_expert, target.has_gpu))
-    distributions = resolve(space, n_layer=o.spec.n_layer, physical_cores=target.physical_cores,
-                            performance_cores=target.performance_cores)
+    if target.distributions is not None:  # a replay: the recorded space
+        distributions, source = dict(target.distributions), target.space_source or ""
+    else:
+        space = load_space(o.space) if o.space else shipped_space(default_space_name(o.spec.n_expert, target.has_gpu))
+        distributions = resolve(space, n_layer=o.spec.n_layer, physical_cores=target.physical_cores,
+                                performance_cores=target.performance_cores)
+        source = space.source
     given = {name for name, _ in flag_groups(o.base.flags)}  # `--n-gpu-layers=20` too
     distributions = {k: d for k, d in distributions.items() if not given & set(fixing(k))}
     if o.process.threads is not None:
@@ -137,7 +145,7 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
     return TuneRequest(model=o.model, spec=o.spec, base=o.base, distributions=distributions, devices=devices,
                        budgets=Budgets(budgets, target.host_budget, {}), cpu=target.cpu_profile,
                        objectives=objectives, bench=bench, n_trials=o.trials, timeout_s=o.timeout_s,
-                       trial_timeout_s=o.trial_timeout_s, seed=o.seed, rpc=rpc, space_source=space.source)
+                       trial_timeout_s=o.trial_timeout_s, seed=o.seed, rpc=rpc, space_source=source)
 
 
 def fit_targets(o: TuneOptions, target: Target) -> tuple[int, ...]:
@@ -188,11 +196,13 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         from fitter.measure.llama_build import find_build
 
         users = find_build(o.llama_cpp)  # a wrong folder stops here, before any study is opened
-        if o.backend == "sim":
-            raise FitterError("--llama-cpp DIR measures with that build: drop --backend sim")
+        if o.backend in ("sim", "replay"):
+            raise FitterError(f"--llama-cpp DIR measures with that build: drop --backend {o.backend}")
     fit_params = o.llama_fit_params or (str(users.llama_fit_params) if users and users.llama_fit_params else None)
     tool = find_llama_fit_params(fit_params)  # a wrong path stops here, before any study is opened
-    target = _target(o, snapshot)
+    target = tune_target(o, snapshot)
+    if target.replay is not None:
+        o = replay_options(o, target.replay, log)
     for note in target.notes:
         log(f"fitter: {note}")
     targets = fit_targets(o, target)
@@ -204,7 +214,8 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
 
     # what the run needs, before anything is created: trials on the emulated GPU need it; so does the baseline of
     # a simulated GPU (llama.cpp's fit runs on an emulated one of the same size), which is skipped without it
-    if target.sim is None and o.llama_cpp is None and (problem := llama_cpp_python_problem()) is not None:
+    measured = target.sim is None and target.replay is None
+    if measured and o.llama_cpp is None and (problem := llama_cpp_python_problem()) is not None:
         raise FitterError(f"fitter tune measures with llama.cpp: give your build's bin/ folder with --llama-cpp DIR, "
                           f"or install llama-cpp-python (python -m fitter.measure.tools --llama-cpp-python builds "
                           f"llama.cpp and installs it on that build); here {problem}")
@@ -234,19 +245,61 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5)
         fit_devices: Any = sim_fit_devices(req, tool) if target.sim is not None else (
             lambda: contextlib.nullcontext(req.rpc))
-        baseline = run_baseline(req, tuner, tool, targets, fit_devices, log, baseline_unavailable)
+        if target.replay is not None:
+            recorded = target.replay.baseline
+            baseline = replay_baseline(req, tuner, list(recorded.flags) if recorded else None,
+                                       target.replay.baseline_reason, log)
+        else:
+            baseline = run_baseline(req, tuner, tool, targets, fit_devices, log, baseline_unavailable)
         if baseline.candidate is not None:
             tuner.drift_probe = baseline.candidate  # the baseline again half-way: the drift monitor's middle
         tuner.run()
         log("")
         entries, dropped, baseline = confirm(req, tuner, runner, baseline, log, o.confirm_rounds)
-    doc = result_doc(req, target.machine, build, targets, target.emulated_mib is not None, baseline, entries,
-                     dropped, tuner, time.monotonic() - t_start, url, str(folder / RESULT_FILE), o.confirm_rounds)
+    emulated = target.emulated_mib is not None or runner.emulated
+    doc = result_doc(req, target.machine, build, targets, emulated, baseline, entries, dropped, tuner,
+                     time.monotonic() - t_start, url, str(folder / RESULT_FILE), o.confirm_rounds)
     write_result(folder, doc.data)
     write_trials_csv(folder, study)
     if snapshot is not None and snapshot.gpus and target.emulated_mib is None:
         record_overheads(study, snapshot, log)
     return TuneOutcome(doc, folder)
+
+
+def replay_options(o: TuneOptions, land: Any, log: Callable[[str], None]) -> TuneOptions:
+    """`o` for a replay of `land` (fitter.sim.landscape.Landscape): the recorded model, fixed flags, space, fit
+    targets and threads must be the ones given (or be left out: then they are the landscape's); the bench settings
+    (-p -n -d -r) are the landscape's."""
+    from fitter.flags.consumers import with_bench_context
+    from fitter.flags.parse import parse_launch_flags
+
+    def refuse(what: str, recorded: Any, given: Any) -> FitterError:
+        return FitterError(f"{land.path}: recorded with {what} {recorded}, this tune gives {given}: replay the "
+                           "landscape as it was recorded (leave it out to take the recorded one)")
+
+    if o.spec.identity != land.model.get("identity"):
+        raise refuse("the model", f"{land.model.get('name', '?')} ({land.model.get('identity', '')[:12]})",
+                     f"{o.model} ({o.spec.identity[:12]})")
+    if o.base.flags and tuple(o.base.flags) != land.fixed_flags:
+        raise refuse("the flags", repr(" ".join(land.fixed_flags)), repr(" ".join(o.base.flags)))
+    if o.base.consumer != land.consumer:
+        raise refuse("--for", land.consumer, o.base.consumer)
+    if o.space and o.space != land.space:
+        raise refuse("the space", land.space, o.space)
+    if o.fit_targets and tuple(o.fit_targets) != land.fit_target_mib:
+        raise refuse("--fit-target", ",".join(map(str, land.fit_target_mib)), ",".join(map(str, o.fit_targets)))
+    if o.emulated_gpu_mib is not None:
+        raise FitterError("--backend replay and --emulated-gpu: the landscape has its own devices")
+    recorded_threads = (land.threads["t"], land.threads["tb"])
+    if o.process.threads is not None and (o.process.threads, o.process.threads_batch) != recorded_threads:
+        raise refuse("-t/-tb", recorded_threads, (o.process.threads, o.process.threads_batch))
+    b = land.bench
+    log(f"fitter: replaying {land.path}: {len(land.points)} configs recorded over {land.rounds} rounds "
+        f"(-p {b['p']} -n {b['n']} -d {b['d']} -r {b['r']})")
+    base = with_bench_context(parse_launch_flags(land.fixed_flags, land.consumer), b["p"] + b["n"] + b["d"])
+    return replace(o, base=base, space=None, fit_targets=land.fit_target_mib, n_prompt=b["p"], n_gen=b["n"],
+                   n_depth=b["d"], repetitions=b["r"],
+                   process=replace(o.process, threads=land.threads["t"], threads_batch=land.threads["tb"]))
 
 
 def record_overheads(study: optuna.Study, snapshot: MachineSnapshot, log: Callable[[str], None]) -> None:

@@ -1,4 +1,5 @@
-"""What a tune runs on: this machine (its GPUs, `--rpc` devices, or fitter's emulated GPU) or a simulated one.
+"""What a tune runs on: this machine (its GPUs, `--rpc` devices, or fitter's emulated GPU), a simulated one, or a
+recorded landscape replayed (`--backend replay`).
 
 A `Target` says everything the study needs before anything starts: the runner to make, the devices the estimator
 plans for (placeholders for an emulated GPU whose port is not chosen yet: same size, so the same verdicts), the
@@ -49,6 +50,10 @@ class Target:
     default_fit_target: tuple[int, ...] | None = None
     sim: Any = None  # the simulated Machine
     notes: tuple[str, ...] = ()  # what the target decided on its own (the demo's emulated GPU, a reserved core)
+    replay: Any = None  # the replayed Landscape (fitter.sim.landscape)
+    # the resolved search space and its source when the target fixes them (a replay: the recorded space)
+    distributions: dict[str, Any] | None = None
+    space_source: str | None = None
 
 
 def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: ProcessFlags, emulated_mib: int | None,
@@ -141,3 +146,32 @@ def sim_target(machine_name: str | None, emulated_mib: int | None, spec: ModelSp
         performance_cores=m.cpu.p_cores, default_threads=m.cpu.p_cores,
         host_budget=int(m.ram.gib * GIB) - HOST_RESERVE, cpu_profile=probe_runner.cpu_profile(),
         has_gpu=m.gpu is not None, sim=m)
+
+
+def replay_target(path: str | None, seed: int) -> Target:
+    """A recorded landscape (`fitter grid`) replayed: its devices, budgets, cores, CPU rules, space and fixed flags
+    stand in for this machine's, so the study searches exactly the recorded space (fitter.sim.replay)."""
+    from optuna.distributions import CategoricalDistribution, json_to_distribution
+
+    from fitter.sim import ReplayRunner, load_landscape
+
+    if not path:
+        raise FitterError("--backend replay: give --landscape FILE (fitter grid records one)")
+    land = load_landscape(path)
+    fingerprint = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    name = land.model.get("name") or "landscape"
+    machine = {"replay": str(path), "fingerprint": fingerprint, "recorded": land.machine,
+               "physical_cores": land.target["physical_cores"], "performance_cores": land.target["performance_cores"],
+               "gpus": [d.name for d in land.devices]}
+    probe = ReplayRunner(land, seed)
+    t = land.target
+    return Target(
+        make_runner=lambda: ReplayRunner(land, seed), devices=lambda r: r.devices(),
+        planned_devices=probe.devices(), planned_rpc=land.rpc, machine=machine,
+        machine_dir=f"replay-{name}-{fingerprint[:8]}", physical_cores=t["physical_cores"],
+        performance_cores=t["performance_cores"], default_threads=t["default_threads"], host_budget=t["host_budget"],
+        cpu_profile=land.cpu_profile, has_gpu=bool(land.devices), default_fit_target=land.fit_target_mib,
+        replay=land, space_source=land.space,
+        # the study's own distributions as recorded (an int range stays one), else the recorded choices
+        distributions={k: json_to_distribution(land.optuna[k]) if k in land.optuna else CategoricalDistribution(
+            tuple(v)) for k, v in land.distributions.items()})

@@ -16,8 +16,8 @@ from fitter.errors import FitterError
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.machine.snapshot import take_snapshot
+from fitter.measure.noise import ratio_interval
 from fitter.sim import MACHINES_DIR
-from fitter.tune.noise import ratio_interval
 from fitter.tune.session import TuneOptions, run_tune
 from fitter.tune.storage import machine_dir_name, result_dir
 from tests.conftest import BUILT_TOOLS

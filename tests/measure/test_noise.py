@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from fitter.tune.noise import better_beyond_noise, between_run_sd, ratio_interval, relative_spread, t975, tied
+from fitter.measure.noise import better_beyond_noise, between_run_sd, ratio_interval, relative_spread, t975, tied
 from fitter.tune.result import Entry, picks
 
 
