@@ -151,10 +151,10 @@ class ReplayRunner:
             pp, extra_pp = _stats(point, run, "pp", spec.repetitions, rng)
             tg, extra_tg = _stats(point, run, "tg", spec.repetitions, rng)
             if not spec.n_prompt:
-                pp, extra_pp = None, -sum(b["p"] / x for x in run["pp"]["samples_ts"])
+                extra_pp = -sum(b["p"] / x for x in run["pp"]["samples_ts"])
             if not spec.n_gen:
-                tg, extra_tg = None, -sum(b["n"] / x for x in run["tg"]["samples_ts"])
-            m = replace(m, pp=pp, tg=tg)
+                extra_tg = -sum(b["n"] / x for x in run["tg"]["samples_ts"])
+            m = replace(m, pp=pp if spec.n_prompt else None, tg=tg if spec.n_gen else None)
             wall += extra_pp + extra_tg
         self._loaded = key if run["outcome"] == "ok" else None
         m = replace(m, wall_s=round(wall, 3))
