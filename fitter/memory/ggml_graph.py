@@ -24,12 +24,18 @@ INPLACE_OPS = frozenset({
 VIEW_OPS = frozenset({"VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
 
 
+_TYPE_SIZES: dict[str, tuple[int, int]] = {}  # by the name as given: the enum look-up is a replay's hottest call
+
+
 def type_size(type_name: str) -> tuple[int, int]:
     """(block size, bytes per block) of a ggml type, from gguf's table."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
+    size = _TYPE_SIZES.get(type_name)
+    if size is None:
+        size = _TYPE_SIZES[type_name] = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
+    return size
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Tensor:
     type: str
     ne: tuple[int, int, int, int]
@@ -47,10 +53,16 @@ class Tensor:
     backend: int = -1
     is_weight: bool = False
     pinned: int = -1
+    _nbytes: int = field(default=-1, repr=False)  # type, ne and nb never change once a tensor is made
 
     @property
     def nbytes(self) -> int:
         """ggml_nbytes (ggml/src/ggml.c)."""
+        if self._nbytes < 0:
+            self._nbytes = self._count_bytes()
+        return self._nbytes
+
+    def _count_bytes(self) -> int:
         if any(n == 0 for n in self.ne):
             return 0
         block, size = type_size(self.type)
@@ -287,10 +299,6 @@ class _Hash:
     offset: int = -1
 
 
-def _is_view(t: Tensor) -> bool:
-    return t.view_src is not None
-
-
 def _same_layout(a: Tensor, b: Tensor) -> bool:
     return a.type == b.type and a.ne == b.ne and a.nb == b.nb
 
@@ -311,20 +319,24 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
     `sizes[i]` is buffer i's ggml_backend_buft_get_alloc_size (None: ggml_nbytes)."""
     allocs = [_DynAllocator(a) for a in alignments]
     size_fns = [f or _nbytes for f in (sizes or [None] * len(alignments))]
-    info: dict[int, _Hash] = {}
+    info: dict[Tensor, _Hash] = {}  # tensors hash by identity (eq=False)
+    known: dict[tuple[Tensor, int], int] = {}  # sizes: nothing a size depends on changes during the allocation
 
     def size(t: Tensor, buffer_id: int) -> int:
-        return size_fns[buffer_id](t)
+        n = known.get((t, buffer_id))
+        if n is None:
+            n = known[(t, buffer_id)] = size_fns[buffer_id](t)
+        return n
 
     def h(t: Tensor) -> _Hash:
-        hn = info.get(id(t))
+        hn = info.get(t)
         if hn is None:
-            hn = info[id(t)] = _Hash()
+            hn = info[t] = _Hash()
         return hn
 
     def allocate_node(node: Tensor, buffer_id: int) -> None:
         hn = h(node)
-        if node.has_data or hn.allocated or _is_view(node):
+        if node.has_data or hn.allocated or node.view_src is not None:
             return
         hn.allocated = True
         if node.op in INPLACE_OPS:
@@ -348,18 +360,16 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
         hn.buffer = buffer_id
         hn.offset = allocs[buffer_id].alloc(size(node, buffer_id))
 
-    def free_node(node: Tensor) -> None:
+    def free_node(node: Tensor, hn: _Hash) -> None:
         if node.is_output:
             return
-        hn = h(node)
         allocs[hn.buffer].free(hn.offset, size(node, hn.buffer))
         hn.allocated = False
 
     for leaf in graph.leafs:
         allocate_node(leaf, buffer_of(leaf))
     for node in graph.nodes:
-        if _is_view(node) and node.op != "NONE":
-            assert node.view_src is not None
+        if node.view_src is not None and node.op != "NONE":
             h(node.view_src).n_views += 1
         if node.is_input:
             allocate_node(node, buffer_of(node))
@@ -378,16 +388,15 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
         for parent in node.src:
             if parent is None:
                 continue
-            p_hn = h(parent)
+            p_hn = info[parent]  # counted above
             p_hn.n_children -= 1
             if p_hn.n_children == 0 and p_hn.n_views == 0:
-                if _is_view(parent):
-                    root = parent.view_src
-                    assert root is not None
+                root = parent.view_src
+                if root is not None:
                     r_hn = h(root)
                     r_hn.n_views -= 1
                     if r_hn.n_views == 0 and r_hn.n_children == 0 and r_hn.allocated:
-                        free_node(root)
+                        free_node(root, r_hn)
                 elif p_hn.allocated:
-                    free_node(parent)
+                    free_node(parent, p_hn)
     return [a.max_size for a in allocs]
