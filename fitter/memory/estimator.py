@@ -7,6 +7,7 @@ vendored in llama-cpp-python 0.3.36).
 from __future__ import annotations
 
 import bisect
+import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -173,7 +174,8 @@ def _first_rules(spec: ModelSpec, names: tuple[str, ...], rules: tuple[TensorOve
         key = (rule.pattern, id(spec))
         entry = _RULE_HITS.get(key)
         if entry is None or entry[0] is not spec:
-            entry = (spec, frozenset(name for name in names if rule.matches(name)))
+            # TensorOverride.matches, for every name at once
+            entry = (spec, frozenset(filter(re.compile(rule.pattern).search, names)))
             if len(_RULE_HITS) >= _RULE_HITS_KEPT:
                 _RULE_HITS.clear()
             _RULE_HITS[key] = entry

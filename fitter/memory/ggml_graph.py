@@ -290,7 +290,7 @@ class _DynAllocator:
         blocks.insert(pos, [offset, size])
 
 
-@dataclass
+@dataclass(slots=True)
 class _Hash:
     n_children: int = 0
     n_views: int = 0
@@ -319,23 +319,25 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
     `sizes[i]` is buffer i's ggml_backend_buft_get_alloc_size (None: ggml_nbytes)."""
     allocs = [_DynAllocator(a) for a in alignments]
     size_fns = [f or _nbytes for f in (sizes or [None] * len(alignments))]
-    info: dict[Tensor, _Hash] = {}  # tensors hash by identity (eq=False)
-    known: dict[tuple[Tensor, int], int] = {}  # sizes: nothing a size depends on changes during the allocation
+    known: list[dict[Tensor, int]] = [{} for _ in alignments]  # sizes per buffer: nothing they depend on changes
+    # Every tensor the graph reaches gets its entry first (tensors hash by identity), so the loops index directly.
+    info: dict[Tensor, _Hash] = {}
+    for t in (*graph.leafs, *graph.nodes):
+        for x in (t, *t.src):
+            if x is not None and x not in info:
+                info[x] = _Hash()
+                if x.view_src is not None and x.view_src not in info:
+                    info[x.view_src] = _Hash()
 
     def size(t: Tensor, buffer_id: int) -> int:
-        n = known.get((t, buffer_id))
+        sizes = known[buffer_id]
+        n = sizes.get(t)
         if n is None:
-            n = known[(t, buffer_id)] = size_fns[buffer_id](t)
+            n = sizes[t] = size_fns[buffer_id](t)
         return n
 
-    def h(t: Tensor) -> _Hash:
-        hn = info.get(t)
-        if hn is None:
-            hn = info[t] = _Hash()
-        return hn
-
     def allocate_node(node: Tensor, buffer_id: int) -> None:
-        hn = h(node)
+        hn = info[node]
         if node.has_data or hn.allocated or node.view_src is not None:
             return
         hn.allocated = True
@@ -343,7 +345,7 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
             for parent in node.src:
                 if parent is None:
                     continue
-                p_hn = h(parent)
+                p_hn = info[parent]
                 # Only a tensor this allocator placed can be reused (views and weights never are), never a graph
                 # output, only with the same layout, and only by its last consumer.
                 if not p_hn.allocated or parent.is_output or not _same_layout(node, parent):
@@ -370,30 +372,33 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
         allocate_node(leaf, buffer_of(leaf))
     for node in graph.nodes:
         if node.view_src is not None and node.op != "NONE":
-            h(node.view_src).n_views += 1
+            info[node.view_src].n_views += 1
         if node.is_input:
             allocate_node(node, buffer_of(node))
         for s in node.src:
             if s is None:
                 continue
-            h(s).n_children += 1
+            info[s].n_children += 1
             if s.is_input:
                 allocate_node(s, buffer_of(node))
     for node in graph.nodes:
         buffer_id = buffer_of(node)
-        for parent in node.src:
-            if parent is not None:
+        srcs = node.src
+        for parent in srcs:
+            # allocate_node's own early return, checked here: most parents are weights, views or placed already
+            if parent is not None and not parent.has_data and parent.view_src is None and not info[parent].allocated:
                 allocate_node(parent, buffer_id)
-        allocate_node(node, buffer_id)
-        for parent in node.src:
+        if not node.has_data and node.view_src is None:
+            allocate_node(node, buffer_id)
+        for parent in srcs:
             if parent is None:
                 continue
-            p_hn = info[parent]  # counted above
+            p_hn = info[parent]
             p_hn.n_children -= 1
             if p_hn.n_children == 0 and p_hn.n_views == 0:
                 root = parent.view_src
                 if root is not None:
-                    r_hn = h(root)
+                    r_hn = info[root]
                     r_hn.n_views -= 1
                     if r_hn.n_views == 0 and r_hn.n_children == 0 and r_hn.allocated:
                         free_node(root, r_hn)

@@ -141,19 +141,21 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
         if new_split:
             flush()
             split_backend = b
-        srcs = list(node.src)
-        for j, s in enumerate(srcs):
-            if s is None:
+        srcs: list[Tensor | None] | None = None  # a copy of node.src once one source is redirected
+        for j, s in enumerate(node.src):
+            if s is None or backend.get(s, -1) == split_backend or supported(s, split_backend):
                 continue
-            if get(s) != split_backend and not supported(s, split_backend):
-                key = (s, split_backend)
-                if key not in copies:
-                    cpy = Tensor(s.type, s.ne, s.nb, "NONE", name=s.name + "#copy")
-                    backend[cpy] = split_backend
-                    copies[key] = cpy
-                    inputs.append(s)
-                srcs[j] = copies[key]
-        node.src = tuple(srcs)
+            key = (s, split_backend)
+            if key not in copies:
+                cpy = Tensor(s.type, s.ne, s.nb, "NONE", name=s.name + "#copy")
+                backend[cpy] = split_backend
+                copies[key] = cpy
+                inputs.append(s)
+            if srcs is None:
+                srcs = list(node.src)
+            srcs[j] = copies[key]
+        if srcs is not None:
+            node.src = tuple(srcs)
         pending.append(node)
     flush()
     return copy, lambda t: backend.get(t, cpu)
