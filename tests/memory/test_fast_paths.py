@@ -121,3 +121,10 @@ def test_a_graph_in_use_is_not_handed_out_twice() -> None:
     with replay._graph(spec, params) as outer, replay._graph(spec, params) as inner:
         assert inner is not outer
     assert estimate(spec, parse_launch_flags(["-c", "4096"]), DEVICES[1]) == plan
+
+
+def test_the_cpu_profile_from_proc_cpuinfo_alone_is_the_snapshots() -> None:
+    from fitter.machine.cpu import cpu_profile_here
+    from fitter.machine.snapshot import take_snapshot
+
+    assert cpu_profile_here() == take_snapshot().cpu_profile
