@@ -49,7 +49,6 @@ def _graph(spec: ModelSpec, p: GraphParams) -> Iterator[Graph]:
             del _GRAPHS[next(iter(_GRAPHS))]
 
 
-
 class Replayed:
     """The compute bytes of graphs one estimate has replayed already. The `-fa auto` probe schedules the very graph
     the compute buffers are then sized with (one token per sequence, flash attention on) unless it turns flash
