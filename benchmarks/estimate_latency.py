@@ -3,13 +3,15 @@ bare `fitter --version` (the interpreter and fitter's imports alone), so a figur
 
 Targets (issue 14): `fitter fit --devices cuda:24576 -c 32768` ≤ 1.5 s, `fitter estimate` on it ≤ 0.25 s.
 Prints figures; it is not a test. The model is header-only (sparse files), written to a temp dir first. Runs are
-interleaved (each round runs every command once), so drift on a shared machine hits them all alike.
+interleaved (each round runs every command once), so drift on a shared machine hits them all alike; the CPU time
+(user + sys of the process) is printed beside the wall time, as it barely moves when other work shares the cores.
     python benchmarks/estimate_latency.py [--runs 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,13 +43,15 @@ def main() -> None:
         for cmd in commands.values():
             subprocess.run(cmd, check=True, capture_output=True)  # warm the page cache once
         times: dict[str, list[float]] = {label: [] for label in commands}
+        cpu: dict[str, list[float]] = {label: [] for label in commands}
         for _ in range(args.runs):
             for label, cmd in commands.items():
-                t0 = time.perf_counter()
+                c0, t0 = _children_cpu(), time.perf_counter()
                 subprocess.run(cmd, check=True, capture_output=True)
                 times[label].append(time.perf_counter() - t0)
+                cpu[label].append(_children_cpu() - c0)
     base = statistics.median(times["fitter --version"])
-    print(f"gpt-oss-120b shape, 3 shards, -c 32768, {args.runs} interleaved runs each (whole process):")
+    print(f"gpt-oss-120b shape, 3 shards, -c 32768, {args.runs} interleaved runs each (whole process; wall, then CPU):")
     for label, ts in times.items():
         med = statistics.median(ts)
         kind = label.split(",")[0]
@@ -55,6 +59,14 @@ def main() -> None:
             if kind in TARGETS_S else ""
         print(f"  {label:<36} median {med:.3f} s  min {min(ts):.3f}  max {max(ts):.3f}  "
               f"{med / base:5.1f}× --version{verdict}")
+        print(f"  {'':<36} CPU    {statistics.median(cpu[label]):.3f} s  min {min(cpu[label]):.3f}  "
+              f"max {max(cpu[label]):.3f}")
+
+
+def _children_cpu() -> float:
+    """User + system seconds of the finished child processes so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 if __name__ == "__main__":

@@ -8,16 +8,19 @@ ones fitter.flags registered, and every other option a command registered is fit
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import NoReturn
 
 from fitter import __version__
-from fitter.cli import bench, check, estimate, fit, grid, misc, results, tune
 from fitter.cli.common import llama_flags, own_options
 from fitter.errors import FitterError
 from fitter.flags.vocabulary import launch_flags
 
-COMMANDS = (estimate, fit, bench, tune, grid, results, check, misc)
+# The modules that register the commands, and the commands each registers: a command line naming one of them builds
+# only that module's parsers, so `fitter estimate` does not import what `fitter tune` needs.
+COMMANDS = {"estimate": ("estimate",), "fit": ("fit",), "bench": ("bench",), "tune": ("tune",), "grid": ("grid",),
+            "results": ("export", "report"), "check": ("check",), "misc": ("machines", "demo-model", "probe")}
 _LAUNCH = {name for f in launch_flags() for name in f.names}  # passed on; everything else a command takes is its own
 
 
@@ -27,18 +30,20 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; only the named command's when `argv` starts with a command."""
     parser = _Parser(prog="fitter", description="Find the fastest llama.cpp launch settings a machine can hold.")
     parser.add_argument("--version", action="version", version=f"fitter {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in COMMANDS:
-        command.register(sub)
+    named = [m for m, commands in COMMANDS.items() if argv and argv[0] in commands]
+    for module in named or COMMANDS:
+        importlib.import_module(f"fitter.cli.{module}").register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(argv)
     ns = parser.parse_args(argv)
     command = next(p for name, p in _subparsers(parser).items() if name == ns.command)
     flags = llama_flags(argv, getattr(ns, "model", None), own_options(command, _LAUNCH))

@@ -14,7 +14,7 @@ from fitter.flags.parse import process_flags_from_args
 if TYPE_CHECKING:
     from fitter.gguf.model_spec import ModelSpec
     from fitter.machine.snapshot import MachineSnapshot
-    from fitter.memory.devices import Device
+    from fitter.memory.devices import CpuProfile, Device
 
 
 class _EmulatedGpuAction(argparse.Action):
@@ -70,11 +70,30 @@ def launch_args(ns: argparse.Namespace, flags: list[str]) -> tuple[LaunchConfig,
     return launch_config_from_args(ns, flags), process_flags_from_args(ns)
 
 
-def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: MachineSnapshot) -> tuple[Device, ...]:
+def devices_and_cpu(ns: argparse.Namespace, config: LaunchConfig) -> tuple[tuple[Device, ...], CpuProfile]:
+    """`target_devices` and this machine's CPU profile; NVML, psutil and llama-cpp-python's libraries are only read
+    (take_snapshot) when the devices are this machine's GPUs, else the CPU's flags come from /proc/cpuinfo alone."""
+    if getattr(ns, "llama_cpp", None) or getattr(ns, "devices", "") or config.rpc:
+        return target_devices(ns, config, None), cpu_here()
+    from fitter.machine.snapshot import take_snapshot
+
+    snapshot = take_snapshot()
+    return target_devices(ns, config, snapshot), snapshot.cpu_profile
+
+
+def cpu_here() -> CpuProfile:
+    """This machine's CPU profile (MachineSnapshot.cpu_profile), from /proc/cpuinfo alone."""
+    from fitter.machine.cpu import cpu_profile_here
+
+    return cpu_profile_here()
+
+
+def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: MachineSnapshot | None
+                   ) -> tuple[Device, ...]:
     """`--llama-cpp DIR`'s devices, else `--devices`, else the config's `--rpc` servers, else this machine's NVIDIA
     GPUs (already read as the llama.cpp fitter starts will see them); each as that llama.cpp will see it
-    (fitter.machine.snapshot.with_environment)."""
-    from fitter.machine.snapshot import with_environment
+    (fitter.machine.environment.with_environment)."""
+    from fitter.machine.environment import with_environment
     from fitter.memory.devices import parse_devices, rpc_devices
 
     if getattr(ns, "llama_cpp", None) and not getattr(ns, "devices", ""):
@@ -87,6 +106,10 @@ def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: Machi
         return with_environment(parse_devices(devices_arg))
     if config.rpc:
         return rpc_devices(list(config.rpc))
+    if snapshot is None:
+        from fitter.machine.snapshot import take_snapshot
+
+        snapshot = take_snapshot()
     return snapshot.devices()
 
 

@@ -7,22 +7,21 @@ import json
 from typing import Any
 
 from fitter import LLAMA_CPP_TARGET
-from fitter.cli.common import add_llama_cpp, launch_args, load_model, model_path, target_devices, warn
+from fitter.cli.common import add_llama_cpp, devices_and_cpu, launch_args, load_model, model_path, warn
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments
 
 
 def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
-    from fitter.machine.snapshot import take_snapshot
     from fitter.memory.estimator import estimate
     from fitter.memory.render import plan_json, plan_table
 
     config, _ = launch_args(ns, flags)
     spec = load_model(model_path(ns.model))
-    snapshot = take_snapshot()
-    plan = estimate(spec, config, target_devices(ns, config, snapshot), snapshot.cpu_profile)
+    devices, cpu = devices_and_cpu(ns, config)
+    plan = estimate(spec, config, devices, cpu)
     for w in plan.warnings:
         warn(w)
-    projection = _projection(ns, spec, config, plan.devices, snapshot.cpu_profile) if ns.llama_cpp else None
+    projection = _projection(ns, spec, config, plan.devices, cpu) if ns.llama_cpp else None
     if ns.json:
         out = plan_json(plan, LLAMA_CPP_TARGET)
         if projection is not None:

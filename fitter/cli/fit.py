@@ -11,10 +11,11 @@ from typing import Any
 from fitter.cli.common import (
     add_emulated_gpu,
     add_llama_cpp,
+    cpu_here,
+    devices_and_cpu,
     launch_args,
     load_model,
     model_path,
-    target_devices,
     warn,
 )
 from fitter.errors import LaunchConfigError
@@ -24,7 +25,6 @@ from fitter.memory.devices import Device
 
 
 def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
-    from fitter.machine.snapshot import take_snapshot
     from fitter.memory.fit import fit
     from fitter.memory.render import fit_json, fit_table
 
@@ -32,7 +32,6 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
     targets = parse_fit_targets(ns.fit_target)
     model = model_path(ns.model)
     spec = load_model(model)
-    snapshot = take_snapshot()
     with contextlib.ExitStack() as stack:
         gpu = None
         if ns.emulated_gpu is not None:
@@ -42,9 +41,10 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
                 raise LaunchConfigError("--emulated-gpu replaces --devices and --rpc: give one target")
             gpu = stack.enter_context(EmulatedGpu(cap_mib=ns.emulated_gpu, cuda=ns.emulated_cuda))
             devices: tuple[Device, ...] = (gpu.device(),)
+            cpu = cpu_here()
         else:
-            devices = target_devices(ns, config, snapshot)
-        result = fit(spec, config, devices, targets, ns.fit_ctx, snapshot.cpu_profile)
+            devices, cpu = devices_and_cpu(ns, config)
+        result = fit(spec, config, devices, targets, ns.fit_ctx, cpu)
         rpc = (gpu.endpoint,) if gpu is not None else config.rpc
         launch = pin(replace(result.config, rpc=rpc), result.plan.context)
         verify = None

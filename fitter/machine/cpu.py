@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fitter.memory.devices import CpuProfile, cpu_profile_for
+
 # Two core classes differ when their max frequencies are at least this far apart (1 - low/high). Preferred-core
 # boosts on one die (AMD CPPC, Intel Turbo Boost Max 3.0) stay within ~5 %; P/E and big.LITTLE differ by 20-40 %.
 HYBRID_FREQ_GAP = 0.15
@@ -316,6 +318,13 @@ def read_cpu_snapshot(root: Path = Path("/")) -> CpuSnapshot:
         physical_cores=psutil.cpu_count(logical=False),
         usable_cpus=usable,
     )
+
+
+def cpu_profile_here(root: Path = Path("/")) -> CpuProfile:
+    """MachineSnapshot.cpu_profile from /proc/cpuinfo alone (the ISA flags of `build_cpu_info(read_cpu_snapshot())`):
+    all `fitter estimate` needs of this machine when it is given the devices."""
+    isa = relevant_isa(platform.machine() or "unknown", cpu_flags(_read(root / "proc/cpuinfo") or ""))
+    return cpu_profile_for({name for name, present in isa if present})
 
 
 def detect_ram() -> RamInfo:

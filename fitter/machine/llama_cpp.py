@@ -8,7 +8,6 @@ against (the unversioned `.so` would be a second ggml whose buffer types never c
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -159,6 +158,8 @@ def llama_cpp_python_lib_dir() -> Path | None:
 
 
 def llama_cpp_python_version() -> str | None:
+    import importlib.metadata  # ~50 ms (email, zipfile, …): only when asked
+
     try:
         return importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:

@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fitter.machine.cpu import CpuInfo, RamInfo, build_cpu_info, detect_ram, read_cpu_snapshot
+from fitter.machine.environment import with_environment
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.machine.nvidia import GpuInfo, NvidiaInfo, detect_nvidia
 from fitter.machine.overhead import overhead_for
 from fitter.memory.devices import (
     CUDA,
-    OFFLOAD_MIN_BATCH_ENV,
     CpuProfile,
     Device,
     cpu_profile_for,
-    with_offload_min_batch,
 )
 
 
@@ -74,12 +72,6 @@ def gpus_now(snapshot: MachineSnapshot | None = None) -> tuple[Device, ...]:
                                                  if held.get(name) else ""))
         out.append(Device(name, CUDA, g.memory_total, g.memory_free, left))
     return with_environment(tuple(out))
-
-
-def with_environment(devices: tuple[Device, ...]) -> tuple[Device, ...]:
-    """`devices` as the llama.cpp fitter starts will see them: its children inherit this environment, and ggml-cuda
-    reads GGML_OP_OFFLOAD_MIN_BATCH from it (the estimator itself reads no environment)."""
-    return with_offload_min_batch(devices, os.environ.get(OFFLOAD_MIN_BATCH_ENV))
 
 
 def take_snapshot() -> MachineSnapshot:

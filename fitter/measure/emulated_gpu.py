@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from fitter.machine.snapshot import with_environment
+from fitter.machine.environment import with_environment
 from fitter.measure import process
 from fitter.measure.capdev import (
     _DIR_PREFIX,

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from fitter.flags import ContextParams
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.devices import CPU_ALIGNMENT, Device
-from fitter.memory.graphs import GRAPH_ARCHS, BackendMap, GraphParams, flash_attn_devices_match, graph_compute_bytes
+from fitter.memory.graphs import GRAPH_ARCHS, BackendMap, GraphParams
+from fitter.memory.replay import Replayed, flash_attn_devices_match, graph_compute_bytes
 
 F32 = 4
 I32 = 4
@@ -125,15 +126,21 @@ def backend_map(
 
 
 def auto_flash_attn_mismatch(
-    spec: ModelSpec, ctx: ContextParams, backends: BackendMap, kv_sizes: tuple[int, int], cache_types: tuple[str, str]
+    spec: ModelSpec, ctx: ContextParams, backends: BackendMap, kv_sizes: tuple[int, int], cache_types: tuple[str, str],
+    devices: tuple[Device, ...] = (), replayed: Replayed | None = None,
 ) -> int | None:
     """The first layer whose flash-attention op llama.cpp would place off the layer's device under `-fa auto`
-    (then it turns flash attention off for the whole context), or None."""
+    (then it turns flash attention off for the whole context), or None. With `replayed`, the probe graph's compute
+    bytes on `devices` are kept for `compute_bytes_by_device`."""
     if not ctx.auto_fa or backends.n_backends == 1 or spec.arch not in GRAPH_ARCHS:
         return None
     n = ctx.n_seq_max  # the probe graph: one token per sequence
     params = GraphParams(n, n, kv_sizes, ctx.n_stream, True, *cache_types, backends, ctx.v_trans)
-    return flash_attn_devices_match(spec, params)
+    return flash_attn_devices_match(spec, params, _alignments(devices), replayed)
+
+
+def _alignments(devices: tuple[Device, ...]) -> tuple[int, ...]:
+    return (*(d.profile.alignment for d in devices), CPU_ALIGNMENT)
 
 
 def compute_bytes_by_device(
@@ -144,19 +151,20 @@ def compute_bytes_by_device(
     backends: BackendMap,
     kv_sizes: tuple[int, int],
     cache_types: tuple[str, str],
+    replayed: Replayed | None = None,
 ) -> dict[str, int]:
-    """Peak compute bytes per device name ("CPU" for the host)."""
+    """Peak compute bytes per device name ("CPU" for the host); `replayed`: graphs this estimate sized already."""
     g = graph_shape(ctx, kv_sizes)
     if spec.arch not in GRAPH_ARCHS:
         return _phase_bytes_by_device(spec, ctx, layer_dev, g)
     cpu = len(devices)
-    alignments = (*(d.profile.alignment for d in devices), CPU_ALIGNMENT)
+    alignments = _alignments(devices)
     # sched_reserve reserves the prompt graph and the one-token-per-sequence graph; buffers only ever grow.
     peaks = [0] * (cpu + 1)
     for n_tokens, n_outputs in ((g.n_tokens, g.n_outputs), (ctx.n_seq_max, ctx.n_seq_max)):
         params = GraphParams(n_tokens, n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types, backends,
                              ctx.v_trans)
-        peaks = [max(a, b) for a, b in zip(peaks, graph_compute_bytes(spec, params, alignments), strict=True)]
+        peaks = [max(a, b) for a, b in zip(peaks, graph_compute_bytes(spec, params, alignments, replayed), strict=True)]
     return {**{d.name: peaks[i] for i, d in enumerate(devices)}, "CPU": peaks[cpu]}
 
 

@@ -30,7 +30,7 @@ class DeviceProfile:
     validated: str  # how this profile was checked against llama.cpp
     cuda_rules: bool = False  # CUDA's allocation sizes and flash-attention support (fitter.memory.cuda)
     # the batch from which op offload takes an op with a host weight: ggml-cuda.cu reads GGML_OP_OFFLOAD_MIN_BATCH
-    # once, default 32 (fitter.machine.snapshot.with_environment applies the environment at a command's edge)
+    # once, default 32 (fitter.machine.environment.with_environment applies the environment at a command's edge)
     offload_min_batch: int = OFFLOAD_MIN_BATCH
 
 

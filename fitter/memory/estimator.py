@@ -7,16 +7,18 @@ vendored in llama-cpp-python 0.3.36).
 from __future__ import annotations
 
 import bisect
+import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from fitter.errors import LaunchConfigError
-from fitter.flags import KV_CACHE_TYPES, ContextParams, LaunchConfig, resolve_context
+from fitter.flags import KV_CACHE_TYPES, ContextParams, LaunchConfig, TensorOverride, resolve_context
 from fitter.gguf._constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from fitter.gguf.model_spec import ModelSpec, Role, TensorSpec
 from fitter.memory.compute import auto_flash_attn_mismatch, backend_map, compute_bytes_by_device
 from fitter.memory.devices import CPU_ALIGNMENT, CPU_AVX2, CpuProfile, Device
 from fitter.memory.graphs import GRAPH_ARCHS, BackendMap
+from fitter.memory.replay import Replayed
 
 CPU = "CPU"
 KINDS = ("model", "kv", "compute", "output")
@@ -159,6 +161,29 @@ def _cpu_buft(t: TensorSpec, config: LaunchConfig, devices: tuple[Device, ...], 
     return CPU
 
 
+# Which tensor names each -ot pattern matches, per model spec: a fit tries ~100 rule lists built from the same ~40
+# patterns over ~700 tensors. The entry holds the spec, so its id is not reused while the entry lives.
+_RULE_HITS: dict[tuple[str, int], tuple[ModelSpec, frozenset[str]]] = {}
+_RULE_HITS_KEPT = 4096
+
+
+def _first_rules(spec: ModelSpec, names: tuple[str, ...], rules: tuple[TensorOverride, ...]) -> dict[str, int]:
+    """Each tensor name's first matching rule (llama.cpp takes the first -ot rule that matches)."""
+    first: dict[str, int] = {}
+    for i, rule in enumerate(rules):
+        key = (rule.pattern, id(spec))
+        entry = _RULE_HITS.get(key)
+        if entry is None or entry[0] is not spec:
+            # TensorOverride.matches, for every name at once
+            entry = (spec, frozenset(filter(re.compile(rule.pattern).search, names)))
+            if len(_RULE_HITS) >= _RULE_HITS_KEPT:
+                _RULE_HITS.clear()
+            _RULE_HITS[key] = entry
+        for name in entry[1]:
+            first.setdefault(name, i)
+    return first
+
+
 def place_tensors(
     spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...], layer_dev: tuple[Device | None, ...],
     cpu: CpuProfile,
@@ -173,20 +198,21 @@ def place_tensors(
         if embd is not None:
             tensors.append(TensorSpec("output.weight (tied token_embd)", embd.type, embd.ne, embd.n_bytes, None,
                                       Role.OUTPUT, embd.shard, embd.offset))
+    first_rule = _first_rules(spec, tuple(t.name for t in tensors), config.overrides)
     for t in tensors:
         buft = None
-        for rule in config.overrides:
-            if rule.matches(t.name):
-                if rule.buft == CPU:
-                    buft = _cpu_buft(t, config, devices, cpu)
-                elif rule.buft in by_name:
-                    buft = rule.buft
-                else:
-                    allowed = ", ".join([CPU, *by_name]) or CPU
-                    raise LaunchConfigError(
-                        f"-ot {rule.pattern}={rule.buft}: unknown buffer type {rule.buft!r}; available: {allowed}"
-                    )
-                break
+        i = first_rule.get(t.name)
+        if i is not None:
+            rule = config.overrides[i]
+            if rule.buft == CPU:
+                buft = _cpu_buft(t, config, devices, cpu)
+            elif rule.buft in by_name:
+                buft = rule.buft
+            else:
+                allowed = ", ".join([CPU, *by_name]) or CPU
+                raise LaunchConfigError(
+                    f"-ot {rule.pattern}={rule.buft}: unknown buffer type {rule.buft!r}; available: {allowed}"
+                )
         if buft is None:
             if t.role is Role.EMBEDDING:
                 dev = None  # the input layer always stays on the CPU
@@ -278,10 +304,12 @@ def compute_buffers(
     devices: tuple[Device, ...],
     backends: BackendMap,
     cache_types: tuple[str, str],
+    replayed: Replayed | None = None,
 ) -> list[Buffer]:
     """One compute buffer per backend (src/llama-context.cpp: the CPU backend uses the first device's pinned host
     buffer type when it has one)."""
-    by_dev = compute_bytes_by_device(spec, ctx, devices, layer_dev, backends, kv_cache_sizes(spec, ctx), cache_types)
+    by_dev = compute_bytes_by_device(spec, ctx, devices, layer_dev, backends, kv_cache_sizes(spec, ctx), cache_types,
+                                     replayed)
     buffers = [Buffer(d.name, "compute", d.name, by_dev[d.name]) for d in devices if d.name in by_dev]
     host = next((d.profile.host_buft for d in devices if d.profile.host_buft), None)
     buffers.append(Buffer(host or CPU, "compute", CPU, by_dev[CPU]))
@@ -333,13 +361,29 @@ def first_failure(plan: MemoryPlan, device: str, cap_bytes: int) -> str | None:
     return None
 
 
-def estimate(
-    spec: ModelSpec,
-    config: LaunchConfig,
-    devices: tuple[Device, ...] = (),
-    cpu: CpuProfile = CPU_AVX2,
-) -> MemoryPlan:
-    """Every buffer llama.cpp will allocate for this model, these flags and these devices."""
+@dataclass(frozen=True)
+class Placed:
+    """An estimate before its compute buffers: the context, where every layer and weight goes, and the model and KV
+    buffers, which the compute graph's replay cannot change (the `-fa auto` probe keeps the cache as it was made)."""
+
+    ctx: ContextParams
+    warnings: tuple[str, ...]
+    layer_dev: tuple[Device | None, ...]
+    placements: tuple[Placement, ...]
+    buffers: tuple[Buffer, ...]  # model, then KV
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes per device so far: a lower bound of the plan's device totals (compute buffers only add)."""
+        out: dict[str, int] = defaultdict(int)
+        for b in self.buffers:
+            out[b.device] += b.bytes
+        return out
+
+
+def place(
+    spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...] = (), cpu: CpuProfile = CPU_AVX2
+) -> Placed:
+    """The first part of `estimate`: everything but the compute graph's replay."""
     ctx = resolve_context(config, spec.n_ctx_train)
     check_cache_types(spec, config, ctx)
     warnings = list(ctx.warnings)
@@ -347,21 +391,31 @@ def estimate(
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
     layer_dev = layer_devices(spec, config, devices)
     placements = place_tensors(spec, config, devices, layer_dev, cpu)
+    buffers = model_buffers(placements, config, devices) + kv_buffers(spec, config, ctx, layer_dev)
+    return Placed(ctx, tuple(warnings), layer_dev, tuple(placements), tuple(buffers))
+
+
+def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...], placed: Placed) -> MemoryPlan:
+    """The rest of `estimate`: the `-fa auto` probe and the compute buffers, on `place`'s result for the same
+    (spec, config, devices)."""
+    ctx, layer_dev, placements = placed.ctx, placed.layer_dev, placed.placements
+    warnings = list(placed.warnings)
     if devices and spec.arch not in GRAPH_ARCHS:
         warnings.append(f"{spec.arch}: compute buffers come from fitter's phase model, not a graph replay")
     cache_types = (config.cache_type_k, config.cache_type_v)
     backends = backend_map(devices, layer_dev, {p.tensor.name: p.buft for p in placements}, config.no_kv_offload,
                            not config.no_op_offload)
-    bad_layer = auto_flash_attn_mismatch(spec, ctx, backends, kv_cache_sizes(spec, ctx), cache_types)
+    replayed = Replayed()  # this estimate's graphs only
+    bad_layer = auto_flash_attn_mismatch(spec, ctx, backends, kv_cache_sizes(spec, ctx), cache_types, devices,
+                                         replayed)
     if bad_layer is not None:
         ctx = replace(ctx, flash_attn=False)
         warnings.append(
             f"-fa auto: layer {bad_layer}'s flash attention would run off the layer's device, so llama.cpp turns "
             "flash attention off (its V cache stays untransposed); pin it with -fa on or off"
         )
-    buffers = model_buffers(placements, config, devices)
-    buffers += kv_buffers(spec, config, ctx, layer_dev)
-    buffers += compute_buffers(spec, ctx, layer_dev, devices, backends, cache_types)
+    buffers = list(placed.buffers)
+    buffers += compute_buffers(spec, ctx, layer_dev, devices, backends, cache_types, replayed)
     buffers.append(output_buffer(spec, ctx, layer_dev))
     return MemoryPlan(
         model=spec,
@@ -369,7 +423,17 @@ def estimate(
         context=ctx,
         devices=devices,
         buffers=tuple(buffers),
-        placements=tuple(placements),
+        placements=placements,
         layer_devices=tuple(d.name if d else CPU for d in layer_dev),
         warnings=tuple(warnings),
     )
+
+
+def estimate(
+    spec: ModelSpec,
+    config: LaunchConfig,
+    devices: tuple[Device, ...] = (),
+    cpu: CpuProfile = CPU_AVX2,
+) -> MemoryPlan:
+    """Every buffer llama.cpp will allocate for this model, these flags and these devices."""
+    return complete(spec, config, devices, place(spec, config, devices, cpu))

@@ -23,7 +23,7 @@ from fitter.flags.overrides import EXPERT_KINDS, experts_rules, ncmoe_rules
 from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.devices import CPU_AVX2, CpuProfile, Device
-from fitter.memory.estimator import MemoryPlan, estimate
+from fitter.memory.estimator import MemoryPlan, complete, estimate, place
 from fitter.units import MIB
 
 
@@ -58,9 +58,16 @@ class _Search:
         self.tried += 1
         return estimate(self.spec, config, self.devices, self.cpu)
 
-    def fits(self, config: LaunchConfig) -> tuple[bool, MemoryPlan]:
-        plan = self.plan(config)
-        return _over(plan, self.budgets) <= 0, plan
+    def fits(self, config: LaunchConfig) -> MemoryPlan | None:
+        """The plan when it fits, else None. A placement whose model and KV buffers alone exceed a budget is
+        rejected before its compute graph is replayed: compute buffers only add to a device's bytes."""
+        self.tried += 1
+        placed = place(self.spec, config, self.devices, self.cpu)
+        static = placed.device_bytes()
+        if any(static.get(name, 0) > budget for name, budget in self.budgets.items()):
+            return None
+        plan = complete(self.spec, config, self.devices, placed)
+        return plan if _over(plan, self.budgets) <= 0 else None
 
 
 def _expert_layers_on_device(plan: MemoryPlan) -> int:
@@ -104,8 +111,8 @@ def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan
             break
         layered = replace(base, n_gpu_layers=-2 if ngl == n_layer + 1 and not fixed else ngl)
         all_cpu = replace(layered, overrides=experts_rules(list(range(n_layer))))
-        ok_all_cpu, plan_all_cpu = s.fits(all_cpu)
-        if not ok_all_cpu:
+        plan_all_cpu = s.fits(all_cpu)
+        if plan_all_cpu is None:
             continue
         first_fitting_ngl = ngl if first_fitting_ngl is None else first_fitting_ngl
         if _better(best, (all_cpu, plan_all_cpu)):
@@ -116,8 +123,8 @@ def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan
             while lo < hi:
                 mid = (lo + hi) // 2
                 config = replace(layered, overrides=experts_rules(_cpu_layers(n_layer, mid, from_top)))
-                ok, plan = s.fits(config)
-                if ok:
+                plan = s.fits(config)
+                if plan is not None:
                     hi, found[mid] = mid, (config, plan)
                 else:
                     lo = mid + 1
@@ -133,8 +140,8 @@ def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan
             for stay in [*((a, b) for i, a in enumerate(EXPERT_KINDS) for b in EXPERT_KINDS[i + 1:]),
                          *((k,) for k in EXPERT_KINDS)]:
                 config = replace(layered, overrides=experts_rules(rest, boundary, stay))
-                ok, plan = s.fits(config)
-                if ok and _better(best, (config, plan)):
+                plan = s.fits(config)
+                if plan is not None and _better(best, (config, plan)):
                     best = (config, plan)
     if best is None and not fixed:
         return None
@@ -146,8 +153,8 @@ def _place_layers(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryP
     choices = range(s.spec.n_layer + 1, -1, -1) if base.n_gpu_layers == -1 else (base.n_gpu_layers,)
     for ngl in choices:
         config = replace(base, n_gpu_layers=ngl)
-        ok, plan = s.fits(config)
-        if ok:
+        plan = s.fits(config)
+        if plan is not None:
             return config, plan
     return None
 
@@ -159,8 +166,8 @@ def _grow_context(s: _Search, config: LaunchConfig, plan: MemoryPlan) -> tuple[L
     while lo < hi:
         mid = (lo + hi + 1) // 2
         candidate = replace(config, ctx_size=mid * 256)
-        ok, candidate_plan = s.fits(candidate)
-        if ok:
+        candidate_plan = s.fits(candidate)
+        if candidate_plan is not None:
             lo, best = mid, (candidate, candidate_plan)
         else:
             hi = mid - 1

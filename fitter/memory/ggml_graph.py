@@ -24,12 +24,18 @@ INPLACE_OPS = frozenset({
 VIEW_OPS = frozenset({"VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"})
 
 
+_TYPE_SIZES: dict[str, tuple[int, int]] = {}  # by the name as given: the enum look-up is a replay's hottest call
+
+
 def type_size(type_name: str) -> tuple[int, int]:
     """(block size, bytes per block) of a ggml type, from gguf's table."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
+    size = _TYPE_SIZES.get(type_name)
+    if size is None:
+        size = _TYPE_SIZES[type_name] = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
+    return size
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Tensor:
     type: str
     ne: tuple[int, int, int, int]
@@ -47,10 +53,16 @@ class Tensor:
     backend: int = -1
     is_weight: bool = False
     pinned: int = -1
+    _nbytes: int = field(default=-1, repr=False)  # type, ne and nb never change once a tensor is made
 
     @property
     def nbytes(self) -> int:
         """ggml_nbytes (ggml/src/ggml.c)."""
+        if self._nbytes < 0:
+            self._nbytes = self._count_bytes()
+        return self._nbytes
+
+    def _count_bytes(self) -> int:
         if any(n == 0 for n in self.ne):
             return 0
         block, size = type_size(self.type)
@@ -278,17 +290,13 @@ class _DynAllocator:
         blocks.insert(pos, [offset, size])
 
 
-@dataclass
+@dataclass(slots=True)
 class _Hash:
     n_children: int = 0
     n_views: int = 0
     allocated: bool = False
     buffer: int = 0
     offset: int = -1
-
-
-def _is_view(t: Tensor) -> bool:
-    return t.view_src is not None
 
 
 def _same_layout(a: Tensor, b: Tensor) -> bool:
@@ -311,27 +319,33 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
     `sizes[i]` is buffer i's ggml_backend_buft_get_alloc_size (None: ggml_nbytes)."""
     allocs = [_DynAllocator(a) for a in alignments]
     size_fns = [f or _nbytes for f in (sizes or [None] * len(alignments))]
-    info: dict[int, _Hash] = {}
+    known: list[dict[Tensor, int]] = [{} for _ in alignments]  # sizes per buffer: nothing they depend on changes
+    # Every tensor the graph reaches gets its entry first (tensors hash by identity), so the loops index directly.
+    info: dict[Tensor, _Hash] = {}
+    for t in (*graph.leafs, *graph.nodes):
+        for x in (t, *t.src):
+            if x is not None and x not in info:
+                info[x] = _Hash()
+                if x.view_src is not None and x.view_src not in info:
+                    info[x.view_src] = _Hash()
 
     def size(t: Tensor, buffer_id: int) -> int:
-        return size_fns[buffer_id](t)
-
-    def h(t: Tensor) -> _Hash:
-        hn = info.get(id(t))
-        if hn is None:
-            hn = info[id(t)] = _Hash()
-        return hn
+        sizes = known[buffer_id]
+        n = sizes.get(t)
+        if n is None:
+            n = sizes[t] = size_fns[buffer_id](t)
+        return n
 
     def allocate_node(node: Tensor, buffer_id: int) -> None:
-        hn = h(node)
-        if node.has_data or hn.allocated or _is_view(node):
+        hn = info[node]
+        if node.has_data or hn.allocated or node.view_src is not None:
             return
         hn.allocated = True
         if node.op in INPLACE_OPS:
             for parent in node.src:
                 if parent is None:
                     continue
-                p_hn = h(parent)
+                p_hn = info[parent]
                 # Only a tensor this allocator placed can be reused (views and weights never are), never a graph
                 # output, only with the same layout, and only by its last consumer.
                 if not p_hn.allocated or parent.is_output or not _same_layout(node, parent):
@@ -348,46 +362,46 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
         hn.buffer = buffer_id
         hn.offset = allocs[buffer_id].alloc(size(node, buffer_id))
 
-    def free_node(node: Tensor) -> None:
+    def free_node(node: Tensor, hn: _Hash) -> None:
         if node.is_output:
             return
-        hn = h(node)
         allocs[hn.buffer].free(hn.offset, size(node, hn.buffer))
         hn.allocated = False
 
     for leaf in graph.leafs:
         allocate_node(leaf, buffer_of(leaf))
     for node in graph.nodes:
-        if _is_view(node) and node.op != "NONE":
-            assert node.view_src is not None
-            h(node.view_src).n_views += 1
+        if node.view_src is not None and node.op != "NONE":
+            info[node.view_src].n_views += 1
         if node.is_input:
             allocate_node(node, buffer_of(node))
         for s in node.src:
             if s is None:
                 continue
-            h(s).n_children += 1
+            info[s].n_children += 1
             if s.is_input:
                 allocate_node(s, buffer_of(node))
     for node in graph.nodes:
         buffer_id = buffer_of(node)
-        for parent in node.src:
-            if parent is not None:
+        srcs = node.src
+        for parent in srcs:
+            # allocate_node's own early return, checked here: most parents are weights, views or placed already
+            if parent is not None and not parent.has_data and parent.view_src is None and not info[parent].allocated:
                 allocate_node(parent, buffer_id)
-        allocate_node(node, buffer_id)
-        for parent in node.src:
+        if not node.has_data and node.view_src is None:
+            allocate_node(node, buffer_id)
+        for parent in srcs:
             if parent is None:
                 continue
-            p_hn = h(parent)
+            p_hn = info[parent]
             p_hn.n_children -= 1
             if p_hn.n_children == 0 and p_hn.n_views == 0:
-                if _is_view(parent):
-                    root = parent.view_src
-                    assert root is not None
-                    r_hn = h(root)
+                root = parent.view_src
+                if root is not None:
+                    r_hn = info[root]
                     r_hn.n_views -= 1
                     if r_hn.n_views == 0 and r_hn.n_children == 0 and r_hn.allocated:
-                        free_node(root)
+                        free_node(root, r_hn)
                 elif p_hn.allocated:
-                    free_node(parent)
+                    free_node(parent, p_hn)
     return [a.max_size for a in allocs]

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 
 from fitter.flags import KV_CACHE_TYPES
 from fitter.gguf.model_spec import ModelSpec
-from fitter.memory import cuda
 from fitter.memory import ggml_graph as g
 from fitter.memory.ggml_graph import Graph, Tensor
-from fitter.memory.sched import schedule
 
 # Architectures whose graph is rebuilt here; others get compute estimates from fitter.memory.compute's phase model.
 GRAPH_ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "qwen3", "llama", "deepseek2")
@@ -61,7 +59,7 @@ class GraphParams:
     v_trans: bool | None = None  # V cache transposed; None: as flash attention implies
 
 
-class _Builder:
+class Builder:
     def __init__(self, spec: ModelSpec, p: GraphParams) -> None:
         self.spec, self.p = spec, p
         self.gf = Graph()
@@ -70,6 +68,26 @@ class _Builder:
         self.T = p.n_tokens
         self.v_trans = (not p.flash_attn) if p.v_trans is None else p.v_trans
         self.v_width = max(spec.n_embd_v_gqa(il) for il in range(spec.n_layer))
+        # Every tensor whose backend comes from p.backends, so a built graph can be bound to another placement
+        self.weights: list[tuple[Tensor, str]] = []
+        self.kv: list[tuple[Tensor, int]] = []  # with its layer
+        self.norm_pins: list[tuple[Tensor, int]] = []  # a layer's norm, pinned for small batches or full offload
+        self.kv_pins: list[Tensor] = []  # attention outputs, pinned to the CPU with -nkvo
+
+    def bind(self, bm: BackendMap) -> None:
+        """Give every weight, cache and pinned node its backend under this placement."""
+        cpu, weight_backend = bm.cpu, bm.weight_backend
+        for t, name in self.weights:
+            t.backend = weight_backend.get(name, cpu)
+        for t, il in self.kv:
+            t.backend = cpu if bm.kv_on_cpu else bm.layer(il)
+        # graph_get_cb pins each layer's "norm" to the layer's device for small batches or full offload
+        pin_norms = self.T < 32 or bm.full_offload
+        for t, il in self.norm_pins:
+            t.pinned = bm.layer(il) if pin_norms else -1
+        # with -nkvo, "all nodes between the KV store and the attention output" run on the CPU
+        for t in self.kv_pins:
+            t.pinned = cpu if bm.kv_on_cpu else -1
 
     # --- tensors that exist outside the compute buffer ---
 
@@ -77,8 +95,9 @@ class _Builder:
         t = self.shapes.get(name)
         if t is None:
             return None
-        bm = self.p.backends
-        return g.data_tensor(t.type, *t.ne, name=name, backend=bm.weight_backend.get(name, bm.cpu))
+        out = g.data_tensor(t.type, *t.ne, name=name)
+        self.weights.append((out, name))
+        return out
 
     def weight(self, name: str) -> Tensor:
         t = self.w(name)
@@ -90,11 +109,13 @@ class _Builder:
         """The layer's K or V cache as llama_kv_cache allocates it: {width, cells, streams}."""
         spec, p = self.spec, self.p
         cells = p.n_kv[1] if spec.swa_layers[il] else p.n_kv[0]
-        backend = p.backends.cpu if p.backends.kv_on_cpu else p.backends.layer(il)
         if kind == "k":
-            return g.data_tensor(_kv(p.type_k), spec.n_embd_k_gqa(il), cells, p.n_stream, backend=backend, weight=False)
-        width = self.v_width if self.v_trans else spec.n_embd_v_gqa(il)
-        return g.data_tensor(_kv(p.type_v), width, cells, p.n_stream, backend=backend, weight=False)
+            out = g.data_tensor(_kv(p.type_k), spec.n_embd_k_gqa(il), cells, p.n_stream, weight=False)
+        else:
+            width = self.v_width if self.v_trans else spec.n_embd_v_gqa(il)
+            out = g.data_tensor(_kv(p.type_v), width, cells, p.n_stream, weight=False)
+        self.kv.append((out, il))
+        return out
 
     # --- inputs (src/llama-graph.cpp, src/llama-kv-cache.cpp) ---
 
@@ -135,10 +156,8 @@ class _Builder:
 
     def norm(self, x: Tensor, weight: str | None) -> Tensor:
         cur = g.dup_op("RMS_NORM", x)
-        bm = self.p.backends
-        if weight and weight.startswith("blk.") and (self.T < 32 or bm.full_offload):
-            # graph_get_cb pins each layer's "norm" to the layer's device for small batches or full offload
-            cur.pinned = bm.layer(int(weight.split(".")[1]))
+        if weight and weight.startswith("blk."):
+            self.norm_pins.append((cur, int(weight.split(".")[1])))
         w = self.w(weight) if weight else None
         if w is not None:
             cur = g.dup_op("MUL", cur, w)
@@ -223,8 +242,7 @@ class _Builder:
             kqv = g.mul_mat(vp, kq)
             cur = g.permute(kqv, 0, 2, 1, 3)
             cur = g.cont(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
-            if p.backends.kv_on_cpu:
-                cur.pinned = p.backends.cpu  # "all nodes between the KV store and the attention output" on CPU
+            self.kv_pins.append(cur)
         self.gf.expand(cur)
         if v_rot is not None:
             cur = self.hadamard(cur, v_rot)
@@ -288,8 +306,7 @@ class _Builder:
             kqv = g.mul_mat(v_mla, g.mul_mat(v_t, kq))
             cur = g.permute(kqv, 0, 2, 1, 3)
             cur = g.cont(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
-            if p.backends.kv_on_cpu:
-                cur.pinned = p.backends.cpu
+            self.kv_pins.append(cur)
         self.gf.expand(cur)
         return self.mm(pre + "attn_output.weight", cur)
 
@@ -400,7 +417,14 @@ def _row(block: tuple[int, int], n: int) -> int:
 
 
 def build_graph(spec: ModelSpec, p: GraphParams) -> Graph:
-    b = _Builder(spec, p)
+    b = Builder(spec, p)
+    build(b)
+    b.bind(p.backends)
+    return b.gf
+
+
+def build(b: Builder) -> None:
+    spec = b.spec
     b.inputs()
     arch = spec.arch
     inp = b.embd
@@ -445,30 +469,3 @@ def build_graph(spec: ModelSpec, p: GraphParams) -> Graph:
     if arch == "gpt-oss":
         inp.is_output = True  # res->t_h_nextn: the last layer's output is kept (src/models/openai-moe.cpp)
     b.output(inp, rows_before=arch == "gpt-oss")
-    return b.gf
-
-
-def flash_attn_devices_match(spec: ModelSpec, p: GraphParams) -> int | None:
-    """llama_context::resolve_fused_ops for `-fa auto`: schedule the one-token-per-sequence graph with flash
-    attention and check every layer's FA op runs on the layer's device. Returns the first layer that does not."""
-    graph = build_graph(spec, p)
-    if p.backends.n_backends == 1:
-        return None
-    _, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda)
-    for node in graph.nodes:
-        if node.op == "FLASH_ATTN_EXT" and node.name.startswith("fa-"):
-            il = int(node.name[3:])
-            if backend_of(node) != p.backends.layer(il):
-                return il
-    return None
-
-
-def graph_compute_bytes(spec: ModelSpec, p: GraphParams, alignments: tuple[int, ...] = (32,)) -> list[int]:
-    """The compute buffer llama.cpp reserves on each backend (devices first, the CPU last) for this graph."""
-    graph = build_graph(spec, p)
-    if p.backends.n_backends == 1:
-        return [g.allocate(graph, alignments[0])]
-    copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda)
-    sizes = [cuda.alloc_size if i < len(p.backends.cuda) and p.backends.cuda[i] else None
-             for i in range(p.backends.n_backends)]
-    return g.allocate_buffers(copy, list(alignments), backend_of, sizes)

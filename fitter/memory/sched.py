@@ -35,10 +35,10 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
     """`offload_min_batch[b]`: the batch from which device b takes over ops with CPU weights (None: never);
     `cuda_devices[b]`: device b supports ops as CUDA does."""
     cpu = n_backends - 1
-    backend: dict[int, int] = {}
+    backend: dict[Tensor | None, int] = {}  # tensors hash by identity; None is never a key
 
     def get(t: Tensor | None) -> int:
-        return -1 if t is None else backend.get(id(t), -1)
+        return backend.get(t, -1)
 
     def supports_op(t: Tensor, b: int) -> bool:
         return not (b < len(cuda_devices) and cuda_devices[b]) or cuda.supports(t)
@@ -62,20 +62,20 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
 
     # pass 1
     for leaf in graph.leafs:
-        backend[id(leaf)] = from_cur(leaf)
+        backend[leaf] = from_cur(leaf)
     for node in graph.nodes:
-        backend[id(node)] = node.pinned if node.pinned != -1 else from_cur(node)
+        backend[node] = node.pinned if node.pinned != -1 else from_cur(node)
     # pass 2: spread devices down and up, then any backend down and up
     compute_nodes = [n for n in graph.nodes if n.op not in VIEW_OPS]
     for order, skip_cpu in ((compute_nodes, True), (compute_nodes[::-1], True), (compute_nodes, False),
                             (compute_nodes[::-1], False)):
         cur = -1
         for node in order:
-            b = backend[id(node)]
+            b = backend[node]
             if b != -1:
                 cur = -1 if (skip_cpu and b == cpu) else b
             elif cur != -1 and supports_op(node, cur):  # ggml_backend_sched_set_if_supported
-                backend[id(node)] = cur
+                backend[node] = cur
 
     def supported(t: Tensor, b: int) -> bool:
         """ggml_backend_sched_buffer_supported: can backend b read t where it is?"""
@@ -88,7 +88,7 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
 
     # pass 3: nodes still unassigned go where most of their inputs are
     for node in compute_nodes:
-        if backend[id(node)] == -1:
+        if backend[node] == -1:
             best, best_n = -1, -1
             for b in range(n_backends):
                 if not supports_op(node, b):
@@ -97,32 +97,32 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
                         and (get(s) != -1 or get(s.view_src) != -1) and supported(s, b))
                 if n > best_n:
                     best, best_n = b, n
-            backend[id(node)] = best
+            backend[node] = best
     # pass 4: views and remaining sources
     for node in graph.nodes:
-        if node.view_src is not None and backend[id(node)] == -1:
-            backend[id(node)] = get(node.view_src)
+        if node.view_src is not None and backend[node] == -1:
+            backend[node] = get(node.view_src)
         for s in node.src:
             if s is not None and get(s) == -1:
-                backend[id(s)] = get(s.view_src) if s.view_src is not None else backend[id(node)]
-        if backend[id(node)] == -1:
-            backend[id(node)] = 0
+                backend[s] = get(s.view_src) if s.view_src is not None else backend[node]
+        if backend[node] == -1:
+            backend[node] = 0
     # pass 5: splits and input copies
     copy = Graph()
     copy.leafs = list(graph.leafs)
-    copies: dict[tuple[int, int], Tensor] = {}
+    copies: dict[tuple[Tensor, int], Tensor] = {}
     pending: list[Tensor] = []  # nodes of the current split
     inputs: list[Tensor] = []
     first = next((n for n in graph.nodes if n.op not in VIEW_OPS), None)
-    cur = backend[id(first)] if first is not None else cpu
+    cur = backend[first] if first is not None else cpu
 
     def flush() -> None:
         for inp in inputs:
             dep = Tensor(inp.type, inp.ne, inp.nb, "NONE", (inp,),
                          inp.view_src if inp.view_src is not None else inp)
-            backend[id(dep)] = get(inp)
+            backend[dep] = get(inp)
             copy.nodes.append(dep)  # keeps the source alive until it is copied
-            cpy = copies[(id(inp), split_backend)]
+            cpy = copies[(inp, split_backend)]
             copy.nodes.append(cpy)  # allocated at the start of the split
         copy.nodes.extend(pending)
         pending.clear()
@@ -133,7 +133,7 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
         if node.op in VIEW_OPS:
             pending.append(node)
             continue
-        b = backend[id(node)]
+        b = backend[node]
         new_split = b != split_backend
         if not new_split and inputs:
             new_split = any(s is not None and s.has_data and s.is_weight and get(s) != split_backend
@@ -141,19 +141,21 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
         if new_split:
             flush()
             split_backend = b
-        srcs = list(node.src)
-        for j, s in enumerate(srcs):
-            if s is None:
+        srcs: list[Tensor | None] | None = None  # a copy of node.src once one source is redirected
+        for j, s in enumerate(node.src):
+            if s is None or backend.get(s, -1) == split_backend or supported(s, split_backend):
                 continue
-            if get(s) != split_backend and not supported(s, split_backend):
-                key = (id(s), split_backend)
-                if key not in copies:
-                    cpy = Tensor(s.type, s.ne, s.nb, "NONE", name=s.name + "#copy")
-                    backend[id(cpy)] = split_backend
-                    copies[key] = cpy
-                    inputs.append(s)
-                srcs[j] = copies[key]
-        node.src = tuple(srcs)
+            key = (s, split_backend)
+            if key not in copies:
+                cpy = Tensor(s.type, s.ne, s.nb, "NONE", name=s.name + "#copy")
+                backend[cpy] = split_backend
+                copies[key] = cpy
+                inputs.append(s)
+            if srcs is None:
+                srcs = list(node.src)
+            srcs[j] = copies[key]
+        if srcs is not None:
+            node.src = tuple(srcs)
         pending.append(node)
     flush()
-    return copy, lambda t: backend.get(id(t), cpu)
+    return copy, lambda t: backend.get(t, cpu)

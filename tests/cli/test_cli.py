@@ -61,3 +61,19 @@ def test_help_states_llama_server_defaults(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     assert "-np auto = 4 slots sharing one unified KV cache" in out
     assert "--swa-full off" in out
+
+
+def test_each_command_module_registers_the_commands_app_lists_for_it() -> None:
+    """A command line naming a command builds only its module's parsers (fitter.cli.app.COMMANDS): the list must
+    name exactly what each module registers, and the full parser all of them."""
+    import argparse
+    import importlib
+
+    from fitter.cli.app import COMMANDS, _subparsers, build_parser
+
+    for module, commands in COMMANDS.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(f"fitter.cli.{module}").register(sub)
+        assert tuple(sub.choices) == commands, module
+        assert set(_subparsers(build_parser([commands[0], "--help"]))) == set(commands)
+    assert set(_subparsers(build_parser())) == {c for commands in COMMANDS.values() for c in commands}
