@@ -67,10 +67,10 @@ def verdict_lines(result: ParetoDoc) -> list[str]:
             continue
         gains = f"decode {_gain(e, 'tg')}, prefill {_gain(e, 'pp')} of llama.cpp's own choice"
         if base.trial in e.ties:
-            less = (e.vram_bytes or 0) < (base.vram_bytes or 0)
+            mine, theirs = e.vram_bytes or 0, vram_bytes(base.measurement)
             out.append(f"{policy}: trial {e.trial} is a tie with llama.cpp's own choice within noise ({gains})"
-                       + (f"; it holds less VRAM ({(e.vram_bytes or 0) / MIB:.1f} vs {(base.vram_bytes or 0) / MIB:.1f}"
-                          " MiB)" if less else ": keep llama.cpp's"))
+                       + (f"; it holds less VRAM ({mine / MIB:.1f} vs {theirs / MIB:.1f} MiB)" if mine < theirs
+                          else ": keep llama.cpp's"))
         else:
             out.append(f"{policy}: trial {e.trial}: {gains}")
     note = (result.data.get("drift") or {}).get("note")
