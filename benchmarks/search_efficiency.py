@@ -24,9 +24,9 @@ older criterion, ≥ 98 % of the grid's best, is the second column.
 
 On a recorded landscape (`fitter grid`, fitter.sim.landscape), the searches replay its runs (fitter.sim.replay's
 ReplayRunner: each launch draws one recorded run of the config); the truth of a config is the mean over its runs,
-and within noise is fitter.sim.landscape.best_within_noise (a bootstrap over the recorded runs). A config screened out
-when the landscape was recorded has no measurement: a search without an estimator that launches it counts a refused
-launch. The model file the landscape names must be on this machine (the estimator screens with it).
+and within noise is fitter.sim.landscape.best_within_noise (tune's tie rule over the recording's paired rounds). A
+config screened out when the landscape was recorded has no measurement: a search without an estimator that launches
+it counts a refused launch. The model the landscape names must be on this machine (the demo model is made here).
 
 Columns: launches to reach within noise and to reach 98 % (median over seeds; ">cap" when a seed never got there),
 launches refused (out of memory, or never measured: what screening would have avoided), and model loads (a placement
@@ -245,6 +245,11 @@ def landscape_case(path: str, objective: str) -> Case:
 
     land = load_landscape(path)
     model = str(land.model.get("path") or "")
+    if not Path(model).is_file():  # the demo model is made on each machine, wherever its fitter home is
+        from fitter.gguf.demo_models import demo_model_path
+
+        demo = str(demo_model_path())
+        model = demo if load_model_spec(demo).identity == land.model.get("identity") else model
     if not Path(model).is_file():
         raise SystemExit(f"{path}: the model it was recorded with ({model or 'unnamed'}) is not on this machine")
     spec = load_model_spec(model)
