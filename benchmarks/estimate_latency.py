@@ -5,12 +5,16 @@ Targets (issue 14): `fitter fit --devices cuda:24576 -c 32768` ≤ 1.5 s, `fitte
 Prints figures; it is not a test. The model is header-only (sparse files), written to a temp dir first. Runs are
 interleaved (each round runs every command once), so drift on a shared machine hits them all alike; the CPU time
 (user + sys of the process) is printed beside the wall time, as it barely moves when other work shares the cores.
-    python benchmarks/estimate_latency.py [--runs 5]
+The commands run with bytecode caching on, as an installed fitter does (pip compiles it at install): a
+PYTHONDONTWRITEBYTECODE=1 in the environment (set on the machines fitter is developed on) would recompile fitter's
+modules in every process, ~0.07 s of CPU each; `--no-bytecode` measures that case.
+    python benchmarks/estimate_latency.py [--runs 5] [--no-bytecode]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import subprocess
@@ -27,7 +31,11 @@ TARGETS_S = {"estimate": 0.25, "fit": 1.5}
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE as the environment has it")
     args = ap.parse_args()
+    env = dict(os.environ)
+    if not args.no_bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     with tempfile.TemporaryDirectory() as tmp:
         shards = write_model(SHAPES["gpt-oss-120b"], Path(tmp) / "gpt-oss-120b.gguf", sparse=True, n_shards=3)
         fitter = [sys.executable, "-m", "fitter.cli"]
@@ -41,13 +49,13 @@ def main() -> None:
             "fit, 24 GB CUDA": [*fitter, "fit", model, "--devices", "cuda:24576", "-c", "32768", "--json"],
         }
         for cmd in commands.values():
-            subprocess.run(cmd, check=True, capture_output=True)  # warm the page cache once
+            subprocess.run(cmd, check=True, capture_output=True, env=env)  # warm the page cache once
         times: dict[str, list[float]] = {label: [] for label in commands}
         cpu: dict[str, list[float]] = {label: [] for label in commands}
         for _ in range(args.runs):
             for label, cmd in commands.items():
                 c0, t0 = _children_cpu(), time.perf_counter()
-                subprocess.run(cmd, check=True, capture_output=True)
+                subprocess.run(cmd, check=True, capture_output=True, env=env)
                 times[label].append(time.perf_counter() - t0)
                 cpu[label].append(_children_cpu() - c0)
     base = statistics.median(times["fitter --version"])
