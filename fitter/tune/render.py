@@ -53,8 +53,8 @@ def pareto_table(result: ParetoDoc) -> str:
 
 
 def verdict_lines(result: ParetoDoc) -> list[str]:
-    """What each pick gains over llama.cpp's own choice, with the interval, or that it is a tie with it; and the
-    drift monitor's note."""
+    """What each pick gains over llama.cpp's own choice, with the interval, or that it is a tie with it; where a tie
+    made the pick another config than the fastest estimate, which one and why; and the drift monitor's note."""
     base = result.baseline
     out: list[str] = []
     by_trial = {e.trial: e for e in result.pareto}
@@ -62,21 +62,46 @@ def verdict_lines(result: ParetoDoc) -> list[str]:
         e = by_trial.get(result.picks.get(policy, -1))
         if e is None or not base.ok:
             continue
+        top = _fastest(result, policy)
         if e.phase == "baseline":
-            out.append(f"{policy}: llama.cpp's own choice (the baseline)")
-            continue
-        gains = f"decode {_gain(e, 'tg')}, prefill {_gain(e, 'pp')} of llama.cpp's own choice"
-        if base.trial in e.ties:
-            mine, theirs = e.vram_bytes or 0, vram_bytes(base.measurement)
-            out.append(f"{policy}: trial {e.trial} is a tie with llama.cpp's own choice within noise ({gains})"
-                       + (f"; it holds less VRAM ({mine / MIB:.1f} vs {theirs / MIB:.1f} MiB)" if mine < theirs
-                          else ": keep llama.cpp's"))
+            line = f"{policy}: llama.cpp's own choice (the baseline)"
         else:
-            out.append(f"{policy}: trial {e.trial}: {gains}")
+            gains = f"decode {_gain(e, 'tg')}, prefill {_gain(e, 'pp')} of llama.cpp's own choice"
+            if base.trial in e.ties:
+                mine, theirs = e.vram_bytes or 0, vram_bytes(base.measurement)
+                line = (f"{policy}: trial {e.trial} is a tie with llama.cpp's own choice within noise ({gains})"
+                        + (f"; it holds less VRAM ({mine / MIB:.1f} vs {theirs / MIB:.1f} MiB)" if mine < theirs
+                           else ": keep llama.cpp's"))
+            else:
+                line = f"{policy}: trial {e.trial}: {gains}"
+        if top is not None and top is not e:
+            why = "less VRAM" if (e.vram_bytes or 0) < (top.vram_bytes or 0) else "llama.cpp's defaults"
+            line += (f" — within noise of trial {top.trial}, the fastest estimate (decode {_gain(top, 'tg')}, "
+                     f"prefill {_gain(top, 'pp')}); the tie went to {why}")
+        out.append(line)
     note = (result.data.get("drift") or {}).get("note")
     if note:
         out.append(f"drift: {note}")
     return out
+
+
+def _fastest(result: ParetoDoc, policy: str) -> Entry | None:
+    """The entry with the best estimate for a policy, before ties are resolved (fitter.tune.result.picks)."""
+    entries = [e for e in result.pareto if e.speed("tg") is not None and e.speed("pp") is not None]
+    if not entries:
+        return None
+    tg_best = max(e.speed("tg") or 0.0 for e in entries)
+    pp_best = max(e.speed("pp") or 0.0 for e in entries)
+
+    def score(e: Entry) -> float:
+        tg, pp = e.speed("tg") or 0.0, e.speed("pp") or 0.0
+        if policy == "max-decode":
+            return tg
+        if policy == "max-prefill":
+            return pp
+        return min(pp / pp_best if pp_best else 0.0, tg / tg_best if tg_best else 0.0)
+
+    return max(entries, key=score)
 
 
 def _ratio(e: Entry, key: str) -> str:

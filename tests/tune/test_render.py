@@ -49,3 +49,14 @@ def test_a_pick_beyond_noise_gives_its_gain_with_the_interval() -> None:
     lines = verdict_lines(_doc([], {"tg": [0.85, 0.95], "pp": [0.7, 0.9]}))
     assert lines[0] == ("balanced: trial 3: decode 0.90× (95 % CI 0.85–0.95), prefill 0.80× (95 % CI 0.70–0.90) of "
                         "llama.cpp's own choice")
+
+
+def test_a_pick_a_tie_moved_off_the_fastest_estimate_names_it_and_why() -> None:
+    doc = _doc([0], {"tg": [0.7, 1.15], "pp": [0.6, 1.05]})
+    fast = {"trial": 5, "phase": "neighbour", "flags": [], "measurement": _m(120, 550, 78.1),
+            "vram_bytes": int(78.1 * MIB), "ratios": {"tg": 1.2, "pp": 1.1},
+            "intervals": {"tg": [0.8, 1.8], "pp": [0.9, 1.3]}, "ties": [3]}
+    data = {**doc.data, "pareto": [*doc.data["pareto"], fast]}
+    lines = verdict_lines(ParetoDoc.from_json(data, "pareto.json"))
+    assert lines[1].endswith("— within noise of trial 5, the fastest estimate (decode 1.20× (95 % CI 0.80–1.80), "
+                             "prefill 1.10× (95 % CI 0.90–1.30)); the tie went to less VRAM")
