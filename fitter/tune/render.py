@@ -74,7 +74,7 @@ def verdict_lines(result: ParetoDoc) -> list[str]:
                            else ": keep llama.cpp's"))
             else:
                 line = f"{policy}: trial {e.trial}: {gains}"
-        if top is not None and top is not e:
+        if top is not None and top is not e and top.phase != "baseline":  # a tie with the baseline is said above
             why = "less VRAM" if (e.vram_bytes or 0) < (top.vram_bytes or 0) else "llama.cpp's defaults"
             line += (f" — within noise of trial {top.trial}, the fastest estimate (decode {_gain(top, 'tg')}, "
                      f"prefill {_gain(top, 'pp')}); the tie went to {why}")
