@@ -131,18 +131,28 @@ def pareto_text(f: Front) -> str:
     source = "confirm runs, pareto.json" if f.source == "pareto.json" else \
         "single trial runs: the study is still running, no pareto.json yet"
     lines = [f"Pareto front ({source}):",
-             f"{'trial':>5}  {'pp t/s':>8} {'tg t/s':>7} {'VRAM MiB':>9} {'pp×':>6} {'tg×':>6}  picks / flags"]
+             f"{'trial':>5}  {'pp t/s':>8} {'tg t/s':>7} {'VRAM MiB':>9}  {'pp× [95 % CI]':<19} {'tg× [95 % CI]':<19}"
+             " picks / flags"]
     if not f.rows:
         lines.append("  (none: no feasible trial has finished)")
     for r in f.rows:
         label = "llama.cpp --fit" if r["trial"] == "base" else (r["picks"] or "-") + (
             " (the baseline)" if r["phase"] == "baseline" else "")
+        ties = f" (tie: {r['ties'].replace(' ', ', ')})" if r.get("ties") else ""
         lines.append(f"{r['trial']!s:>5}  {_num(r['pp_ts'], 8, 1)} {_num(r['tg_ts'], 7, 1)} "
-                     f"{_num(r['vram_mib'], 9, 1)} {_num(r['pp_ratio'], 6, 3)} {_num(r['tg_ratio'], 6, 3)}  "
-                     f"{label}: {short_flags(r['flags'].split())}")
+                     f"{_num(r['vram_mib'], 9, 1)}  {_interval(r, 'pp'):<19} {_interval(r, 'tg'):<19} "
+                     f"{label}{ties}: {short_flags(r['flags'].split())}")
     for d in f.dropped:
         lines.append(f"{d.get('trial')!s:>5}  dropped ({d.get('outcome')}): {_clip(str(d.get('reason')), 90)}")
     return "\n".join(lines)
+
+
+def _interval(r: dict[str, Any], key: str) -> str:
+    """A ratio and its 95 % interval from the confirm rounds, `1.121 [1.04–1.20]` (the ratio alone without one)."""
+    x, lo, hi = r.get(f"{key}_ratio"), r.get(f"{key}_ci_low"), r.get(f"{key}_ci_high")
+    if x is None or pd.isna(x):
+        return "-"
+    return f"{float(x):.3f}" + (f" [{float(lo):.2f}–{float(hi):.2f}]" if lo is not None and hi is not None else "")
 
 
 def _num(x: Any, width: int, digits: int) -> str:

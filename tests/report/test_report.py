@@ -347,3 +347,14 @@ def test_the_report_and_the_tune_write_one_trials_csv(tmp_path: Path) -> None:
                       "duration", "flags"]
     trials = rows(tuned)
     assert [(r["values_0"], r["params_n-cpu-moe"]) for r in trials[:2]] == [("120.0", ""), ("150.0", "5.0")]
+
+
+def test_the_front_text_shows_each_ratio_with_its_interval_and_ties() -> None:
+    from fitter.report.tables import Front, pareto_text
+
+    row = {"trial": 5, "phase": "neighbour", "picks": "balanced", "pp_ts": 582.8, "tg_ts": 135.9, "vram_mib": 78.1,
+           "pp_ratio": 0.945, "tg_ratio": 1.186, "pp_ci_low": 0.83, "pp_ci_high": 1.07, "tg_ci_low": 0.94,
+           "tg_ci_high": 1.49, "ties": "0 3", "flags": "-ub 256 -ncmoe 6"}
+    line = pareto_text(Front([row], "pareto.json")).splitlines()[2]
+    assert line.startswith("    5     582.8   135.9      78.1  0.945 [0.83–1.07]   1.186 [0.94–1.49]   ")
+    assert line.endswith("balanced (tie: 0, 3): -ub 256 -ncmoe 6")
