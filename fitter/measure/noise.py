@@ -11,6 +11,11 @@ geometric mean of the per-round ratios, exp(mean), and the 95 % interval exp(mea
 not a bootstrap over rounds: with 3-5 rounds a bootstrap has 10-126 distinct resamples and its percentile interval
 is too narrow (it undercovers at small R); the t interval is the standard one for a paired mean and is honest
 (wide) at R = 3. One round gives no interval: nothing can be said about noise, so nothing is called a tie.
+
+One hiccup (a run at a third of its config's speed while the rest of its round ran normally, seen on the emulated
+GPU) would otherwise widen a pair's interval until the config ties with everything. So a paired log ratio beyond
+3 scaled MADs of the rounds' median (Hampel's identifier, 3 × 1.4826 × MAD; three rounds or more, MAD > 0) is
+clipped to that bound before the interval: a winsorised t interval. Rounds within the bound are left as they are.
 """
 
 from __future__ import annotations
@@ -41,10 +46,23 @@ def ratio_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float
         raise ValueError(f"paired rounds differ in number: {len(a)} and {len(b)}")
     if len(a) < 2 or any(x <= 0 for x in (*a, *b)):
         return None
-    logs = [math.log(x / y) for x, y in zip(a, b, strict=True)]
+    logs = hampel_clipped([math.log(x / y) for x, y in zip(a, b, strict=True)])
     mean = statistics.fmean(logs)
     half = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def hampel_clipped(values: Sequence[float], k: float = 3.0) -> list[float]:
+    """`values` with any beyond k scaled MADs of their median clipped to that bound (1.4826 × MAD estimates the
+    standard deviation of normal data); unchanged below three values or when the MAD is 0."""
+    if len(values) < 3:
+        return list(values)
+    med = statistics.median(values)
+    mad = statistics.median(abs(x - med) for x in values)
+    if mad <= 0:
+        return list(values)
+    bound = k * 1.4826 * mad
+    return [min(max(x, med - bound), med + bound) for x in values]
 
 
 def tied(a: Mapping[str, Sequence[float]], b: Mapping[str, Sequence[float]], speeds: Sequence[str] = SPEEDS) -> bool:
