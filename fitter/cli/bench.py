@@ -95,50 +95,55 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
 
 def _bench_sim(ns: argparse.Namespace, model: str, spec: Any, config: Any, process: ProcessFlags) -> int:
     """One measurement on a simulated machine (fitter.sim): same result shape, backend "sim"."""
-    from fitter.measure.bench import bench
-    from fitter.measure.render import bench_table
     from fitter.measure.types import BenchSpec
     from fitter.sim import SimRunner, load_machine
 
     if not ns.machine:
         raise FitterError("--backend sim: give --machine NAME|FILE (fitter machines lists the shipped ones)")
-    if ns.emulated_gpu is not None or ns.llama_server or ns.llama_bench:
-        raise FitterError("--backend sim measures the simulated machine: drop --emulated-gpu/--llama-server/"
-                          "--llama-bench")
+    _refuse_devices(ns, "--backend sim measures the simulated machine")
     machine = load_machine(ns.machine)
     runner = SimRunner(machine, spec, seed=ns.seed)
     bench_spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
                            threads=ns.threads or machine.cpu.p_cores, threads_batch=ns.threads_batch)
-    out = bench(model, spec, config, bench_spec, runner, runner.cpu_profile(), timeout=ns.timeout)
-    out["threads"] = bench_spec.threads
-    out["machine"] = {"sim": machine.name, "description": machine.description, "profile": machine.path}
-    print(json.dumps(out, indent=1) if ns.json else f"simulated machine {machine.name}: {machine.description}\n"
-          + bench_table(out))
-    return 0 if out["outcome"] == "ok" else 1
+    return _bench_without_llama_cpp(
+        ns, model, spec, config, runner, runner.cpu_profile(), bench_spec,
+        {"sim": machine.name, "description": machine.description, "profile": machine.path},
+        f"simulated machine {machine.name}: {machine.description}")
 
 
 def _bench_replay(ns: argparse.Namespace, model: str, spec: Any, config: Any) -> int:
     """One recorded run of a config of a landscape (fitter.sim.replay): same result shape, backend "replay"."""
-    from fitter.measure.bench import bench
-    from fitter.measure.render import bench_table
     from fitter.measure.types import BenchSpec
     from fitter.sim import ReplayRunner, load_landscape
 
     if not ns.landscape:
         raise FitterError("--backend replay: give --landscape FILE (fitter grid records one)")
-    if ns.emulated_gpu is not None or ns.llama_server or ns.llama_bench:
-        raise FitterError("--backend replay plays a recorded landscape back: drop --emulated-gpu/--llama-server/"
-                          "--llama-bench")
+    _refuse_devices(ns, "--backend replay plays a recorded landscape back")
     land = load_landscape(ns.landscape)
     runner = ReplayRunner(land, seed=ns.seed or 0)
     threads = ns.threads or land.target["default_threads"]
     b = land.bench
     bench_spec = BenchSpec(n_prompt=b["p"], n_gen=b["n"], n_depth=b["d"], repetitions=ns.repetitions,
                            threads=threads, threads_batch=ns.threads_batch or threads)
-    out = bench(model, spec, config, bench_spec, runner, land.cpu_profile, timeout=ns.timeout)
-    out["threads"] = threads
-    out["machine"] = {"replay": ns.landscape, "recorded": land.machine}
-    print(json.dumps(out, indent=1) if ns.json else f"replay of {ns.landscape}\n" + bench_table(out))
+    return _bench_without_llama_cpp(ns, model, spec, config, runner, land.cpu_profile, bench_spec,
+                                    {"replay": ns.landscape, "recorded": land.machine}, f"replay of {ns.landscape}")
+
+
+def _refuse_devices(ns: argparse.Namespace, what: str) -> None:
+    if ns.emulated_gpu is not None or ns.llama_server or ns.llama_bench:
+        raise FitterError(f"{what}: drop --emulated-gpu/--llama-server/--llama-bench")
+
+
+def _bench_without_llama_cpp(ns: argparse.Namespace, model: str, spec: Any, config: Any, runner: Any, cpu: Any,
+                             bench_spec: Any, machine: dict[str, Any], header: str) -> int:
+    """A simulated or replayed measurement, printed as `fitter bench` prints one, with the machine it stands for."""
+    from fitter.measure.bench import bench
+    from fitter.measure.render import bench_table
+
+    out = bench(model, spec, config, bench_spec, runner, cpu, timeout=ns.timeout)
+    out["threads"] = bench_spec.threads
+    out["machine"] = machine
+    print(json.dumps(out, indent=1) if ns.json else f"{header}\n" + bench_table(out))
     return 0 if out["outcome"] == "ok" else 1
 
 

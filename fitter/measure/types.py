@@ -75,6 +75,13 @@ class SpeedStats:
         return f"{self.avg_ts:.2f} ± {self.stddev_ts:.2f} t/s"
 
 
+def samples_json(stats: dict[str, Any], samples: list[float]) -> dict[str, Any]:
+    """A test of a bench JSON (`stats`, as SpeedStats.to_json writes it) over other `samples` (t/s): their mean and
+    n−1 standard deviation, as SpeedStats computes them. For runs or trials whose samples are pooled."""
+    return {**stats, "avg_ts": statistics.fmean(samples),
+            "stddev_ts": statistics.stdev(samples) if len(samples) > 1 else 0.0, "samples_ts": samples}
+
+
 @dataclass(frozen=True)
 class OomInfo:
     """The allocation llama.cpp could not make."""

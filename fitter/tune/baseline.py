@@ -60,9 +60,8 @@ def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tup
                  unavailable: str | None = None) -> Baseline:
     """Measure the baseline as trial 0, unless the study has one. `fit_devices()` is the context manager the fit runs
     in (yields the RPC endpoints it sees); `unavailable` says why llama.cpp's fit cannot run here (then no baseline)."""
-    for t in tuner.study.get_trials(deepcopy=False):
-        if t.user_attrs.get("phase") == "baseline":
-            return _recorded(req, t)
+    if (resumed := _resumed(req, tuner)) is not None:
+        return resumed
     cand, why, message = baseline_candidate(req, tool, targets, fit_devices, unavailable)
     if cand is None:
         log(f"fitter: {message}")
@@ -106,14 +105,21 @@ def replay_baseline(req: TuneRequest, tuner: Tuner, flags: list[str] | None, rea
                     log: Callable[[str], None]) -> Baseline:
     """A replayed landscape's baseline (fitter.sim.replay): the recorded point's flags, no fit run; launched as trial
     0 like a measured one, so the replay answers it with one of its recorded runs."""
-    for t in tuner.study.get_trials(deepcopy=False):
-        if t.user_attrs.get("phase") == "baseline":
-            return _recorded(req, t)
+    if (resumed := _resumed(req, tuner)) is not None:
+        return resumed
     if flags is None:
         why = f"the landscape has no baseline ({reason or 'not recorded'})"
         log(f"fitter: {why}")
         return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
     return _launch(req, tuner, _candidate(req, flags, "the landscape's baseline flags"))
+
+
+def _resumed(req: TuneRequest, tuner: Tuner) -> Baseline | None:
+    """The baseline a resumed study measured already (it keeps it), or None."""
+    for t in tuner.study.get_trials(deepcopy=False):
+        if t.user_attrs.get("phase") == "baseline":
+            return _recorded(req, t)
+    return None
 
 
 def _launch(req: TuneRequest, tuner: Tuner, cand: Candidate) -> Baseline:

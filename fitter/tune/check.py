@@ -9,7 +9,7 @@ when it made that config slower or when the config no longer fits.
   its interleaved confirm rounds (fitter.tune.confirm), for both runs, since the new run is one more run of the same
   config on the same machine. On a shared machine runs differ far more than one run's repetitions do (decode
   260-408 t/s in six runs whose own spread was 2-15 %), so the within-run `stddev_ts` would fail healthy configs.
-  A result without rounds (written before them) falls back to each run's `stddev_ts`, and says so.
+  A result without rounds (written before them) falls back to each run's `stddev_ts` (`--json`: `noise`).
 - **No longer fits**: the re-measurement ends `oom` (any failed outcome fails), or the estimator predicts the config
   over a device's budget: its free memory now minus the fit target the result recorded (for fitter's emulated GPU,
   free = its cap).

@@ -12,7 +12,6 @@ moved more than its configs differ says so.
 from __future__ import annotations
 
 import random
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,10 +22,11 @@ from optuna.trial import TrialState
 from fitter.flags import pin
 from fitter.measure.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
 from fitter.measure.runner import TrialRunner
+from fitter.measure.types import samples_json
 from fitter.memory.estimator import MemoryPlan
 from fitter.tune.baseline import Baseline
 from fitter.tune.request import Candidate, TuneRequest, _default_distance, candidate
-from fitter.tune.result import Entry, ParetoDoc, picks, round_avgs, vram_bytes
+from fitter.tune.result import Entry, ParetoDoc, picks, ratios, round_avgs, vram_bytes
 from fitter.tune.study import Tuner, measurement_json
 
 DEFAULT_ROUNDS = 4  # t(0.975, 3) = 3.18: an interval ~1.8× the per-round spread; 3 rounds would make it 2.5×
@@ -104,9 +104,7 @@ def pooled(runs: list[dict[str, Any]], repetitions: int) -> dict[str, Any]:
         stats = [m[key] for m in runs if isinstance(m.get(key), dict)]
         if not stats:
             continue
-        samples = [float(s) for st in stats for s in st["samples_ts"]]
-        out[key] = {**stats[0], "avg_ts": statistics.fmean(samples),
-                    "stddev_ts": statistics.stdev(samples) if len(samples) > 1 else 0.0, "samples_ts": samples}
+        out[key] = samples_json(stats[0], [float(s) for st in stats for s in st["samples_ts"]])
     peaks: dict[str, dict[str, Any]] = {}
     for m in runs:
         for name, p in (m.get("peak_vram") or {}).items():
@@ -193,17 +191,13 @@ def annotate(objectives: tuple[str, ...], front: list[dict[str, Any]], base_m: d
     base_rounds = round_avgs(base_m) if base_m and base_m.get("outcome") == "ok" else {}
     for e in front:
         rounds = round_avgs(e["measurement"])
-        e["ratios"], e["intervals"] = {}, {}
+        e["ratios"], e["intervals"] = ratios(e["measurement"], base_m), {}  # without rounds: the averages' ratio
         for k in SPEEDS:
             iv = ratio_interval(rounds[k], base_rounds[k]) if k in rounds and k in base_rounds and len(
                 rounds[k]) == len(base_rounds[k]) else None
             if iv is not None:
                 e["ratios"][k] = round(iv[0], 3)
                 e["intervals"][k] = [round(iv[1], 3), round(iv[2], 3)]
-            elif base_m and base_m.get("outcome") == "ok" and k in e["measurement"] and k in base_m:
-                e["ratios"][k] = round(e["measurement"][k]["avg_ts"] / base_m[k]["avg_ts"], 3)
-            else:
-                e["ratios"][k] = None
         e["ties"] = [o["trial"] for o in front if o is not e and tied(rounds, round_avgs(o["measurement"]), speeds)]
         if base_trial is not None and base_trial not in (o["trial"] for o in front) and tied(
                 rounds, base_rounds, speeds):  # llama.cpp's choice, off the front (less VRAM beat it), is still a tie
@@ -243,13 +237,12 @@ def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str],
     base_m = baseline.data.get("measurement")
     front, dropped = final_front(req.objectives, entries, dropped)
     annotate(req.objectives, front, base_m, baseline.data.get("trial"))
-    base_entry = next((e for e in front if e["phase"] == "baseline"), None)
     base_data = dict(baseline.data)
     if base_m and base_m.get("outcome") == "ok":
         base_data["intervals"] = {k: [1.0, 1.0] for k in SPEEDS if k in base_m}
-        base_data["ties"] = list(base_entry["ties"]) if base_entry else [
-            e["trial"] for e in front if tied(round_avgs(base_m), round_avgs(e["measurement"]),
-                                              tuple(k for k in SPEEDS if k in req.objectives))]
+        # ties are symmetric, and annotate names the baseline among each entry's ties, on the front or off it
+        base_data["ties"] = [e["trial"] for e in front
+                             if e["phase"] != "baseline" and base_data.get("trial") in e["ties"]]
     drift = drift_record(baseline.data.get("trial_measurement"), tuner.study.user_attrs.get("drift_middle"),
                          base_m, front)
     trials = tuner.study.get_trials(deepcopy=False)

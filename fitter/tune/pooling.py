@@ -19,10 +19,10 @@ pooled samples. Prefill is always measured (it is what such a trial is for); its
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from fitter.measure.types import samples_json
 from fitter.tune.request import Candidate
 
 
@@ -76,8 +76,5 @@ class SamplePool:
         own = [float(x) for x in (stats or {}).get("samples_ts", [])]
         if not earlier:
             return stats
-        samples = own + [x for _, xs in earlier for x in xs]
-        base = dict(stats) if stats else {"n": n, "depth": depth}
-        return {**base, "avg_ts": statistics.fmean(samples),
-                "stddev_ts": statistics.stdev(samples) if len(samples) > 1 else 0.0, "samples_ts": samples,
-                "pooled": {"trials": [t for t, _ in earlier], "own": len(own), "rule": RULE[speed].why}}
+        pooled = samples_json(stats or {"n": n, "depth": depth}, own + [x for _, xs in earlier for x in xs])
+        return {**pooled, "pooled": {"trials": [t for t, _ in earlier], "own": len(own), "rule": RULE[speed].why}}

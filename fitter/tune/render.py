@@ -5,7 +5,7 @@ from __future__ import annotations
 from fitter.flags.vocabulary import SEARCHED
 from fitter.tune.plan import Screener, structured_start
 from fitter.tune.request import TuneRequest, candidate, combos
-from fitter.tune.result import Entry, ParetoDoc, vram_bytes
+from fitter.tune.result import Entry, ParetoDoc, fastest, vram_bytes
 from fitter.tune.screen import device_totals
 from fitter.units import MIB
 
@@ -62,7 +62,7 @@ def verdict_lines(result: ParetoDoc) -> list[str]:
         e = by_trial.get(result.picks.get(policy, -1))
         if e is None or not base.ok:
             continue
-        top = _fastest(result, policy)
+        top = fastest(list(result.pareto), policy)
         if e.phase == "baseline":
             line = f"{policy}: llama.cpp's own choice (the baseline)"
         else:
@@ -74,7 +74,7 @@ def verdict_lines(result: ParetoDoc) -> list[str]:
                            else ": keep llama.cpp's"))
             else:
                 line = f"{policy}: trial {e.trial}: {gains}"
-        if top is not None and top is not e and top.phase != "baseline":  # a tie with the baseline is said above
+        if top is not e and top.phase != "baseline":  # a tie with the baseline is said above
             why = "less VRAM" if (e.vram_bytes or 0) < (top.vram_bytes or 0) else "llama.cpp's defaults"
             line += (f" — within noise of trial {top.trial}, the fastest estimate (decode {_gain(top, 'tg')}, "
                      f"prefill {_gain(top, 'pp')}); the tie went to {why}")
@@ -83,25 +83,6 @@ def verdict_lines(result: ParetoDoc) -> list[str]:
     if note:
         out.append(f"drift: {note}")
     return out
-
-
-def _fastest(result: ParetoDoc, policy: str) -> Entry | None:
-    """The entry with the best estimate for a policy, before ties are resolved (fitter.tune.result.picks)."""
-    entries = [e for e in result.pareto if e.speed("tg") is not None and e.speed("pp") is not None]
-    if not entries:
-        return None
-    tg_best = max(e.speed("tg") or 0.0 for e in entries)
-    pp_best = max(e.speed("pp") or 0.0 for e in entries)
-
-    def score(e: Entry) -> float:
-        tg, pp = e.speed("tg") or 0.0, e.speed("pp") or 0.0
-        if policy == "max-decode":
-            return tg
-        if policy == "max-prefill":
-            return pp
-        return min(pp / pp_best if pp_best else 0.0, tg / tg_best if tg_best else 0.0)
-
-    return max(entries, key=score)
 
 
 def _ratio(e: Entry, key: str) -> str:

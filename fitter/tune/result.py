@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,9 +224,26 @@ def round_avgs(measurement: dict[str, Any] | None) -> dict[str, list[float]]:
             if isinstance(v, list) and v and all(isinstance(x, int | float) for x in v)}
 
 
+def fastest(entries: list[Entry], policy: str) -> Entry:
+    """The entry with the best estimate for a speed policy, before ties are resolved: max-decode the highest decode,
+    max-prefill the highest prefill, balanced the highest min(pp/pp_best, tg/tg_best) (never a sum)."""
+    def tg(e: Entry) -> float:
+        return e.speed("tg") or 0.0
+
+    def pp(e: Entry) -> float:
+        return e.speed("pp") or 0.0
+
+    if policy == "max-decode":
+        return max(entries, key=tg)
+    if policy == "max-prefill":
+        return max(entries, key=pp)
+    tg_best, pp_best = max(map(tg, entries)), max(map(pp, entries))
+    return max(entries, key=lambda e: min(pp(e) / pp_best if pp_best else 0.0, tg(e) / tg_best if tg_best else 0.0))
+
+
 def picks(entries: list[Entry]) -> dict[str, int]:
-    """max-decode, max-prefill, balanced (highest min(pp/pp_best, tg/tg_best), never a sum) and min-vram (least
-    VRAM within 5 % of the best decode), over confirmed Pareto entries, by trial number.
+    """max-decode, max-prefill, balanced (`fastest`) and min-vram (least VRAM within 5 % of the best decode), over
+    confirmed Pareto entries, by trial number.
 
     Configs the confirm rounds cannot tell apart from a pick (fitter.measure.noise: the interval of their ratio
     contains 1) are a tie, resolved toward less VRAM, then toward llama.cpp's defaults (its own choice first, then
@@ -239,27 +257,24 @@ def picks(entries: list[Entry]) -> dict[str, int]:
     def pp(e: Entry) -> float:
         return e.speed("pp") or 0.0
 
-    tg_best, pp_best = max(map(tg, entries)), max(map(pp, entries))
-
-    def balanced(e: Entry) -> float:
-        return min(pp(e) / pp_best if pp_best else 0.0, tg(e) / tg_best if tg_best else 0.0)
-
-    def resolve(best: Entry, speeds: tuple[str, ...], fast: float) -> int:
+    def tied_with(best: Entry, speeds: tuple[str, ...]) -> list[Entry]:
         rounds = round_avgs(best.measurement)
-        group = [e for e in entries if e is best or tied(rounds, round_avgs(e.measurement), speeds)]
-        chosen = min(group, key=lambda e: (e.vram_bytes or 0, e.defaults_distance, -fast * tg(e) - pp(e)))
-        assert chosen.trial is not None
-        return chosen.trial
+        return [e for e in entries if e is best or tied(rounds, round_avgs(e.measurement), speeds)]
 
-    out = {"max-decode": resolve(max(entries, key=tg), ("tg",), 1.0),
-           "max-prefill": resolve(max(entries, key=pp), ("pp",), 0.0),
-           "balanced": resolve(max(entries, key=balanced), ("tg", "pp"), 1.0)}
-    top = max(entries, key=tg)
-    top_rounds = round_avgs(top.measurement)
-    close = [e for e in entries if tg(e) >= 0.95 * tg_best or tied(top_rounds, round_avgs(e.measurement), ("tg",))]
-    chosen = min(close, key=lambda e: (e.vram_bytes or 0, e.defaults_distance, -tg(e)))
-    assert chosen.trial is not None
-    out["min-vram"] = chosen.trial
+    def chosen(group: list[Entry], faster: Callable[[Entry], float]) -> int:
+        e = min(group, key=lambda e: (e.vram_bytes or 0, e.defaults_distance, -faster(e)))
+        assert e.trial is not None
+        return e.trial
+
+    def both(e: Entry) -> float:
+        return tg(e) + pp(e)
+
+    out = {policy: chosen(tied_with(fastest(entries, policy), speeds), faster)
+           for policy, speeds, faster in (("max-decode", ("tg",), both), ("max-prefill", ("pp",), pp),
+                                          ("balanced", ("tg", "pp"), both))}
+    top = fastest(entries, "max-decode")
+    tied_top = {id(e) for e in tied_with(top, ("tg",))}
+    out["min-vram"] = chosen([e for e in entries if tg(e) >= 0.95 * tg(top) or id(e) in tied_top], tg)
     return out
 
 
