@@ -148,14 +148,15 @@ class ReplayRunner:
             load_s=round(load_s, 3), reused_model=reused, peak_rss=run.get("peak_rss"),
             llama_cpp=dict(run.get("llama_cpp") or {}))
         if run["outcome"] == "ok":
-            pp, extra_pp = _stats(point, run, "pp", spec.repetitions, rng)
-            tg, extra_tg = _stats(point, run, "tg", spec.repetitions, rng)
-            if not spec.n_prompt:
-                extra_pp = -sum(b["p"] / x for x in run["pp"]["samples_ts"])
-            if not spec.n_gen:
-                extra_tg = -sum(b["n"] / x for x in run["tg"]["samples_ts"])
-            m = replace(m, pp=pp if spec.n_prompt else None, tg=tg if spec.n_gen else None)
-            wall += extra_pp + extra_tg
+            tests: dict[str, SpeedStats] = {}
+            for test, asked, recorded in (("pp", spec.n_prompt, b["p"]), ("tg", spec.n_gen, b["n"])):
+                stats, extra = _stats(point, run, test, spec.repetitions, rng)  # drawn either way: seeded draws stay
+                if asked:
+                    tests[test] = stats
+                    wall += extra
+                else:  # left out: the recorded run's time for it is not spent
+                    wall -= sum(recorded / x for x in run[test]["samples_ts"])
+            m = replace(m, pp=tests.get("pp"), tg=tests.get("tg"))
         self._loaded = key if run["outcome"] == "ok" else None
         m = replace(m, wall_s=round(wall, 3))
         if m.outcome == "ok" and timeout is not None and wall > timeout:
