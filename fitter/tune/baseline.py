@@ -38,10 +38,17 @@ def _recorded(req: TuneRequest, t: FrozenTrial) -> Baseline:
     data = {"name": NAME, "trial": t.number, "flags": flags, "measurement": t.user_attrs.get("measurement")}
     if not flags:
         return Baseline(data)
+    flags = data["flags"] = on_these_devices(req, flags)
+    return Baseline(data, _candidate(req, flags, "the recorded baseline's flags"))
+
+
+def on_these_devices(req: TuneRequest, flags: list[str]) -> list[str]:
+    """Recorded baseline flags name the RPC endpoint of the run that measured them; when this run's devices are its
+    own (fitter's emulated GPU on a fresh port, not a `--rpc` the user gave), they move to this run's endpoint."""
     old = flag_value(flags, "rpc")
     if old and req.rpc and not has_flag(req.fixed_flags, "rpc"):
-        flags = data["flags"] = with_endpoint(flags, old, ",".join(req.rpc))
-    return Baseline(data, _candidate(req, flags, "the recorded baseline's flags"))
+        return with_endpoint(flags, old, ",".join(req.rpc))
+    return list(flags)
 
 
 def _candidate(req: TuneRequest, flags: list[str], where: str) -> Candidate:

@@ -27,7 +27,7 @@ from fitter.errors import FitterError
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.memory.budgets import check_target_count
 from fitter.sim.landscape import DeviceRecord, Landscape, Point, best_within_noise, load_landscape, write_landscape
-from fitter.tune.baseline import _candidate, baseline_candidate, sim_fit_devices
+from fitter.tune.baseline import _candidate, baseline_candidate, on_these_devices, sim_fit_devices
 from fitter.tune.grid import space_points
 from fitter.tune.plan import Screener
 from fitter.tune.request import THREAD_KEYS, Candidate, TuneRequest, _choices, candidate
@@ -157,13 +157,7 @@ def _check_same(old: Landscape, new: Landscape, path: Path) -> None:
 
 def _baseline_candidate(req: TuneRequest, base: Point) -> Candidate:
     """The recorded baseline as this session's trial: its RPC endpoint moved to this session's emulated GPU."""
-    from fitter.flags.parse import flag_value, with_endpoint
-
-    flags = list(base.flags)
-    old = flag_value(flags, "rpc")
-    if old and req.rpc:
-        flags = with_endpoint(flags, old, ",".join(req.rpc))
-    return _candidate(req, flags, "the landscape's baseline flags")
+    return _candidate(req, on_these_devices(req, list(base.flags)), "the landscape's baseline flags")
 
 
 def _measure(req: TuneRequest, runner: Any, screener: Screener, land: Landscape, cands: dict[str, Candidate],
