@@ -400,7 +400,10 @@ def test_check_re_measures_a_recorded_emulated_run_on_llama_cpp(tmp_path: Path,
         entry["flags"] = flags  # the endpoint of a server that stops with this block
     (folder / "pareto.json").write_text(json.dumps(doc))
 
-    assert cmd_check(check_ns(folder, ("tolerance", "60%")), []) == 0, capsys.readouterr().out
+    # what this test checks is the re-measurement on a fresh emulated GPU and the fit; the threshold's arithmetic is
+    # tested with fixed figures above. 8 tokens of a tiny model on a busy 2-core CI machine decoded 2317 then 654 t/s
+    # in two back-to-back runs (-72 %), so only a collapse beyond 90 % fails here
+    assert cmd_check(check_ns(folder, ("tolerance", "90%")), []) == 0, capsys.readouterr().out
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "check: PASS"
     assert any(ln.startswith("fit  RPC0[127.0.0.1:") and ln.endswith("PASS") for ln in out)
