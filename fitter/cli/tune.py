@@ -66,7 +66,7 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None, space=ns.space,
         trials=ns.trials, timeout_s=ns.timeout, trial_timeout_s=ns.trial_timeout, seed=ns.seed,
         n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
-        confirm_rounds=ns.confirm_rounds, storage=ns.storage,
+        confirm_rounds=ns.confirm_rounds, storage=ns.storage, study_name=ns.study_name,
         results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu, emulated_cuda=ns.emulated_cuda,
         llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp, projection=ns.projection,
         backend=ns.backend, machine=ns.machine, landscape=ns.landscape)
@@ -76,6 +76,11 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         print(outcome.dry_run)
         return 0
     result = outcome.result
+    if outcome.confirmed_by is not None:  # a worker of a fleet: another one confirms and writes pareto.json
+        if result is None:
+            print(f"fitter: this worker's trials are in the study; worker {outcome.confirmed_by} writes its results")
+            return 0
+        print(f"fitter: the study was confirmed by worker {outcome.confirmed_by}; its result:", file=sys.stderr)
     assert result is not None and outcome.folder is not None
     if ns.json:
         print(json.dumps(result.data, indent=1))
@@ -118,7 +123,11 @@ def register(sub: Any) -> None:
     tune.add_argument("--dry-run", action="store_true",
                       help="show the space, the feasible region and the planned first trials; launch nothing")
     tune.add_argument("--storage", metavar="URL", help="any Optuna storage URL (default: the results folder's "
-                      "study.db); e.g. postgresql://… for a fleet of identical machines")
+                      "study.db): sqlite:///FILE, postgresql://USER@HOST/DB for a fleet of identical machines, or "
+                      "journal:PATH (Optuna's journal file on a shared filesystem); every worker runs the same "
+                      "command and the study's launches spread over them")
+    tune.add_argument("--study-name", metavar="NAME", help="the study's name in --storage (default: "
+                      "fitter-<model file stem>)")
     tune.add_argument("--results", default="results", metavar="DIR", help="results root (default ./results)")
     add_emulated_gpu(tune, "tune on")
     tune.add_argument("--llama-fit-params", metavar="PATH", help="llama.cpp's llama-fit-params for the baseline")

@@ -67,13 +67,45 @@ def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tup
                  unavailable: str | None = None) -> Baseline:
     """Measure the baseline as trial 0, unless the study has one. `fit_devices()` is the context manager the fit runs
     in (yields the RPC endpoints it sees); `unavailable` says why llama.cpp's fit cannot run here (then no baseline)."""
-    if (resumed := _resumed(req, tuner)) is not None:
-        return resumed
+    if (elsewhere := _claimed(req, tuner)) is not None:
+        return elsewhere
     cand, why, message = baseline_candidate(req, tool, targets, fit_devices, unavailable)
     if cand is None:
-        log(f"fitter: {message}")
-        return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
+        return _none(tuner, why, message, log)
     return _launch(req, tuner, cand)
+
+
+CLAIM = "baseline"  # the baseline runs once per study, by the worker of a fleet that claims it (fitter.tune.fleet)
+
+
+def _claimed(req: TuneRequest, tuner: Tuner) -> Baseline | None:
+    """None when this worker is to measure the baseline; else the study's baseline: measured before (a resumed
+    study keeps it), measured by another worker of a fleet, or being measured by one (then read again before the
+    confirm rounds: `study_baseline`)."""
+    if (resumed := _resumed(req, tuner)) is not None:
+        return resumed
+    c = tuner.claim(CLAIM)
+    if c.granted:
+        return None
+    return study_baseline(req, tuner) or Baseline({"name": NAME, "flags": None, "measurement": None,
+                                                    "reason": f"measured by worker {c.holder}", "elsewhere": True})
+
+
+def study_baseline(req: TuneRequest, tuner: Tuner) -> Baseline | None:
+    """The baseline as the study has it now: its trial, or why there is none (llama.cpp's fit could not run)."""
+    if (resumed := _resumed(req, tuner)) is not None:
+        return resumed
+    if (why := tuner.study.user_attrs.get("baseline_reason")) is not None:
+        return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
+    return None
+
+
+def _none(tuner: Tuner, why: str, message: str, log: Callable[[str], None]) -> Baseline:
+    """No baseline for this study, and why: kept in the study, so every worker of a fleet and a resumed run say it."""
+    log(f"fitter: {message}")
+    tuner.study.set_user_attr("baseline_reason", why)
+    tuner.claims.finish(CLAIM, tuner.worker.name)
+    return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
 
 
 def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, ...], fit_devices: Callable[[], Any],
@@ -112,19 +144,19 @@ def replay_baseline(req: TuneRequest, tuner: Tuner, flags: list[str] | None, rea
                     log: Callable[[str], None]) -> Baseline:
     """A replayed landscape's baseline (fitter.sim.replay): the recorded point's flags, no fit run; launched as trial
     0 like a measured one, so the replay answers it with one of its recorded runs."""
-    if (resumed := _resumed(req, tuner)) is not None:
-        return resumed
+    if (elsewhere := _claimed(req, tuner)) is not None:
+        return elsewhere
     if flags is None:
         why = f"the landscape has no baseline ({reason or 'not recorded'})"
-        log(f"fitter: {why}")
-        return Baseline({"name": NAME, "flags": None, "measurement": None, "reason": why})
+        return _none(tuner, why, why, log)
     return _launch(req, tuner, _candidate(req, flags, "the landscape's baseline flags"))
 
 
 def _resumed(req: TuneRequest, tuner: Tuner) -> Baseline | None:
-    """The baseline a resumed study measured already (it keeps it), or None."""
+    """The baseline a resumed study measured already (it keeps it), or None. One still running (another worker's) or
+    whose worker died before it ended (no outcome) is not measured yet."""
     for t in tuner.study.get_trials(deepcopy=False):
-        if t.user_attrs.get("phase") == "baseline":
+        if t.user_attrs.get("phase") == "baseline" and t.state.is_finished() and "outcome" in t.user_attrs:
             return _recorded(req, t)
     return None
 
@@ -133,7 +165,7 @@ def _launch(req: TuneRequest, tuner: Tuner, cand: Candidate) -> Baseline:
     s = tuner.screener(cand)
     trial = tuner.ask()
     # Measured even when fitter predicts it over the fit target: it is llama.cpp's choice, the reference point.
-    tuner.launch(trial, cand, s, "baseline")
+    tuner.launch(trial, cand, s, "baseline", claim=CLAIM)
     t = tuner.study._storage.get_trial(trial._trial_id)
     return Baseline({"name": NAME, "trial": t.number, "flags": t.user_attrs.get("flags"),
                      "measurement": t.user_attrs.get("measurement")}, cand)

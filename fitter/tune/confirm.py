@@ -230,6 +230,15 @@ def drift_record(start: dict[str, Any] | None, middle: dict[str, Any] | None, en
     return out
 
 
+def workers(trials: list[Any]) -> list[dict[str, Any]]:
+    """The workers that launched the study's trials, each with its trial numbers (the baseline's worker too)."""
+    by: dict[str, list[int]] = {}
+    for t in trials:
+        if t.user_attrs.get("launched"):
+            by.setdefault(str(t.user_attrs.get("worker", "unknown")), []).append(t.number)
+    return [{"worker": w, "trials": sorted(n)} for w, n in sorted(by.items())]
+
+
 def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str], targets: tuple[int, ...],
                emulated: bool, baseline: Baseline, entries: list[dict[str, Any]], dropped: list[dict[str, Any]],
                tuner: Tuner, wall_s: float, url: str, source: str, rounds: int = DEFAULT_ROUNDS) -> ParetoDoc:
@@ -268,6 +277,9 @@ def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str],
                   "answered_from_storage": sum(1 for t in trials if "same_as" in t.user_attrs),
                   "pooled": sum(1 for t in trials if t.user_attrs.get("pooled")),
                   "model_loads_this_run": tuner.progress.model_loads, "wall_s": round(wall_s, 1),
-                  "margins": tuner.study.user_attrs.get("margins", {})},
+                  "margins": tuner.study.user_attrs.get("margins", {}),
+                  # every worker that measured (host:pid; one for a tune on one machine), and who ran what once
+                  "workers": workers(trials), "confirmed_by": tuner.worker.name,
+                  "drift_middle_by": (tuner.study.user_attrs.get("drift_middle") or {}).get("worker")},
     }
     return ParetoDoc.from_json(data, source)

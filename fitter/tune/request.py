@@ -24,6 +24,7 @@ OBJECTIVES: dict[str, str] = {"tg": "maximize", "pp": "maximize", "vram": "minim
 PLACEMENT_KEYS = ("n-cpu-moe", "n-gpu-layers")
 THREAD_KEYS = ("threads", "threads-batch")
 # llama-server's own defaults, the tie-breaker when the physics prior cannot tell two combos apart
+EMULATED_ENDPOINT = "<emulated GPU>"  # fitter's own emulated GPU in a config's key (Candidate.key)
 SERVER_DEFAULTS: dict[str, Any] = {"batch-size": 2048, "ubatch-size": 512, "cache-type-k": "f16",
                                    "cache-type-v": "f16", "flash-attn": "auto"}
 
@@ -70,10 +71,17 @@ class Candidate:
     spec: BenchSpec
     flags: tuple[str, ...]  # the llama.cpp flags of this trial as recorded (fixed flags, the searched ones, -t -tb)
     error: str | None = None  # llama.cpp refuses these flags (e.g. a quantized V cache without flash attention)
+    endpoint: str | None = None  # the `--rpc` value of fitter's own emulated GPU, a port that differs every run
 
     @property
     def key(self) -> str:
-        return " ".join(self.flags)
+        """The config as the study knows it: its flags, with fitter's own emulated GPU named instead of its port, so
+        a resumed run and every worker of a fleet (each on an emulated GPU of its own) find it measured."""
+        flags = list(self.flags)
+        for i in range(len(flags) - 1):
+            if flags[i] == "--rpc" and flags[i + 1] == self.endpoint:
+                flags[i + 1] = EMULATED_ENDPOINT
+        return " ".join(flags)
 
     @property
     def process(self) -> ProcessFlags:
@@ -92,8 +100,10 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
     if req.spec.n_expert and "n-gpu-layers" not in params and not has_flag(req.fixed_flags, "n_gpu_layers"):
         flags += ["-ngl", "all"]  # experts placed explicitly: every layer on the GPU, as the seeds' recipe
         extra["n_gpu_layers"] = -2
+    endpoint = None
     if req.rpc and not has_flag(req.fixed_flags, "rpc"):
-        flags += ["--rpc", ",".join(req.rpc)]
+        endpoint = ",".join(req.rpc)
+        flags += ["--rpc", endpoint]
         extra["rpc"] = req.rpc
     launch = tuple(flags)
     threads = int(params.get("threads", req.default_threads))
@@ -103,8 +113,8 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
     try:
         config = replace(with_params(replace(req.base, **extra), searched), flags=launch)
     except LaunchConfigError as e:  # llama.cpp would refuse it: screened out like a config that does not fit
-        return Candidate(dict(params), LaunchConfig(), spec, tuple(flags), error=str(e))
-    return Candidate(dict(params), config, spec, tuple(flags))
+        return Candidate(dict(params), LaunchConfig(), spec, tuple(flags), error=str(e), endpoint=endpoint)
+    return Candidate(dict(params), config, spec, tuple(flags), endpoint=endpoint)
 
 
 def combos(req: TuneRequest) -> list[dict[str, Any]]:

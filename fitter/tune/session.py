@@ -36,15 +36,16 @@ from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, check_target_count, device_budgets
 from fitter.memory.devices import Device
 from fitter.memory.fit import fit
-from fitter.tune.baseline import replay_baseline, run_baseline, sim_fit_devices
+from fitter.tune.baseline import replay_baseline, run_baseline, sim_fit_devices, study_baseline
 from fitter.tune.confirm import DEFAULT_ROUNDS, confirm, result_doc
+from fitter.tune.fleet import Beater, Worker, claims_for
 from fitter.tune.plan import Screener
 from fitter.tune.render import dry_run_text
 from fitter.tune.request import OBJECTIVES, TuneRequest, candidate, combos
-from fitter.tune.result import RESULT_FILE, ParetoDoc, write_result
+from fitter.tune.result import RESULT_FILE, ParetoDoc, load_result, write_result
 from fitter.tune.screen import Budgets
 from fitter.tune.space import default_space_name, load_space, params_to_flags, resolve, shipped_space
-from fitter.tune.storage import StudyKey, ensure_writable, open_study, result_dir, storage_url
+from fitter.tune.storage import StudyKey, ensure_writable, journal_path, open_study, result_dir, storage_url, study_name
 from fitter.tune.study import StudyCallback, Tuner
 from fitter.tune.targets import Target, local_target, replay_target, sim_target
 from fitter.tune.trials import write_trials_csv
@@ -73,6 +74,7 @@ class TuneOptions:
     repetitions: int = 3
     confirm_rounds: int = DEFAULT_ROUNDS  # interleaved confirm rounds (fitter.tune.confirm), each of -r repetitions
     storage: str | None = None
+    study_name: str | None = None  # the study's name in a shared storage (default: fitter-<model file stem>)
     results: Path = Path("results")
     emulated_gpu_mib: int | None = None
     emulated_cuda: bool = False  # `--emulated-gpu cuda:MiB`: the CUDA-shaped emulated GPU
@@ -86,9 +88,10 @@ class TuneOptions:
 
 @dataclass(frozen=True)
 class TuneOutcome:
-    result: ParetoDoc | None  # None for a dry run
+    result: ParetoDoc | None  # None for a dry run, or when another worker of a fleet confirms the study
     folder: Path | None
     dry_run: str | None = None
+    confirmed_by: str | None = None  # that other worker
 
 
 def parse_objectives(text: str) -> tuple[str, ...]:
@@ -229,20 +232,23 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     folder = result_dir(o.results, o.model, target.machine_dir, build["commit"])
     ensure_writable(folder)
     url = o.storage or storage_url(folder)
+    name = study_name(o.model, o.study_name, o.storage is None)
     settings = {"objectives": list(planned.objectives), "space": planned.space_source,
                 "fixed_flags": list(o.base.flags), "fit_target_mib": list(targets),
                 "bench": {"p": o.n_prompt, "n": o.n_gen, "d": o.n_depth, "r": o.repetitions}}
     sampler = optuna.samplers.TPESampler(seed=o.seed, multivariate=True, constant_liar=True)
     key = StudyKey(o.spec.identity, target.machine["fingerprint"], build["commit"])
-    study = open_study(url, key, [OBJECTIVES[x] for x in planned.objectives], sampler, settings)
-    log(f"fitter: study {url} ({len(study.trials)} trials so far); space {planned.space_source}; "
-        f"{planned.n_trials} launched trials")
+    study = open_study(url, key, [OBJECTIVES[x] for x in planned.objectives], sampler, settings, name=name)
+    worker, claims = Worker.this(), claims_for(study._storage, name, journal_path(url))
+    log(f"fitter: study {name!r} at {url} ({len(study.trials)} trials so far); space {planned.space_source}; "
+        f"{planned.n_trials} launched trials; this worker is {worker.name}")
 
     with runner:
         req = plan_request(o, target, target.devices(runner), runner.rpc)
         if users is not None:
             req = replace(req, projector=drift_guard(o, users, build["commit"], runner.rpc, log))
-        tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5)
+        tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5,
+                      claims=claims, worker=worker, log=log)
         fit_devices: Any = sim_fit_devices(req, tool) if target.sim is not None else (
             lambda: contextlib.nullcontext(req.rpc))
         if target.replay is not None:
@@ -255,12 +261,29 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
             tuner.drift_probe = baseline.candidate  # the baseline again half-way: the drift monitor's middle
         tuner.run()
         log("")
-        entries, dropped, baseline = confirm(req, tuner, runner, baseline, log, o.confirm_rounds)
+        # the confirm rounds run once per study and --trials: by the first worker of a fleet to get here, once every
+        # other worker's running trial has ended (a rerun with more --trials confirms again; one with as many does
+        # not: it shows the result that confirm wrote, when it is on this machine)
+        # every worker to the end of its search: the fleet's launches may overshoot --trials by one a worker)
+        what = f"confirm of a study of {o.trials} launches"
+        c = tuner.claim(what)
+        if not c.granted:
+            write_trials_csv(folder, study)
+            log(f"fitter: worker {c.holder} {'confirmed' if c.done else 'confirms'} the study's front and writes "
+                f"pareto.json on its machine; this worker's trials are in {url}")
+            done = load_result(folder) if c.done and (folder / RESULT_FILE).exists() else None
+            return TuneOutcome(done, folder, confirmed_by=c.holder)
+        with Beater(claims, worker.name):
+            tuner.wait_for_others()
+            if "trial" not in baseline.data:  # measured by another worker, or not at all
+                baseline = study_baseline(req, tuner) or baseline
+            entries, dropped, baseline = confirm(req, tuner, runner, baseline, log, o.confirm_rounds)
     emulated = target.emulated_mib is not None or runner.emulated
     doc = result_doc(req, target.machine, build, targets, emulated, baseline, entries, dropped, tuner,
                      time.monotonic() - t_start, url, str(folder / RESULT_FILE), o.confirm_rounds)
     write_result(folder, doc.data)
     write_trials_csv(folder, study)
+    claims.finish(what, worker.name)
     if snapshot is not None and snapshot.gpus and target.emulated_mib is None:
         record_overheads(study, snapshot, log)
     return TuneOutcome(doc, folder)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,40 +74,91 @@ def ensure_writable(folder: Path) -> None:
         raise ResultsError(f"results folder {folder}: not writable; give --results DIR")
 
 
+def study_name(model_path: str, given: str | None, default_storage: bool) -> str:
+    """The study's name in its storage: `fitter` in a results folder's own study.db (the folder is keyed already);
+    in a storage a fleet shares, `fitter-<model file stem>` unless `--study-name` gives one. Not keyed by the machine
+    or the build: a worker whose fingerprint, model or build differs must find the study and be refused, naming the
+    difference, instead of silently starting a study of its own."""
+    if given:
+        return given
+    return STUDY_NAME if default_storage else f"{STUDY_NAME}-{slug(Path(model_path).stem)}"
+
+
+def journal_path(url: str) -> Path | None:
+    """`journal:PATH` (or `journal:///abs/path`): Optuna's journal file storage, for a fleet on a shared filesystem
+    without a database."""
+    if not url.startswith("journal:"):
+        return None
+    rest = url.removeprefix("journal:")
+    return Path(rest.removeprefix("//") if rest.startswith("///") else rest)
+
+
+def _storage(url: str, heartbeat_s: int, grace_s: int) -> optuna.storages.BaseStorage:
+    journal = journal_path(url)
+    if journal is not None:
+        from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
+
+        if not journal.parent.is_dir():
+            raise ResultsError(f"--storage {url}: the folder {journal.parent} does not exist")
+        # the symlink lock works on NFS (v2 and later), where a fleet without a database shares its journal
+        return optuna.storages.JournalStorage(JournalFileBackend(str(journal), JournalFileSymlinkLock(str(journal))))
+    # SQLite: several local workers write one file; wait for a busy database instead of failing at 5 s
+    engine = {"connect_args": {"timeout": 60}} if url.startswith("sqlite:") else None
+    with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9; fitter relies on them
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=heartbeat_s,
+                                          grace_period=grace_s)
+
+
+def _is_creation_race(e: Exception) -> bool:
+    """Workers creating one storage together: Optuna's tables or its alembic version row made by another at the same
+    moment (SQLite: 'table … already exists', 'UNIQUE constraint failed'; PostgreSQL: 'already exists', 'duplicate
+    key')."""
+    text = str(e).lower()
+    return any(s in text for s in ("already exists", "unique constraint failed", "duplicate key",
+                                   "database is locked"))
+
+
 def open_study(url: str, key: StudyKey, directions: list[Any], sampler: optuna.samplers.BaseSampler,
-               settings: dict[str, Any], heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> optuna.Study:
-    """Create or resume the study at `url`. Heartbeats let a resumed study fail the trial a killed tune left
-    RUNNING (optuna.storages.fail_stale_trials) and keep every finished one."""
-    name = STUDY_NAME if url.startswith("sqlite:") else f"{STUDY_NAME}-{key.model_identity[:12]}-" \
-        f"{key.machine_fingerprint[:8]}-{slug(key.llama_cpp_commit)}"
+               settings: dict[str, Any], heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S,
+               name: str = STUDY_NAME) -> optuna.Study:
+    """Create or join the study `name` at `url`: whoever starts first creates it, the others join it. Heartbeats let a
+    later tune fail the trial a killed one left RUNNING (optuna.storages.fail_stale_trials) and keep every finished
+    one. A study of another model, machine or build is refused, naming the difference."""
     if url.startswith("sqlite:///"):
         db = Path(url.removeprefix("sqlite:///"))
         if db.exists():
             check_study_db(db, "move it away or give --results DIR; nothing was changed", require_tables=False)
-    try:
-        with warnings.catch_warnings():  # heartbeats are "experimental" in Optuna since 2.9; fitter relies on them
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            storage = optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s)
-        study = optuna.create_study(storage=storage, study_name=name, directions=directions, sampler=sampler,
-                                    load_if_exists=True)
-    except (ImportError, ValueError) as e:
-        raise ResultsError(f"--storage {url}: cannot open it: {e}") from None
-    except Exception as e:  # sqlalchemy's errors for corrupt or foreign databases
-        raise ResultsError(f"{url}: not a readable Optuna study database ({type(e).__name__}: {e}); move it away "
-                           f"or give --storage URL; nothing was changed") from None
+    for attempt in range(8):
+        try:
+            storage = _storage(url, heartbeat_s, grace_s)
+            study = optuna.create_study(storage=storage, study_name=name, directions=directions, sampler=sampler,
+                                        load_if_exists=True)
+            break
+        except (ImportError, ValueError) as e:
+            raise ResultsError(f"--storage {url}: cannot open it: {e}") from None
+        except ResultsError:
+            raise
+        except Exception as e:  # sqlalchemy's errors for corrupt or foreign databases, or a creation race
+            if _is_creation_race(e) and attempt < 7:
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            raise ResultsError(f"{url}: not a readable Optuna study database ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0]}); move it away or give --storage URL; nothing was changed"
+                               ) from None
     existing = study.user_attrs
-    if existing.get("model_identity"):
-        for attr in KEY_ATTRS:
-            if existing.get(attr) != key.attrs()[attr]:
-                raise ResultsError(f"{url}: the study there is for another {attr.replace('_', ' ')} "
-                                   f"({existing.get(attr)!r}, this run: {key.attrs()[attr]!r}); give --results DIR "
-                                   f"or --storage URL for a new study; nothing was changed")
-        if [d.name.lower() for d in study.directions] != directions:
-            raise ResultsError(f"{url}: the study there optimizes {existing.get('objectives')}, this run "
-                               f"{settings.get('objectives')}: give --results DIR for a new study")
-    else:
+    if not existing.get("model_identity"):
         for k, v in {**key.attrs(), **settings}.items():
             study.set_user_attr(k, v)
+        existing = study.user_attrs  # two workers creating it together: the one whose attributes stayed decides
+    for attr in KEY_ATTRS:
+        if existing.get(attr) != key.attrs()[attr]:
+            raise ResultsError(f"{url}: study {name!r} there is for another {attr.replace('_', ' ')} "
+                               f"({existing.get(attr)!r}, this run: {key.attrs()[attr]!r}); give --results DIR, "
+                               f"--study-name NAME or --storage URL for a new study; nothing was changed")
+    if [d.name.lower() for d in study.directions] != directions:
+        raise ResultsError(f"{url}: the study there optimizes {existing.get('objectives')}, this run "
+                           f"{settings.get('objectives')}: give --results DIR for a new study")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)

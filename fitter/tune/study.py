@@ -38,6 +38,7 @@ from fitter.measure.render import bench_json
 from fitter.measure.runner import TrialRunner
 from fitter.measure.types import TrialResult
 from fitter.memory.devices import Device
+from fitter.tune.fleet import Claim, Claims, MemoryClaims, Worker
 from fitter.tune.plan import Screener, neighbours, structured_start
 from fitter.tune.pooling import SamplePool
 from fitter.tune.request import Candidate, TuneRequest, _choices, candidate
@@ -54,6 +55,7 @@ class TuneProgress:
     failed: int = 0
     asked: int = 0
     model_loads: int = 0
+    elsewhere: int = 0  # planned configs another worker of the fleet had claimed (fitter.tune.fleet)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -64,36 +66,55 @@ StudyCallback = Callable[[str, TuneProgress, optuna.Study], None]
 
 class Tuner:
     def __init__(self, req: TuneRequest, study: optuna.Study, runner: TrialRunner,
-                 on_event: StudyCallback | None = None, heartbeat_s: float | None = None) -> None:
+                 on_event: StudyCallback | None = None, heartbeat_s: float | None = None,
+                 claims: Claims | None = None, worker: Worker | None = None,
+                 log: Callable[[str], None] = lambda _: None) -> None:
         self.req = req
         self.study = study
         self.runner = runner
         self.screener = Screener(req)
         self.progress = TuneProgress()
         self.on_event = on_event or (lambda *_: None)
+        self.log = log
         self._heartbeat_s = heartbeat_s
+        # the fleet: this worker, and the claims that keep two workers from launching one config
+        self.claims = claims if claims is not None else MemoryClaims()
+        self.worker = worker or Worker.this()
         self._loaded_key: tuple[Any, ...] | None = None
-        for device, margin in study.user_attrs.get("margins", {}).items():
-            self.screener.learn_margin(device, int(margin))
         self._done: dict[str, FrozenTrial] = {}
+        self._absorbed: set[int] = set()
         self.pool = SamplePool.empty()  # samples shared by configs a speed cannot tell apart (fitter.tune.pooling)
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
-            key = t.user_attrs.get("key")
-            if key and t.user_attrs.get("launched"):
-                self._done.setdefault(key, t)
-                if t.state == TrialState.COMPLETE and t.params and "same_as" not in t.user_attrs:
-                    self._pool_own(candidate(req, dict(t.params)), t.number, t.user_attrs.get("measurement") or {})
+        self.absorb()
         self.progress.launched = self.launched_so_far()
         # the baseline's candidate, measured again half-way through the launches: the drift monitor's middle point
         # (its start is the baseline's trial, its end the confirm rounds; fitter.tune.confirm.drift_record)
         self.drift_probe: Candidate | None = None
+
+    def absorb(self) -> None:
+        """What the study learnt since this worker last looked (its own trials, another worker's, an earlier run's):
+        finished configs to answer from storage, their samples for the pool, the devices' learnt margins."""
+        for device, margin in self.study.user_attrs.get("margins", {}).items():
+            self.screener.learn_margin(device, int(margin))
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                               TrialState.FAIL)):
+            if t.number in self._absorbed:
+                continue
+            self._absorbed.add(t.number)
+            key = t.user_attrs.get("key")
+            # a trial whose worker died mid-run (failed by heartbeat) has no outcome: it was never measured
+            if key and t.user_attrs.get("launched") and "outcome" in t.user_attrs:
+                self._done.setdefault(key, t)
+                if t.state == TrialState.COMPLETE and t.params and "same_as" not in t.user_attrs:
+                    self._pool_own(candidate(self.req, dict(t.params)), t.number,
+                                   t.user_attrs.get("measurement") or {})
 
     # counts over the whole study, so a resumed study continues where it stopped
     def launched_so_far(self) -> int:
         return sum(1 for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("launched"))
 
     def _out_of_budget(self) -> bool:
-        if self.progress.launched >= self.req.n_trials:
+        # the study's launches, every worker's: --trials is the study's budget, shared by a fleet
+        if max(self.progress.launched, self.launched_so_far()) >= self.req.n_trials:
             return True
         timeout = self.req.timeout_s
         return timeout is not None and time.monotonic() - self.progress.started > timeout
@@ -148,14 +169,17 @@ class Tuner:
         one fails (optuna.storages.fail_stale_trials) instead of a trial RUNNING forever."""
         storage = self.study._storage
         interval = self._heartbeat_s
-        if interval is None or not hasattr(storage, "record_heartbeat"):
+        if interval is None:
             return lambda: None
         stop = threading.Event()
+        record = getattr(storage, "record_heartbeat", None)  # RDB storages; a journal has only the claims' beat
 
         def beat() -> None:
             while True:
                 try:
-                    storage.record_heartbeat(trial._trial_id)
+                    if record is not None:
+                        record(trial._trial_id)
+                    self.claims.beat(self.worker.name)
                 except Exception:
                     return
                 if stop.wait(interval):
@@ -170,9 +194,15 @@ class Tuner:
 
         return done
 
-    def launch(self, trial: optuna.Trial, cand: Candidate, s: Screen | None, phase: str) -> TrialResult:
+    def launch(self, trial: optuna.Trial, cand: Candidate, s: Screen | None, phase: str,
+               claim: str | None = None) -> TrialResult:
+        """Run the trial this worker claimed (`claim`: the config's key unless told otherwise) and tell the study."""
+        claim = claim or cand.key
         self._attrs(trial, cand, phase)
         trial.set_user_attr("launched", True)
+        trial.set_user_attr("worker", self.worker.name)
+        trial.set_user_attr("claim", claim)
+        self.claims.settle(claim, self.worker.name, trial.number)
         if s is not None and s.plan is not None:
             trial.set_user_attr("predicted_bytes", device_totals(s.plan))
             if s.projection is not None:  # the build's own projection, beside fitter's (the drift guard)
@@ -190,6 +220,27 @@ class Tuner:
         m = result.measurement
         self.progress.launched += 1
         self.progress.model_loads += 0 if m.reused_model else 1
+        try:
+            self._tell_measured(trial, cand, s, phase, result)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # another worker failed this trial as stale (this one missed its beats, e.g. it was suspended): the
+            # measurement is not the study's; the config is free for whoever claims it next
+            self.claims.release(claim, self.worker.name)
+            self.log(f"fitter: trial {trial.number} was failed by another worker while it ran (no beat for "
+                     f"{self.claims.grace_s:.0f} s); its measurement is dropped")
+            self.progress.failed += 1
+            return result
+        self.claims.finish(claim, self.worker.name, trial.number)
+        frozen = self.study._storage.get_trial(trial._trial_id)
+        self._done[cand.key] = frozen
+        self._absorbed.add(frozen.number)
+        self.on_event("end", self.progress, self.study)
+        self._probe_drift()
+        return result
+
+    def _tell_measured(self, trial: optuna.Trial, cand: Candidate, s: Screen | None, phase: str,
+                       result: TrialResult) -> None:
+        m = result.measurement
         measurement = measurement_json(result, self.runner.backend, s.plan if s else None, self.runner.emulated)
         if m.outcome == "ok" and phase != "baseline":
             pooled = self._pool_measurement(cand, trial.number, measurement)
@@ -212,11 +263,6 @@ class Tuner:
         else:
             self.study.tell(trial, state=TrialState.FAIL)
             self.progress.failed += 1
-        frozen = self.study._storage.get_trial(trial._trial_id)
-        self._done[cand.key] = frozen
-        self.on_event("end", self.progress, self.study)
-        self._probe_drift()
-        return result
 
     def _pool_own(self, cand: Candidate, number: int, measurement: dict[str, Any]) -> None:
         """A trial's own samples (not those it pooled from others) into the pool."""
@@ -249,6 +295,8 @@ class Tuner:
         half = max(2, (self.req.n_trials + 1) // 2)
         if cand is None or self.progress.launched < half or "drift_middle" in self.study.user_attrs:
             return
+        if not self.claims.claim("drift monitor, middle", self.worker.name).granted:
+            return  # another worker of the fleet measures it
         s = self.screener(cand)
         result = self.runner.run(self.req.model, cand.config, cand.spec, self.req.trial_timeout_s, s.plan)
         self.progress.model_loads += 0 if result.measurement.reused_model else 1
@@ -256,7 +304,8 @@ class Tuner:
         self.study.set_user_attr("drift_middle", {
             "outcome": m["outcome"], "launched": self.progress.launched, "at": round(time.time(), 1),
             **{k: {"avg_ts": m[k]["avg_ts"], "stddev_ts": m[k]["stddev_ts"]} for k in ("pp", "tg")
-               if isinstance(m.get(k), dict)}})
+               if isinstance(m.get(k), dict)}, "worker": self.worker.name})
+        self.claims.finish("drift monitor, middle", self.worker.name)
 
     def _learn_from_oom(self, trial: optuna.Trial, m: Any, s: Screen | None) -> None:
         """The device that refused an allocation: measured need = its logged buffers + the refused request."""
@@ -281,19 +330,36 @@ class Tuner:
     # -- the search -------------------------------------------------------------------------------------------
 
     def run_candidate(self, params: dict[str, Any], phase: str) -> FrozenTrial | None:
-        """Ask the study for exactly these params, then screen, answer from storage or launch. None: out of budget
-        or the config is not in the space."""
+        """Screen exactly these params, then answer them from storage or launch them. None: out of budget, or another
+        worker of the fleet has claimed the config (its result reaches this one from storage)."""
         if self._out_of_budget():
             return None
-        self.study.enqueue_trial(params, skip_if_exists=False)
-        return self._ask_and_run(phase)
-
-    def _ask_and_run(self, phase: str) -> FrozenTrial | None:
-        trial = self.ask(self.req.distributions)
-        self.progress.asked += 1
-        params = dict(trial.params)
+        self.absorb()
         cand = candidate(self.req, params)
         s = self.screener(cand)
+        if cand.key not in self._done and s.feasible and self._claim(cand.key, wait=False) is None:
+            self.progress.elsewhere += 1
+            return None
+        trial = self.ask()
+        self.progress.asked += 1
+        storage = self.study._storage
+        for name, value in params.items():  # the trial's params, as Trial.suggest_* would store them
+            d = self.req.distributions[name]
+            storage.set_trial_param(trial._trial_id, name, d.to_internal_repr(value), d)
+        return self._settle(trial, cand, s, phase)
+
+    def _ask_and_run(self, phase: str) -> FrozenTrial | None:
+        """A trial the sampler chooses. A config another worker is measuring is waited for, then answered."""
+        trial = self.ask(self.req.distributions)
+        self.progress.asked += 1
+        self.absorb()
+        cand = candidate(self.req, dict(trial.params))
+        s = self.screener(cand)
+        if cand.key not in self._done and s.feasible:
+            self._claim(cand.key, wait=True)
+        return self._settle(trial, cand, s, phase)
+
+    def _settle(self, trial: optuna.Trial, cand: Candidate, s: Screen, phase: str) -> FrozenTrial:
         prior = self._done.get(cand.key)
         if prior is not None:
             self._answer_from_storage(trial, cand, prior, phase)
@@ -302,6 +368,67 @@ class Tuner:
         else:
             self.launch(trial, cand, s, phase)
         return self.study._storage.get_trial(trial._trial_id)
+
+    def _claim(self, what: str, wait: bool) -> bool | None:
+        """True: this worker has the claim (`what`: a config's key, or the baseline's or confirm's name); False:
+        another worker finished it (for a config: answer it from storage); None: another worker holds it and `wait`
+        is False. Waiting, a claim whose holder dies is taken over."""
+        while True:
+            c = self.claim(what)
+            if c.granted:
+                return True
+            if c.done:
+                self.absorb()
+                return False
+            if not wait:
+                return None
+            time.sleep(1.0)
+            self.absorb()
+            if what in self._done:
+                return False
+
+    def claim(self, what: str) -> Claim:
+        """Claim `what` for this worker now; granted over a dead worker's claim, its trial is failed first."""
+        c = self.claims.claim(what, self.worker.name)
+        if c.granted:
+            self.fail_stale(c)
+        return c
+
+    def fail_stale(self, c: Claim) -> None:
+        """A claim taken over from a worker that stopped beating: fail the trial it left RUNNING (Optuna's heartbeat
+        does this for RDB storages, but not before its own grace, and a journal has none)."""
+        if c.stale_holder is None:
+            return
+        self.log(f"fitter: worker {c.stale_holder} stopped beating; {self.worker.name} takes its claim over"
+                 + (f" and fails its trial {c.stale_trial}" if c.stale_trial is not None else ""))
+        if c.stale_trial is not None:
+            fail_trial(self.study, c.stale_trial, f"its worker {c.stale_holder} stopped beating (killed?); failed by "
+                       f"{self.worker.name}")
+
+    def wait_for_others(self) -> None:
+        """Until no other worker's launched trial is RUNNING (the confirm rounds compare the whole study); a trial
+        whose worker stopped beating is failed on the way."""
+        said: set[int] = set()
+        while True:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(self.study)
+            running = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                       if t.user_attrs.get("launched") and t.user_attrs.get("worker") != self.worker.name]
+            for t in running:
+                row = self.claims.row(str(t.user_attrs.get("claim", "")))
+                if row is None or (row.worker != t.user_attrs.get("worker") or
+                                   (not row.done and time.time() - row.beat_at > self.claims.grace_s)):
+                    fail_trial(self.study, t.number, f"its worker {t.user_attrs.get('worker')} stopped beating "
+                               f"(killed?); failed by {self.worker.name}")
+            if not running:
+                return
+            new = [t for t in running if t.number not in said]
+            if new:
+                said.update(t.number for t in new)
+                self.log("fitter: waiting for " + ", ".join(
+                    f"trial {t.number} ({t.user_attrs.get('worker')})" for t in new) + " before the confirm rounds")
+            time.sleep(1.0)
 
     def run(self) -> None:
         """Baseline is run by the caller (it is not in the space); then the structured start, neighbours, TPE."""
@@ -358,6 +485,18 @@ class Tuner:
             if best is None or score > best[0]:
                 best = (score, t)
         return best[1] if best else None
+
+
+def fail_trial(study: optuna.Study, number: int, reason: str) -> None:
+    """Fail a RUNNING trial another worker left behind; a trial already finished (by its worker, or failed by a third
+    one) is left as it is."""
+    storage = study._storage
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+    try:
+        storage.set_trial_user_attr(trial_id, "reason", reason)
+        storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        pass
 
 
 def measurement_json(result: TrialResult, backend: str, plan: Any, emulated: bool) -> dict[str, Any]:
