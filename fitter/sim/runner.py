@@ -4,7 +4,10 @@ performance model (fitter.sim.physics) for speed, seeded noise per repetition.""
 from __future__ import annotations
 
 import hashlib
+import os
 import random
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -28,6 +31,20 @@ def _noise_factors(seed: int, key: str, n: int, noise: float) -> list[float]:
         digest = hashlib.sha256(f"{seed}|{key}|{rep}".encode()).digest()
         out.append(max(0.2, 1.0 + noise * random.Random(digest).gauss(0.0, 1.0)))
     return out
+
+
+PACE_ENV = "FITTER_SIM_PACE"
+
+
+def pace() -> Callable[[float], None]:
+    """`FITTER_SIM_PACE=F`: a simulated trial takes F real seconds per simulated second (0, the default: none), so
+    a fleet's or a fault's test can find a trial running, as it would on a real machine."""
+    text = os.environ.get(PACE_ENV, "")
+    try:
+        factor = float(text) if text else 0.0
+    except ValueError:
+        raise FitterError(f"{PACE_ENV}={text!r}: expected a number of real seconds per simulated second") from None
+    return (lambda wall_s: time.sleep(min(wall_s * factor, 600.0))) if factor > 0 else (lambda _: None)
 
 
 class SimRunner:
@@ -104,6 +121,7 @@ class SimRunner:
             result = replace(result, outcome="timeout", reason=why, pp=None, tg=None)
         peak = {d.name: {"bytes": plan.totals()[d.name].total + _context_bytes(m), "source": "sim"}
                 for d in plan.devices}
+        pace()(result.wall_s)
         return TrialResult(result, peak)
 
     def _oom(self, base: Measurement, oom: OomInfo, device: str, cap: int, allocated: list[Buffer]) -> Measurement:

@@ -17,7 +17,7 @@ from fitter.flags.parse import flag_value, has_flag, parse_launch_flags, with_en
 from fitter.measure.llama_fit import LlamaFit, LlamaFitError, baseline_flags, run_llama_fit
 from fitter.memory.estimator import estimate
 from fitter.tune.request import Candidate, TuneRequest
-from fitter.tune.study import Tuner
+from fitter.tune.study import Tuner, measured
 from fitter.units import MIB
 
 NAME = "llama.cpp --fit"
@@ -156,7 +156,7 @@ def _resumed(req: TuneRequest, tuner: Tuner) -> Baseline | None:
     """The baseline a resumed study measured already (it keeps it), or None. One still running (another worker's) or
     whose worker died before it ended (no outcome) is not measured yet."""
     for t in tuner.study.get_trials(deepcopy=False):
-        if t.user_attrs.get("phase") == "baseline" and t.state.is_finished() and "outcome" in t.user_attrs:
+        if t.user_attrs.get("phase") == "baseline" and measured(t):
             return _recorded(req, t)
     return None
 

@@ -101,8 +101,7 @@ class Tuner:
                 continue
             self._absorbed.add(t.number)
             key = t.user_attrs.get("key")
-            # a trial whose worker died mid-run (failed by heartbeat) has no outcome: it was never measured
-            if key and t.user_attrs.get("launched") and "outcome" in t.user_attrs:
+            if key and measured(t):
                 self._done.setdefault(key, t)
                 if t.state == TrialState.COMPLETE and t.params and "same_as" not in t.user_attrs:
                     self._pool_own(candidate(self.req, dict(t.params)), t.number,
@@ -485,6 +484,18 @@ class Tuner:
             if best is None or score > best[0]:
                 best = (score, t)
         return best[1] if best else None
+
+
+TOLD = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED}  # how `launch` ends a trial of each outcome; else FAIL
+
+
+def measured(t: FrozenTrial) -> bool:
+    """A launched trial that its worker told as its measurement says. One whose worker died mid-run was failed by
+    heartbeat (or by the claim's beat): it has no outcome, or (killed between the two) an outcome it was not told
+    with. Either way it was never measured, and the config is free to launch again."""
+    outcome = t.user_attrs.get("outcome")
+    return bool(t.user_attrs.get("launched")) and outcome is not None and t.state == TOLD.get(outcome,
+                                                                                                TrialState.FAIL)
 
 
 def fail_trial(study: optuna.Study, number: int, reason: str) -> None:

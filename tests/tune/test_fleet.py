@@ -1,0 +1,270 @@
+"""Several `fitter tune` workers on one study (fitter.tune.fleet): the claim rule, the claims of each storage under
+races, and whole fleets of real `fitter tune` processes on SQLite, Optuna's journal file and a real PostgreSQL server
+(tests/tune/postgres.py), with kill -9 of a worker mid-trial."""
+
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from fitter.tune.fleet import Claim, Claims, FileClaims, MemoryClaims, Row, SqlClaims, Worker, claims_for, decide
+from fitter.tune.storage import GRACE_S
+from fitter.tune.study import measured
+from tests.conftest import BUILT_TOOLS
+from tests.tune.postgres import PostgresServer, server_binaries, start_postgres
+
+HOST = socket.gethostname()
+STUDY = "fitter-fitter-demo-gpt-oss"  # the study name of the demo model in a shared storage
+
+
+# -- the rule (pure) --------------------------------------------------------------------------------------------
+
+
+def test_who_gets_a_claim() -> None:
+    assert decide(None, "a:1", 100.0, 30.0) == Claim(True, "a:1")
+    assert decide(Row("k", "a:1", 4, 10.0, False), "a:1", 100.0, 30.0) == Claim(True, "a:1")  # its own, even stale
+    assert decide(Row("k", "b:2", 4, 80.0, False), "a:1", 100.0, 30.0) == Claim(False, "b:2", 4)
+    assert decide(Row("k", "b:2", 4, 10.0, True), "a:1", 100.0, 30.0) == Claim(False, "b:2", 4, done=True)
+    # not beaten for more than the grace: taken over, and the trial it left running named for failing
+    assert decide(Row("k", "b:2", 4, 69.9, False), "a:1", 100.0, 30.0) == Claim(True, "a:1", stale_holder="b:2",
+                                                                               stale_trial=4)
+    assert decide(Row("k", "b:2", None, 70.0, False), "a:1", 100.0, 30.0) == Claim(False, "b:2")
+
+
+# -- the claims of each storage ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    """A real PostgreSQL server for this module's tests (one start, a database per test)."""
+    if server_binaries() is None and os.environ.get("FITTER_REQUIRE_TOOLS") != "1":
+        pytest.skip("no PostgreSQL server binaries (.ci/setup installs Debian's postgresql)")
+    server = start_postgres()
+    yield server
+    server.stop()
+
+
+def _database(postgres: PostgresServer, request: pytest.FixtureRequest) -> str:
+    name = "t_" + "".join(c if c.isalnum() else "_" for c in request.node.name.lower())[:50]
+    return postgres.create_database(f"{name}_{os.getpid()}_{time.monotonic_ns() % 10**6}")
+
+
+def storage_url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'fleet.db'}"
+    if kind == "journal":
+        return f"journal:{tmp_path / 'fleet.log'}"
+    return _database(request.getfixturevalue("postgres"), request)
+
+
+def open_claims(url: str, study: str = "s") -> Claims:
+    from fitter.tune.storage import _storage, journal_path
+
+    return claims_for(_storage(url, 5, 20), study, journal_path(url))
+
+
+STORAGES = ["sqlite", "journal", "postgres"]
+
+
+@pytest.mark.parametrize("kind", STORAGES)
+def test_claims_hold_settle_finish_and_go_stale(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    url = storage_url(kind, tmp_path, request)
+    claims = open_claims(url)
+    assert isinstance(claims, {"sqlite": SqlClaims, "journal": FileClaims, "postgres": SqlClaims}[kind])
+    assert claims.claim("-ub 512", "a:1") == Claim(True, "a:1")
+    assert claims.claim("-ub 512", "b:2") == Claim(False, "a:1")
+    claims.settle("-ub 512", "a:1", 7)
+    assert claims.claim("-ub 512", "b:2") == Claim(False, "a:1", 7)
+    claims.finish("-ub 512", "a:1", 7)
+    assert claims.claim("-ub 512", "b:2") == Claim(False, "a:1", 7, done=True)
+    # a holder that stops beating loses its claim to the next worker, which is told the trial to fail
+    assert claims.claim("-ub 1024", "a:1").granted
+    claims.settle("-ub 1024", "a:1", 8)
+    claims.grace_s = 0.2
+    time.sleep(0.3)
+    assert claims.claim("-ub 1024", "b:2") == Claim(True, "b:2", stale_holder="a:1", stale_trial=8)
+    assert claims.claim("-ub 1024", "a:1") == Claim(False, "b:2")  # the one that took it over holds it now
+    claims.grace_s = GRACE_S
+    # beating keeps a claim alive past the grace; a released claim is free at once
+    assert claims.claim("-ub 2048", "a:1").granted
+    claims.beat("a:1")
+    row = claims.row("-ub 2048")
+    assert row is not None and row.worker == "a:1" and not row.done and time.time() - row.beat_at < 5
+    claims.release("-ub 2048", "a:1")
+    assert claims.row("-ub 2048") is None
+    assert claims.claim("-ub 2048", "b:2") == Claim(True, "b:2")
+    # claims of another study in the same storage are its own
+    assert open_claims(url, "another study").claim("-ub 512", "b:2") == Claim(True, "b:2")
+
+
+def _claim_all(url: str, worker: str, keys: list[str], start: float, out: Any) -> None:
+    claims = open_claims(url)
+    time.sleep(max(0.0, start - time.time()))
+    out.put((worker, [k for k in keys if claims.claim(k, worker).granted]))
+
+
+@pytest.mark.parametrize("kind", STORAGES)
+def test_each_config_is_granted_to_exactly_one_of_many_racing_processes(kind: str, tmp_path: Path,
+                                                                         request: pytest.FixtureRequest) -> None:
+    url = storage_url(kind, tmp_path, request)
+    open_claims(url)  # the table or file exists; creating it in a race is the next test's
+    keys = [f"-ncmoe {n} -ub 512" for n in range(30)]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    start = time.time() + 3.0  # every process claims from the same moment
+    procs = [ctx.Process(target=_claim_all, args=(url, f"w:{i}", keys, start, out)) for i in range(6)]
+    for p in procs:
+        p.start()
+    granted = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    counts = collections.Counter(k for ks in granted.values() for k in ks)
+    assert counts == collections.Counter({k: 1 for k in keys})
+
+
+def test_an_in_memory_study_has_claims_of_its_own() -> None:
+    assert isinstance(claims_for(optuna.storages.InMemoryStorage(), "s"), MemoryClaims)
+    assert Worker("gpu-07", 4242).name == "gpu-07:4242"
+
+
+# -- fleets of real `fitter tune` processes -------------------------------------------------------------------------
+
+
+def _tune(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """A worker; the simulated GPU's baseline is llama.cpp's own fit, run on an emulated GPU of its size."""
+    args = [*args, "--llama-fit-params", str(BUILT_TOOLS / "llama-fit-params")]
+    return subprocess.Popen([sys.executable, "-m", "fitter.cli", "tune", *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
+
+
+def load(url: str, name: str) -> optuna.Study:
+    from fitter.tune.storage import _storage
+
+    return optuna.load_study(study_name=name, storage=_storage(url, 5, 20))
+
+
+def check_fleet(study: optuna.Study, pids: list[int], trials: int, results: list[Path]) -> dict[str, Any]:
+    """What every fleet must show: each launched config once and finished, the budget kept (a worker may start one
+    trial past it), one worker's confirm and pareto.json naming every worker that launched a trial."""
+    launched = [t for t in study.trials if t.user_attrs.get("launched")]
+    told = [t for t in launched if measured(t)]
+    keys = collections.Counter(t.user_attrs["key"] for t in told)
+    assert [k for k, n in keys.items() if n > 1] == []
+    assert trials <= len(launched) <= trials + len(pids) - 1
+    assert {t.user_attrs["worker"] for t in launched} <= {f"{HOST}:{p}" for p in pids}
+    paretos = [p for r in results for p in r.glob("*/*/*/pareto.json")]
+    assert len(paretos) == 1, paretos
+    doc = json.loads(paretos[0].read_text())
+    by_worker = collections.defaultdict(list)
+    for t in launched:
+        by_worker[t.user_attrs["worker"]].append(t.number)
+    assert doc["study"]["workers"] == [{"worker": w, "trials": sorted(n)} for w, n in sorted(by_worker.items())]
+    assert doc["study"]["confirmed_by"] in {f"{HOST}:{p}" for p in pids}
+    assert doc["baseline"]["measurement"]["outcome"] == "ok"
+    assert [t.number for t in told if t.user_attrs["phase"] == "baseline"] == [doc["baseline"]["trial"]]
+    return doc
+
+
+@pytest.mark.tools("llama-fit-params")
+@pytest.mark.parametrize("kind", ["sqlite-folder", "sqlite", "journal", "postgres"])
+def test_three_workers_share_one_study(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Three sim workers started together: whoever is first creates the study, the others join; no config runs
+    twice, nothing finished is lost, one worker confirms and names the others."""
+    storage = [] if kind == "sqlite-folder" else ["--storage", storage_url(kind, tmp_path, request)]
+    roots = [tmp_path / "results"] * 3 if kind == "sqlite-folder" else [tmp_path / f"r{i}" for i in range(3)]
+    env = {"FITTER_SIM_PACE": "0.2"}  # trials take real time, so the workers overlap
+    procs = [_tune(["--backend", "sim", "--machine", "gpu-8gb", "--trials", "12", "--results", str(root),
+                    *storage], tmp_path, env) for root in roots]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for _, e in outs]
+    url = storage[1] if storage else f"sqlite:///{next(roots[0].glob('*/*/*/study.db'))}"
+    study = load(url, STUDY if storage else "fitter")
+    doc = check_fleet(study, [p.pid for p in procs], 12, sorted(set(roots)))
+    confirmer = next(i for i, p in enumerate(procs) if f"{HOST}:{p.pid}" == doc["study"]["confirmed_by"])
+    for i, (out, err) in enumerate(outs):
+        if i != confirmer:
+            assert out == (f"fitter: this worker's trials are in the study; worker {doc['study']['confirmed_by']} "
+                           "writes its results\n")
+            assert f"fitter: worker {doc['study']['confirmed_by']} confirm" in err
+
+
+@pytest.mark.slow  # ~50 s each: the dead worker's trial is failed after Optuna's heartbeat grace (20 s)
+@pytest.mark.tools("llama-fit-params")
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_worker_killed_mid_trial_loses_nothing_finished(kind: str, tmp_path: Path,
+                                                          request: pytest.FixtureRequest) -> None:
+    """kill -9 of one of three workers while its trial runs: that trial is failed (heartbeat, or the claim's beat),
+    the others finish the study, and every trial finished before the kill is still there, finished."""
+    url = storage_url(kind, tmp_path, request)
+    env = {"FITTER_SIM_PACE": "1.5"}
+    procs = [_tune(["--backend", "sim", "--machine", "gpu-8gb", "--trials", "12", "--results",
+                    str(tmp_path / f"r{i}"), "--storage", url], tmp_path, env) for i in range(3)]
+    victim = procs[1]
+    deadline = time.monotonic() + 300
+    finished_before: dict[int, list[float]] = {}
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        try:
+            study = load(url, STUDY)
+        except KeyError:  # not created yet
+            continue
+        trials = study.get_trials(deepcopy=False)
+        running = [t for t in trials if t.state == TrialState.RUNNING and t.user_attrs.get("launched")
+                   and t.user_attrs.get("worker") == f"{HOST}:{victim.pid}"]
+        if running and sum(t.state == TrialState.COMPLETE for t in trials) >= 2:
+            os.kill(victim.pid, signal.SIGKILL)
+            killed = running[0].number
+            finished_before = {t.number: list(t.values) for t in trials if t.state == TrialState.COMPLETE}
+            break
+    else:
+        pytest.fail("the victim never ran a trial")
+    outs = {p.pid: p.communicate(timeout=600) for p in procs}
+    assert [p.returncode for p in procs] == [0, -signal.SIGKILL, 0], [e[-2000:] for _, e in outs.values()]
+    study = load(url, STUDY)
+    after = {t.number: t for t in study.trials}
+    assert {n: list(after[n].values) for n in finished_before} == finished_before
+    assert after[killed].state == TrialState.FAIL
+    assert not measured(after[killed])  # never measured: free for another worker to launch
+    assert all(t.state != TrialState.RUNNING for t in study.trials)
+    check_fleet(study, [p.pid for p in procs], 12, [tmp_path / f"r{i}" for i in range(3)])
+
+
+@pytest.mark.tools("llama-fit-params")
+def test_a_worker_of_another_machine_or_model_is_refused_naming_the_difference(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    first = _tune(["--backend", "sim", "--machine", "gpu-8gb", "--trials", "2", "--confirm-rounds", "1",
+                   "--storage", url], tmp_path, {})
+    assert first.communicate(timeout=600) and first.returncode == 0
+    study = load(url, STUDY)
+    other = _tune(["--backend", "sim", "--machine", "gpu-12gb", "--trials", "2", "--storage", url], tmp_path, {})
+    _, err = other.communicate(timeout=600)
+    assert other.returncode == 2, err
+    fingerprint = study.user_attrs["machine_fingerprint"]
+    assert err.splitlines()[-1].startswith(
+        f"fitter: error: {url}: study '{STUDY}' there is for another machine fingerprint ({fingerprint!r}, this run: '")
+    # another model under the same study name
+    from tests.models import model_file
+
+    model = model_file("llama-tiny")
+    other = _tune([str(model), "--backend", "sim", "--machine", "gpu-8gb", "--trials", "2", "--storage", url,
+                   "--study-name", STUDY], tmp_path, {})
+    _, err = other.communicate(timeout=600)
+    assert other.returncode == 2, err
+    assert err.splitlines()[-1].startswith(
+        f"fitter: error: {url}: study '{STUDY}' there is for another model identity ('{study.user_attrs['model_identity']}'")
+    assert len(load(url, STUDY).trials) == len(study.trials)  # nothing was changed
