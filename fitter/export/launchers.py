@@ -62,6 +62,10 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
     name = model.get("name")
     if not isinstance(name, str) or not name:
         name = _stem(path)
+    binary = result.llama_cpp.get("llama_server")
+    binary = binary if isinstance(binary, str) and binary else "llama-server"
+    for key, value in (("model.path", path), ("model.name", name), ("llama_cpp.llama_server", binary)):
+        _check_text(f"{source}: {key}", value)
     if entry.flags is None:
         raise FitterError(f"{where}: \"flags\" must be a list of strings, got None")
     launch, _ = split_process_flags(entry.flags, where)
@@ -95,18 +99,33 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
         config = replace(config, n_gpu_layers=0)  # no GPU on the tuning machine: nothing was offloaded
 
     assert process.threads is not None and process.threads_batch is not None
-    binary = result.llama_cpp.get("llama_server")
+    flags = tuple(pin(config, process=process))
+    for flag in flags:
+        _check_text(f"{where}: flag", flag)
     return Pick(policy=policy, trial=int(entry.trial or 0), entry=entry, model_path=path, model_name=name,
                 config=config, threads=process.threads, threads_batch=process.threads_batch,
-                cpu_mask=process.cpu_mask, cpu_range=process.cpu_range, flags=tuple(pin(config, process=process)),
-                header=_header(result, entry, policy), warning=warning,
-                binary=binary if isinstance(binary, str) and binary else "llama-server")
+                cpu_mask=process.cpu_mask, cpu_range=process.cpu_range, flags=flags,
+                header=_header(result, entry, policy), warning=warning, binary=binary)
 
 
 def _stem(path: str) -> str:
     return re.sub(r"\.gguf$", "", path.replace("\\", "/").rsplit("/", 1)[-1])
 
 
+def _check_text(what: str, value: str) -> None:
+    """Every format is UTF-8 text: a file name in another encoding (Python keeps its bytes as lone surrogates)
+    cannot be written as the launcher would read it back."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FitterError(f"{what} {value!r}: not valid UTF-8 (a name in another encoding); an export is UTF-8 text: "
+                          "rename it") from None
+
+
+def comment(text: str) -> str:
+    """`text` fit for one comment line in any format: line breaks and other unprintable characters escaped, so a
+    path in it can never start a line of its own (a command, a key, a section)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def _header(result: ParetoDoc, entry: Entry, policy: str) -> tuple[str, ...]:
@@ -117,7 +136,11 @@ def _header(result: ParetoDoc, entry: Entry, policy: str) -> tuple[str, ...]:
         lines.append("measured " + ", ".join(speeds) + (f" with llama.cpp {commit}" if commit else ""))
     elif commit:
         lines.append(f"measured with llama.cpp {commit}")
-    return tuple(line.replace("\n", " ").replace("\r", " ") for line in lines)
+    return tuple(lines)
+
+
+def _comments(p: Pick, prefix: str) -> list[str]:
+    return [f"{prefix} {comment(line)}" for line in (*p.header, *([p.warning] if p.warning else []))]
 
 
 # -- the pinned flags as launchers read them ------------------------------------------------------------------
@@ -147,7 +170,7 @@ def render(result: ParetoDoc, policy: str, fmt: str, note: str | None = None) ->
         raise FitterError(f"--format {fmt!r}: unknown format; choose one of {', '.join(FORMATS)}")
     p = pick(result, policy)
     if note:
-        p = replace(p, header=(*p.header, note.replace("\n", " ")), replanned=note)
+        p = replace(p, header=(*p.header, note), replanned=note)
     return renderers[fmt](p)
 
 
@@ -156,36 +179,81 @@ def server_argv(p: Pick) -> list[str]:
 
 
 def render_server(p: Pick) -> str:
-    notes = "".join(f"# {line}\n" for line in (p.warning, p.replanned) if line)
+    # POSIX shell quoting: a newline in a value stays inside its quotes (the line then spans lines, still one command)
+    notes = "".join(f"# {comment(line)}\n" for line in (p.warning, p.replanned) if line)
     return notes + shlex.join(server_argv(p)) + "\n"
 
 
+# common/preset.cpp parse_ini_from_file (0c1e570): a value runs to the line's end, less the blanks ([ \t]) around it,
+# and stops at the first ';' or '#' (a comment); a line ends at \n, \r\n or \r. No quoting or escape exists.
+_INI_UNSAFE = re.compile(r"[;#\r\n]|^[ \t]|[ \t]$")
+# the same file's load_from_ini: section "*" holds the options of every preset, not a model's
+_INI_GLOBAL = "*"
+
+
 def render_preset_ini(p: Pick) -> str:
-    # Grammar from common/preset.cpp parse_ini_from_file: `[name]` headers, `key = value` lines whose value ends at
-    # the first `;` or `#` (a comment) and loses surrounding blanks; `;`/`#` comment lines.
-    section = re.sub(r"[\[\]:\s]+", "-", p.model_name).strip("-") or "model"  # a `:tag` would be re-cased
-    lines = [f"; {line}" for line in (*p.header, *([p.warning] if p.warning else []))]
-    lines.append(f"[{section}]")
+    section = re.sub(r"[\[\]:\s]+", "-", p.model_name).strip("-")  # a `:tag` would be re-cased
+    lines = _comments(p, ";")
+    lines.append(f"[{section if section not in ('', _INI_GLOBAL) else 'model'}]")
     for key, value in preset_options(p):
-        if re.search(r"[;#\r\n]", value) or value != value.strip():
-            raise FitterError(f"preset-ini: {key} = {value!r}: llama-server's preset parser ends a value at ';' or "
-                              "'#' and trims blanks; launch with --format server instead")
+        if _INI_UNSAFE.search(value):
+            raise FitterError(f"preset-ini: {key} = {value!r}: llama-server's preset parser ends a value at ';', "
+                              "'#' or a line break and drops the blanks around it; launch with --format server "
+                              "instead")
         lines.append(f"{key} = {value}")
     return "\n".join(lines) + "\n"
 
 
 def render_llama_swap(p: Pick) -> str:
-    # llama-swap (github.com/mostlygeek/llama-swap, config.example.yaml, internal/config/commands.go): `cmd` is split
-    # with POSIX shlex after `${PORT}`-style macros are substituted and lines starting with `#` are dropped; `proxy`
-    # defaults to http://localhost:${PORT} when cmd uses ${PORT}.
+    # llama-swap (github.com/mostlygeek/llama-swap, internal/config/commands.go SanitizeCommand, macros.go): `cmd`
+    # loses its lines that start with '#' (after blanks) and the trailing '\' of its lines, `${NAME}` macros are
+    # substituted, and it is split by github.com/billziss-gh/golib shlex.Posix (single quotes literal, blanks are
+    # space, tab and newline). `proxy` defaults to http://localhost:${PORT} when cmd uses ${PORT}.
     argv = ["-m", p.model_path, *p.flags]
     for arg in argv:
         if "${" in arg:
             raise FitterError(f"llama-swap: {arg!r} contains '${{', which llama-swap reads as a macro")
-    lines = [shlex.quote(p.binary), "--port ${PORT}", *(shlex.join(tokens) for _, tokens in flag_groups(argv))]
-    out = [f"# {line}" for line in (*p.header, *([p.warning] if p.warning else []))]
-    out += ["models:", f"  {json.dumps(p.model_name)}:", "    cmd: |", *(f"      {line}" for line in lines)]
+    lines = [_swap_quote(p.binary), "--port ${PORT}",
+             *(" ".join(_swap_quote(t) for t in tokens) for _, tokens in flag_groups(argv))]
+    cmd = "\n".join(lines)
+    out = [*_comments(p, "#"), "models:", f"  {yaml_quoted(p.model_name)}:"]
+    if _YAML_BLOCK_UNSAFE.search(cmd):
+        out.append(f"    cmd: {yaml_quoted(cmd)}")
+    else:
+        out += ["    cmd: |", *(f"      {line}" for line in cmd.split("\n"))]
     return "\n".join(out) + "\n"
+
+
+def _swap_quote(token: str) -> str:
+    """shlex.quote, with each newline inside a value quoted apart ('\n'), so every line of cmd starts and ends with a
+    quote or a plain word: none starts with '#' or ends with '\', which llama-swap would drop or cut."""
+    return "'\n'".join(shlex.quote(part) for part in token.split("\n"))
+
+
+# what a YAML literal block cannot hold as it is (YAML 1.2 c-printable, less the line breaks and the BOM that
+# libyaml, under both PyYAML and gopkg.in/yaml.v3, reads as such): such a cmd is written double-quoted, escaped
+_YAML_BLOCK_UNSAFE = re.compile("[^\t\n\x20-\x7e\xa0-\ud7ff\ue000-\ufefe\uff00-\ufffd\U00010000-\U0010ffff]")
+
+
+def yaml_quoted(text: str) -> str:
+    """A YAML double-quoted scalar that reads back as exactly `text`: printable ASCII as is, the rest as escapes
+    (YAML 1.2 section 5.7, read by PyYAML and gopkg.in/yaml.v3); astral characters as one \\U escape, not JSON's
+    surrogate pairs, which yaml.v3 refuses."""
+    out = []
+    for c in text:
+        if c in '"\\':
+            out.append("\\" + c)
+        elif c == "\n":
+            out.append("\\n")
+        elif " " <= c <= "~":
+            out.append(c)
+        elif ord(c) <= 0xFF:
+            out.append(f"\\x{ord(c):02x}")
+        elif ord(c) <= 0xFFFF:
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(f"\\U{ord(c):08x}")
+    return '"' + "".join(out) + '"'
 
 
 def llama_kwargs(p: Pick) -> dict[str, Any]:

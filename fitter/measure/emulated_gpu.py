@@ -25,6 +25,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -34,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 
 from fitter.machine.environment import with_environment
-from fitter.measure import process
+from fitter.measure import ports, process
 from fitter.measure.capdev import (
     _DIR_PREFIX,
     _LOG_TAIL,
@@ -56,21 +57,12 @@ from fitter.units import MIB
 
 __all__ = ["EmulatedGpu", "EmulatedGpuError", "EmulatedGpuStats", "emulated_gpu_problem"]
 
-HOST = "127.0.0.1"
+HOST = ports.HOST
 _READY_POLL_S = 0.01
 _START_ATTEMPTS = 3  # a port found free can be taken before the server binds it: try another
-
-
-def _port_is_free(port: int) -> bool:
-    """Nothing listens on HOST:port and it can be bound (bind without SO_REUSEADDR is the stricter test)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.2)
-        return s.connect_ex((HOST, port)) != 0
+# how a lost port race shows: the server's bind failed (ggml-rpc.cpp `ggml_backend_rpc_start_server`), or another
+# process listens there too
+_PORT_LOST = ("Failed to create server socket", "is taken by another process")
 
 
 def emulated_device(name: str, cap_bytes: int, cuda: bool) -> Device:
@@ -88,53 +80,6 @@ def _set_cuda_endpoint(endpoint: str, on: bool) -> None:
         os.environ[CUDA_RPC_ENV] = ",".join(endpoints)
     else:
         os.environ.pop(CUDA_RPC_ENV, None)
-
-
-def _pick_free_port() -> int:
-    for _ in range(20):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
-        if _port_is_free(port):
-            return port
-    raise EmulatedGpuError(f"emulated GPU: found no free TCP port on {HOST} in 20 tries")
-
-
-def _listening_inodes(port: int) -> set[str]:
-    """Socket inodes listening on HOST:port (or any address) per /proc/net/tcp."""
-    wanted = {f"0100007F:{port:04X}", f"00000000:{port:04X}"}
-    inodes: set[str] = set()
-    try:
-        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
-    except OSError:
-        return inodes
-    for line in lines:
-        f = line.split()
-        if len(f) > 9 and f[1] in wanted and f[3] == "0A":  # st 0A: TCP_LISTEN
-            inodes.add(f[9])
-    return inodes
-
-
-def _listens(pid: int, port: int) -> bool:
-    """Whether process `pid` holds a socket listening on HOST:port (True where /proc cannot tell)."""
-    if not Path("/proc/net/tcp").is_file():
-        return True
-    inodes = _listening_inodes(port)
-    if not inodes:
-        return False
-    links = {f"socket:[{i}]" for i in inodes}
-    fd_dir = Path(f"/proc/{pid}/fd")
-    try:
-        fds = list(fd_dir.iterdir())
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(fd) in links:
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def _accepts(port: int) -> bool:
@@ -215,8 +160,8 @@ class EmulatedGpu:
     ) -> None:
         self.stop()
 
-    def start(self, timeout: float = 30.0) -> EmulatedGpu:
-        """Start the server on a free port and return once it accepts TCP connections."""
+    def start(self, timeout: float = 30.0, port: int | None = None) -> EmulatedGpu:
+        """Start the server on a free port (or on `port`) and return once it accepts TCP connections."""
         with self._lock:
             if self._proc is not None:
                 raise EmulatedGpuError(f"emulated GPU: already started at {self.endpoint}")
@@ -228,7 +173,7 @@ class EmulatedGpu:
             self._final = None
             self._dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
             try:
-                self._start(shim, lib_dir, timeout)
+                self._start(shim, lib_dir, timeout, port)
             except BaseException:
                 self._teardown()
                 raise
@@ -238,13 +183,38 @@ class EmulatedGpu:
             self.start_seconds = time.perf_counter() - t0
         return self
 
-    def _start(self, shim: Path, lib_dir: Path, timeout: float) -> None:
+    def restart(self, timeout: float = 30.0) -> EmulatedGpu:
+        """A fresh server on the same endpoint, after this one died: the trials' --rpc and the device's name carry
+        the endpoint. The old server's connections may hold the port in TIME_WAIT; ggml's RPC server binds with
+        SO_REUSEADDR (ggml/src/ggml-rpc/transport.cpp `create_server`), so only another listener stops it."""
+        with self._lock:
+            if self._port is None:
+                raise EmulatedGpuError("emulated GPU restart: the server was never started (call start())")
+            port = self._port
+            self.stop()
+            return self.start(timeout, port)
+
+    def died(self, wait_s: float = 0.0) -> str | None:
+        """How the server ended when it ended on its own (waiting up to `wait_s` for that): `exited with status N` or
+        `killed by signal SIGKILL`; None while it runs, and after stop()."""
+        proc = self._proc
+        if proc is None:
+            return None
+        try:
+            rc = proc.wait(timeout=wait_s) if wait_s > 0 else proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
+        if rc is None:
+            return None
+        return f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with status {rc}"
+
+    def _start(self, shim: Path, lib_dir: Path, timeout: float, fixed_port: int | None) -> None:
         assert self._dir is not None
         stats_path, log_path = self._dir / "stats", self._dir / "server.log"
         failures: list[str] = []
-        for _ in range(_START_ATTEMPTS):
+        for _ in range(1 if fixed_port is not None else _START_ATTEMPTS):
             stats_path.write_bytes(bytes(STATS_SIZE))
-            port = _pick_free_port()
+            port = fixed_port if fixed_port is not None else ports.pick_free_port("emulated GPU")
             env = server_env(os.environ, shim, stats_path, self.cap_bytes, self.cuda)
             cmd = server_command(f"{HOST}:{port}", self.threads, os.getpid(), lib_dir)
             with log_path.open("wb") as log:
@@ -257,19 +227,22 @@ class EmulatedGpu:
                 return
             self._kill()
             failures.append(why)
-            if "Failed to create server socket" not in why:  # only a lost port race is worth another try
+            if not any(lost in why for lost in _PORT_LOST):  # only a lost port race is worth another try
                 break
         raise EmulatedGpuError(f"emulated GPU ({self.cap_mib} MiB) did not start: {failures[-1]}")
 
     def _wait_ready(self, port: int, timeout: float) -> str | None:
-        """None once the child listens on `port` and accepts a connection; else why not."""
+        """None once the child alone listens on `port` and accepts a connection; else why not."""
         assert self._proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             rc = self._proc.poll()
             if rc is not None:
                 return f"the server exited with status {rc}: {self._log_tail()}"
-            if _listens(self._proc.pid, port) and _accepts(port):
+            state = ports.port_state(self._proc.pid, port)
+            if state == "taken":
+                return f"{HOST}:{port} {_PORT_LOST[1]}"
+            if state == "ours" and _accepts(port):
                 return None
             time.sleep(_READY_POLL_S)
         return f"the server did not listen on {HOST}:{port} within {timeout:g} s: {self._log_tail()}"

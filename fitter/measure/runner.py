@@ -6,8 +6,8 @@ llama-bench (`LlamaBenchRunner`), a simulated machine (fitter.sim) or a fake in 
 (what it starts lives inside the `with`), knows the llama.cpp build that measures before it starts, and is handed
 the memory plan the caller already screened the config with (a simulated machine measures that plan instead of
 estimating again; the real runners measure what llama.cpp allocates). The real runners share the emulated GPU
-(started on enter, its peak counter restarted before each trial) and NVML's per-process peak sampled during each
-trial.
+(started on enter, its peak counter restarted before each trial, a fresh one on the same endpoint when its server
+died) and NVML's per-process peak sampled during each trial.
 """
 
 from __future__ import annotations
@@ -122,8 +122,16 @@ class _Devices:
     def cpu_profile(self) -> CpuProfile | None:
         return None  # this machine's CPU runs the trials
 
+    def _fresh_gpu(self) -> bool:
+        """Restart the emulated GPU if its server died (a fresh one on the same endpoint); whether it did."""
+        if self._gpu is None or self._gpu.died() is None:
+            return False
+        self._gpu.restart()
+        return True
+
     def _measured(self, measure: Callable[[], Measurement]) -> TrialResult:
-        """Run `measure` with the emulated GPU's peak restarted and NVML sampling; the device peaks it reached."""
+        """Run `measure` with the emulated GPU's peak restarted and NVML sampling; the device peaks it reached. A
+        trial during which the emulated GPU's server died is a crash that says so (its client died or hung with it)."""
         from fitter.machine.nvml_peak import NvmlPeakSampler
 
         if self._gpu is not None:
@@ -131,6 +139,12 @@ class _Devices:
         sampler: Any = NvmlPeakSampler() if self._nvml else contextlib.nullcontext()
         with sampler:
             m = measure()
+        if self._gpu is not None and m.outcome in ("crash", "timeout"):
+            # the client sees the connection drop as soon as the server's sockets close, a moment before it is reaped
+            died = self._gpu.died(wait_s=1.0)
+            if died is not None:
+                m = replace(m, outcome="crash", reason=f"the emulated GPU's server ({self._gpu.endpoint}) {died} "
+                            f"during the trial; {m.reason}")
         self.trials_run += 1
         self.model_loads += 0 if m.reused_model else 1
         peak: dict[str, dict[str, Any]] = {}
@@ -169,6 +183,8 @@ class WorkerRunner(_Devices):
 
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: MemoryPlan | None = None) -> TrialResult:
+        if self._fresh_gpu():
+            self._worker.close_child()  # its RPC connection died with the old server: a new child registers the new one
         if self._gpu is not None and self._worker.will_reload(model, config):
             self._worker.unload()  # else the old model's bytes are still in use when the peak restarts
         return self._measured(lambda: self._worker.run(model, config, spec, timeout))
@@ -197,6 +213,7 @@ class ServerRunner(_Devices):
             plan: MemoryPlan | None = None) -> TrialResult:
         from fitter.measure.server import measure_server
 
+        self._fresh_gpu()
         process = replace(self._process, threads=spec.threads, threads_batch=spec.threads_batch or spec.threads)
         flags = [*server_flags(config), *process.flags()]
         return self._measured(lambda: measure_server(self.binary, model, flags, spec, timeout or DEFAULT_TIMEOUT_S,
@@ -222,5 +239,6 @@ class LlamaBenchRunner(_Devices):
             plan: MemoryPlan | None = None) -> TrialResult:
         from fitter.measure.llama_bench import measure_llama_bench
 
+        self._fresh_gpu()
         return self._measured(lambda: measure_llama_bench(self.binary, model, config, spec,
                                                           timeout or DEFAULT_TIMEOUT_S, cpu_mask=self._cpu_mask))

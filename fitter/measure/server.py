@@ -6,14 +6,18 @@ context is first filled with d tokens (cached by the slot); a prefill repetition
 so only the p new tokens are prefilled, at depth d; a decode repetition sends the d tokens alone (the slot re-evaluates
 the last one) and decodes n tokens after them, at depth d, as llama-bench's tg test does. At d = 0 the decode prompt
 is one token. The buffers come from the server's log, the build from `llama-server --version`.
+
+The server listens on 127.0.0.1 only, on a port fitter picks: one lost to another process before the server held it
+is given up for a fresh one (fitter.measure.ports). A server that dies during a trial makes that trial a crash that
+names its signal or exit status; each trial starts a server of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import tempfile
 import time
@@ -24,23 +28,24 @@ from typing import Any
 
 from fitter.errors import FitterError
 from fitter.machine.rss import peak_rss
-from fitter.measure import process
+from fitter.measure import ports, process
 from fitter.measure.logs import classify_exit, parse_buffer_lines
 from fitter.measure.types import BenchSpec, Measurement, SpeedStats
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+HOST = ports.HOST
+_START_ATTEMPTS = 3  # a port found free can be taken before llama-server binds it: try another
+# the bind failed: tools/server/server-http.cpp `server_http_context::start` (0c1e570; server.cpp's main before it)
+_BIND_FAILED = "couldn't bind HTTP server socket"
+# loopback needs no proxy: urllib would send these requests to $http_proxy unless $no_proxy names the host
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def server_argv(binary: str, model: str, flags: list[str], port: int) -> list[str]:
-    """The command line (pure): the user's flags, on loopback, with a port of fitter's choosing. Log verbosity 4 makes
-    llama-server print llama.cpp's buffer lines (its default of 3 hides them)."""
+    """The command line (pure): the user's flags, on loopback, with a port of fitter's choosing (last: llama.cpp keeps
+    the last value of a repeated flag). Log verbosity 4 makes llama-server print llama.cpp's buffer lines (its
+    default of 3 hides them)."""
     verbosity = [] if any(f in ("-lv", "--verbosity", "--log-verbosity") for f in flags) else ["-lv", "4"]
-    return [binary, "-m", model, *flags, *verbosity, "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+    return [binary, "-m", model, *flags, *verbosity, "--host", HOST, "--port", str(port), "--no-webui"]
 
 
 def completion_request(tokens: list[int], n_predict: int) -> dict[str, Any]:
@@ -49,19 +54,59 @@ def completion_request(tokens: list[int], n_predict: int) -> dict[str, Any]:
 
 
 def _post(port: int, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"http://{HOST}:{port}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with _LOOPBACK.open(req, timeout=timeout) as resp:
         out: dict[str, Any] = json.loads(resp.read())
         return out
 
 
 def _healthy(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
+        with _LOOPBACK.open(f"http://{HOST}:{port}/health", timeout=2) as resp:
             return bool(resp.status == 200)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return False
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, deadline: float) -> str:
+    """"ok" once the server alone listens on `port` and answers /health; else "exited", "taken" (another process
+    listens there) or "timeout" (past `deadline`, a perf_counter time)."""
+    while True:
+        if proc.poll() is not None:
+            return "exited"
+        state = ports.port_state(proc.pid, port)
+        if state == "taken":
+            return "taken"
+        if state == "ours" and _healthy(port):
+            return "ok"
+        if time.perf_counter() > deadline:
+            return "timeout"
+        time.sleep(0.2)
+
+
+def start_server(binary: str, model: str, flags: list[str], log_path: Path,
+                 deadline: float) -> tuple[subprocess.Popen[bytes], int, str | None]:
+    """Start llama-server on a free loopback port and wait until it is healthy: (process, port, None), or (process,
+    port, "exited" | "timeout") when it exited or was not healthy by `deadline` (a perf_counter time). A port lost to
+    another process (the bind failed, or another process listens there too) is given up for a fresh one, up to
+    _START_ATTEMPTS times. The caller stops the process; its output is in `log_path`."""
+    for _ in range(_START_ATTEMPTS):
+        port = ports.pick_free_port("llama-server")
+        with log_path.open("wb") as log:  # each attempt's output alone
+            proc = process.spawn(server_argv(binary, model, flags, port), env=dict(os.environ), stdout=log,
+                                 stderr=subprocess.STDOUT)
+        try:
+            state = _wait_healthy(proc, port, deadline)
+        except BaseException:
+            process.stop(proc)
+            raise
+        if state == "taken" or (state == "exited" and _BIND_FAILED in log_path.read_text(errors="replace")):
+            process.stop(proc)
+            continue
+        return proc, port, None if state == "ok" else state
+    raise FitterError(f"llama-server --port {port}: taken by another process before llama-server held it, "
+                      f"{_START_ATTEMPTS} free ports on {HOST} in a row")
 
 
 def server_build(binary: str) -> dict[str, str]:
@@ -127,57 +172,73 @@ def measure_server(
 ) -> Measurement:
     """Run the user's llama-server once and measure; the server is always stopped."""
     n_prompt, n_gen, n_depth, repetitions = spec.n_prompt, spec.n_gen, spec.n_depth, spec.repetitions
-    port = free_port()
     t0 = time.perf_counter()
-    with tempfile.NamedTemporaryFile("w+", prefix="fitter-llama-server-", suffix=".log", delete=False) as logf:
-        log_path = Path(logf.name)
-        proc = process.spawn(server_argv(binary, model, flags, port), env=dict(os.environ), stdout=logf,
-                             stderr=subprocess.STDOUT)
+    fd, name = tempfile.mkstemp(prefix="fitter-llama-server-", suffix=".log")
+    os.close(fd)
+    log_path = Path(name)
+    proc: subprocess.Popen[bytes] | None = None
     try:
-        while not _healthy(port):
-            if proc.poll() is not None:
-                log = log_path.read_text(errors="replace")
-                outcome, reason = classify_exit(proc.returncode, log)
-                return _failed(outcome, reason, log, t0, spec, flags)
-            if time.perf_counter() - t0 > timeout:
-                return _failed("timeout", f"llama-server not healthy after {timeout:.0f} s",
-                               log_path.read_text(errors="replace"), t0, spec, flags)
-            time.sleep(0.2)
+        proc, port, problem = start_server(binary, model, flags, log_path, t0 + timeout)
+        if problem == "exited":
+            log = log_path.read_text(errors="replace")
+            outcome, reason = classify_exit(proc.returncode, log)
+            return _failed(outcome, reason, log, t0, spec, flags, proc.returncode)
+        if problem == "timeout":
+            return _failed("timeout", f"llama-server not healthy after {timeout:.0f} s",
+                           log_path.read_text(errors="replace"), t0, spec, flags)
         load_s = time.perf_counter() - t0
         # token ids from the byte range every generated vocabulary has; deterministic
         depth_tokens = [(7 * i) % (vocab_size - 10) + 10 for i in range(n_depth)]
         prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(n_prompt)]
         decode_prompt = depth_tokens or [10]
-        if n_depth:
-            _post(port, "/completion", completion_request(depth_tokens, 0), timeout)
-        pp: list[float] = []
-        tg: list[float] = []
-        for r in range(-1, repetitions):  # r = -1: the warm-up, not recorded
-            if n_prompt:
-                # a different first new token each time: the slot keeps the depth prefix but prefills all p tokens
-                new = [(prompt[0] + r + 2) % (vocab_size - 10) + 10, *prompt[1:]]
-                out = _post(port, "/completion", completion_request(depth_tokens + new, 1), timeout)
-                if r >= 0:
-                    pp.append(float(out["timings"]["prompt_per_second"]))
-            if n_gen:
-                out = _post(port, "/completion", completion_request(decode_prompt, n_gen), timeout)
-                if r >= 0:
-                    tg.append(float(out["timings"]["predicted_per_second"]))
+        try:
+            if n_depth:
+                _post(port, "/completion", completion_request(depth_tokens, 0), timeout)
+            pp: list[float] = []
+            tg: list[float] = []
+            for r in range(-1, repetitions):  # r = -1: the warm-up, not recorded
+                if n_prompt:
+                    # a different first new token each time: the slot keeps the depth prefix but prefills all p tokens
+                    new = [(prompt[0] + r + 2) % (vocab_size - 10) + 10, *prompt[1:]]
+                    out = _post(port, "/completion", completion_request(depth_tokens + new, 1), timeout)
+                    if r >= 0:
+                        pp.append(float(out["timings"]["prompt_per_second"]))
+                if n_gen:
+                    out = _post(port, "/completion", completion_request(decode_prompt, n_gen), timeout)
+                    if r >= 0:
+                        tg.append(float(out["timings"]["predicted_per_second"]))
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            rc, outcome, reason = _request_failed(proc, e, log_path, timeout)
+            return _failed(outcome, reason, log_path.read_text(errors="replace"), t0, spec, flags, rc)
         log = log_path.read_text(errors="replace")
         return Measurement("ok", "", spec, tuple(flags), _stats(n_prompt, n_depth, pp) if pp else None,
                            _stats(n_gen, n_depth, tg) if tg else None, buffers=tuple(parse_buffer_lines(log)),
                            load_s=load_s, wall_s=time.perf_counter() - t0, llama_cpp=server_build(binary),
                            peak_rss=peak_rss(proc.pid), log=log[-3000:])
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-        proc.poll()
-        log = log_path.read_text(errors="replace")
-        outcome, reason = classify_exit(proc.returncode, log) if proc.returncode is not None else ("timeout", str(e))
-        return _failed(outcome, reason, log, t0, spec, flags)
     finally:
-        process.stop(proc)
+        if proc is not None:
+            process.stop(proc)
         log_path.unlink(missing_ok=True)
 
 
-def _failed(outcome: str, reason: str, log: str, t0: float, spec: BenchSpec, flags: list[str]) -> Measurement:
+def _request_failed(proc: subprocess.Popen[bytes], error: OSError, log_path: Path,
+                    timeout: float) -> tuple[int | None, str, str]:
+    """(exit status, outcome, reason) of a trial whose request failed: the server died (its signal or exit status;
+    oom when it said it could not allocate), did not answer in time, or dropped the connection and lives on."""
+    timed_out = isinstance(error, TimeoutError) or isinstance(getattr(error, "reason", None), TimeoutError)
+    rc = proc.poll()
+    if rc is None and not timed_out:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rc = proc.wait(timeout=5)  # its sockets close, and the request fails, a moment before it can be reaped
+    if rc is not None:
+        outcome, reason = classify_exit(rc, log_path.read_text(errors="replace"))
+        return rc, outcome, reason if outcome == "oom" else f"llama-server {reason} during the trial"
+    if timed_out:
+        return None, "timeout", f"llama-server did not answer within {timeout:g} s ({error})"
+    return None, "crash", f"llama-server dropped the request and kept running ({error})"
+
+
+def _failed(outcome: str, reason: str, log: str, t0: float, spec: BenchSpec, flags: list[str],
+            returncode: int | None = None) -> Measurement:
     return Measurement(outcome, reason, spec, tuple(flags), buffers=tuple(parse_buffer_lines(log)),
-                       wall_s=time.perf_counter() - t0, log=log[-3000:])
+                       wall_s=time.perf_counter() - t0, returncode=returncode, log=log[-3000:])

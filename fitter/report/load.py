@@ -9,6 +9,7 @@ from pathlib import Path
 import optuna
 
 from fitter.errors import FitterError
+from fitter.tune.request import OBJECTIVES
 from fitter.tune.result import RESULT_FILE, ParetoDoc, ResultError
 from fitter.tune.result import load_result as load_pareto
 from fitter.tune.storage import KEY_ATTRS, STUDY_NAME, check_study_db
@@ -67,6 +68,9 @@ def load_result(path: Path) -> StudyResult:
     if missing:
         raise ReportError(f"{db}: study {name!r} is not a fitter study (no {', '.join(missing)} in its attributes)")
     objectives = tuple(str(o) for o in attrs["objectives"])
+    if not set(objectives) <= set(OBJECTIVES):  # figure files are named after them
+        raise ReportError(f"{db}: the study records objectives {list(objectives)}; fitter's are "
+                          f"{', '.join(OBJECTIVES)}")
     if len(objectives) != len(study.directions):
         raise ReportError(f"{db}: the study records objectives {list(objectives)} but optimizes "
                           f"{len(study.directions)} values")

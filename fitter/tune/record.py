@@ -26,6 +26,7 @@ from optuna.distributions import distribution_to_json
 from fitter.errors import FitterError
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.memory.budgets import check_target_count
+from fitter.paths import safe_name
 from fitter.sim.landscape import DeviceRecord, Landscape, Point, best_within_noise, load_landscape, write_landscape
 from fitter.tune.baseline import _candidate, baseline_candidate, on_these_devices, sim_fit_devices
 from fitter.tune.grid import space_points
@@ -55,7 +56,7 @@ _SAME: tuple[tuple[str, Callable[[Landscape], Any]], ...] = (
 
 def default_out(model: str, machine_dir: str) -> Path:
     """landscapes/<model>-<machine dir>.json: the machine folder `fitter tune` files its results under."""
-    return LANDSCAPES / f"{slug(Path(model).stem)}-{machine_dir}.json"
+    return LANDSCAPES / f"{slug(Path(model).stem)}-{safe_name(machine_dir, keep='+')}.json"
 
 
 def round_order(keys: list[str], seed: int, round_index: int) -> list[str]:

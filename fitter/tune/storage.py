@@ -8,7 +8,6 @@ build; opening a study whose key differs is an error that names both values, and
 from __future__ import annotations
 
 import os
-import re
 import sqlite3
 import time
 import warnings
@@ -19,6 +18,7 @@ from typing import Any
 import optuna
 
 from fitter.errors import FitterError
+from fitter.paths import safe_name
 
 STUDY_NAME = "fitter"
 HEARTBEAT_S = 5
@@ -31,7 +31,7 @@ class ResultsError(FitterError):
 
 
 def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "unknown"
+    return safe_name(text)
 
 
 def machine_dir_name(machine: dict[str, Any], emulated_mib: int | None) -> str:
@@ -47,7 +47,8 @@ def machine_dir_name(machine: dict[str, Any], emulated_mib: int | None) -> str:
 
 
 def result_dir(root: Path, model_path: str, machine_dir: str, commit: str) -> Path:
-    return root / slug(Path(model_path).stem) / machine_dir / slug(commit)
+    """Three folder names under `root`, none of which can leave it (fitter.paths.safe_name)."""
+    return root / slug(Path(model_path).stem) / safe_name(machine_dir, keep="+") / slug(commit)
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import configparser
 import copy
 import json
+import re
 import shlex
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,8 @@ from fitter.flags import (
     resolve_context,
 )
 from fitter.tune.result import POLICIES, ParetoDoc
+from tests.export.readers import golib_posix_split, llama_cpp_ini, llama_swap_argv, sh_argv
+from tests.hostile import HOSTILE_NAMES, HOSTILE_PATHS
 
 MODEL = "/home/me/models/fitter-demo-gpt-oss.gguf"
 SOURCE = "results/fitter-demo-gpt-oss/cpu-only-1a2b3c4d/0c1e570/pareto.json"
@@ -138,7 +141,7 @@ def test_server_line_quotes_a_path_with_blanks() -> None:
 PRESET_BOOL_KEYS = {"kv-unified", "swa-full", "kv-offload", "op-offload", "repack", "cpu-moe"}
 
 
-def _preset_argv(section: configparser.SectionProxy) -> list[str]:
+def _preset_argv(section: dict[str, str]) -> list[str]:
     """What llama-server's common_preset::to_args makes of a section: `--key value`, bools as --key / --no-key."""
     argv: list[str] = []
     for key, value in section.items():
@@ -164,9 +167,8 @@ def test_preset_ini_of_the_decode_pick() -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_preset_ini_reads_back_as_the_entry(policy: str) -> None:
-    ini = configparser.ConfigParser(interpolation=None)
-    ini.read_string(render(_result(), policy, "preset-ini", SOURCE))
-    assert ini.sections() == ["fitter-demo-gpt-oss"]
+    ini = llama_cpp_ini(render(_result(), policy, "preset-ini", SOURCE))
+    assert list(ini) == ["fitter-demo-gpt-oss"]
     argv = _preset_argv(ini["fitter-demo-gpt-oss"])
     assert argv[:2] == ["--model", MODEL]
     launch, threads = _split_threads(argv[2:])
@@ -174,11 +176,9 @@ def test_preset_ini_reads_back_as_the_entry(policy: str) -> None:
 
 
 def test_preset_ini_writes_negative_flags_as_false() -> None:
-    ini = configparser.ConfigParser(interpolation=None)
-    ini.read_string(render(_result(), "max-prefill", "preset-ini", SOURCE))
+    ini = llama_cpp_ini(render(_result(), "max-prefill", "preset-ini", SOURCE))
     assert ini["fitter-demo-gpt-oss"]["kv-unified"] == "false"
-    ini.read_string(render(_result(), "min-vram", "preset-ini", SOURCE))
-    section = ini["fitter-demo-gpt-oss"]
+    section = llama_cpp_ini(render(_result(), "min-vram", "preset-ini", SOURCE))["fitter-demo-gpt-oss"]
     assert (section["swa-full"], section["repack"], section["load-mode"]) == ("true", "false", "mlock")
 
 
@@ -187,8 +187,8 @@ def test_preset_ini_refuses_a_value_llama_server_would_cut() -> None:
     result["model"]["path"] = "/models/a;b.gguf"
     with pytest.raises(FitterError) as e:
         render(result, "max-decode", "preset-ini", SOURCE)
-    assert str(e.value) == ("preset-ini: model = '/models/a;b.gguf': llama-server's preset parser ends a value at ';' "
-                            "or '#' and trims blanks; launch with --format server instead")
+    assert str(e.value) == ("preset-ini: model = '/models/a;b.gguf': llama-server's preset parser ends a value at ';', "
+                            "'#' or a line break and drops the blanks around it; launch with --format server instead")
 
 
 def test_preset_ini_section_name_avoids_a_tag() -> None:
@@ -201,8 +201,7 @@ def test_preset_ini_section_name_avoids_a_tag() -> None:
 
 
 def _swap_argv(cmd: str) -> list[str]:
-    """llama-swap's SanitizeCommand: lines starting with '#' dropped, then POSIX shlex."""
-    return shlex.split("\n".join(line for line in cmd.split("\n") if not line.strip().startswith("#")))
+    return llama_swap_argv(cmd)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -407,3 +406,108 @@ def test_flags_an_export_cannot_pin(flags: list[str], machine_gpus: list[str], m
     result["pareto"][0]["flags"] = flags
     result["machine"]["gpus"] = machine_gpus
     assert _error(result) == f"{SOURCE}: the max-decode pick (trial 3): {message}"
+
+
+# -- hostile names: every format reads back as exactly what was measured -------------------------------------------
+
+# what llama.cpp's preset parser cannot hold (common/preset.cpp): ';', '#', a line break, blanks around the value
+INI_CANNOT = re.compile(r"[;#\r\n]|^[ \t]|[ \t]$")
+
+
+def _hostile(path: str, name: str = "fitter-demo-gpt-oss") -> dict[str, Any]:
+    result = _result()
+    result["model"].update(path=path, name=name)
+    return result
+
+
+@pytest.mark.parametrize("path", HOSTILE_PATHS)
+def test_a_hostile_model_path_reads_back_exactly_from_the_server_line(path: str, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    out = render(_hostile(path), "max-decode", "server", SOURCE)
+    expected = ["llama-server", "-m", path, *_entry(_result(), "max-decode")["flags"]]
+    assert shlex.split(out) == expected
+    monkeypatch.chdir(tmp_path)
+    assert sh_argv(out.rstrip("\n")) == expected  # nothing ran: no word is a command, a variable or a substitution
+
+
+@pytest.mark.parametrize("path", HOSTILE_PATHS)
+def test_a_hostile_model_path_reads_back_exactly_from_llama_swaps_cmd(path: str) -> None:
+    doc = yaml.safe_load(render(_hostile(path), "max-decode", "llama-swap", SOURCE))
+    argv = llama_swap_argv(doc["models"]["fitter-demo-gpt-oss"]["cmd"])
+    assert argv == ["llama-server", "--port", "${PORT}", "-m", path, *_entry(_result(), "max-decode")["flags"]]
+
+
+@pytest.mark.parametrize("path", HOSTILE_PATHS)
+def test_a_hostile_model_path_reads_back_exactly_from_the_preset_or_is_refused(path: str) -> None:
+    if INI_CANNOT.search(path):
+        with pytest.raises(FitterError) as e:
+            render(_hostile(path), "max-decode", "preset-ini", SOURCE)
+        assert str(e.value) == (f"preset-ini: model = {path!r}: llama-server's preset parser ends a value at ';', '#' "
+                                "or a line break and drops the blanks around it; launch with --format server instead")
+        return
+    ini = llama_cpp_ini(render(_hostile(path), "max-decode", "preset-ini", SOURCE))
+    assert list(ini) == ["fitter-demo-gpt-oss"] and ini["fitter-demo-gpt-oss"]["model"] == path
+
+
+@pytest.mark.parametrize("path", HOSTILE_PATHS)
+def test_a_hostile_model_path_reads_back_exactly_from_python_and_json(path: str) -> None:
+    assert json.loads(render(_hostile(path), "max-decode", "python", SOURCE))["kwargs"]["model_path"] == path
+    assert json.loads(render(_hostile(path), "max-decode", "json", SOURCE)) == _entry(_result(), "max-decode")
+
+
+def test_which_hostile_paths_the_preset_refuses() -> None:
+    # the preset's refusals are the paths above with ';', '#', a line break or an outer blank, and no others
+    assert [p for p in HOSTILE_PATHS if INI_CANNOT.search(p)] == [HOSTILE_PATHS[i] for i in (2, 3, 4, 9, 10)]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_a_hostile_model_name_is_llama_swaps_model_id_and_a_preset_section(name: str) -> None:
+    doc = yaml.safe_load(render(_hostile(MODEL, name), "max-decode", "llama-swap", SOURCE))
+    assert list(doc["models"]) == [name]
+    ini = llama_cpp_ini(render(_hostile(MODEL, name), "max-decode", "preset-ini", SOURCE))
+    (section,) = ini
+    assert ini[section]["model"] == MODEL
+    assert section not in ("*", "") and not re.search(r"[\[\]:\s]", section)  # not the global section, no tag
+
+
+def test_a_model_name_the_preset_cannot_use_as_is() -> None:
+    sections = [next(iter(llama_cpp_ini(render(_hostile(MODEL, n), "max-decode", "preset-ini", SOURCE))))
+                for n in ("*", "[x]:q4_k_m", "two\nlines", "-", "a b")]
+    assert sections == ["model", "x-q4_k_m", "two-lines", "model", "a-b"]
+
+
+def test_a_hostile_results_path_stays_in_its_comment_lines() -> None:
+    source = "results/x\nmodel = /evil.gguf\n[evil]\nrm -rf ~\r\x85\u2028models:/pareto.json"
+    ini = llama_cpp_ini(render(_result(), "max-decode", "preset-ini", source))
+    assert list(ini) == ["fitter-demo-gpt-oss"] and ini["fitter-demo-gpt-oss"]["model"] == MODEL
+    doc = yaml.safe_load(render(_result(), "max-decode", "llama-swap", source))
+    assert list(doc) == ["models"] and list(doc["models"]) == ["fitter-demo-gpt-oss"]
+    for fmt in ("preset-ini", "llama-swap"):
+        header = render(_result(), "max-decode", fmt, source).splitlines()[0]
+        assert header.endswith(r"of results/x\nmodel = /evil.gguf\n[evil]\nrm -rf ~\r\x85\u2028models:/pareto.json")
+
+
+def test_a_name_in_another_encoding_is_refused() -> None:
+    path = b"/models/caf\xe9.gguf".decode("utf-8", "surrogateescape")  # a Latin-1 file name as Python holds it
+    for fmt in FORMATS:
+        with pytest.raises(FitterError) as e:
+            render(_hostile(path), "max-decode", fmt, SOURCE)
+        assert str(e.value) == (f"{SOURCE}: model.path '/models/caf\\udce9.gguf': not valid UTF-8 (a name in another "
+                                "encoding); an export is UTF-8 text: rename it")
+
+
+GOLIB_POSIX_CASES = [  # golib's own table (shlex/shlex_test.go TestPosix), for the port in tests/export/readers.py
+    ("", []), ("foo", ["foo"]), (" foo", ["foo"]), ("foo bar", ["foo", "bar"]), ('foo"   "bar', ["foo   bar"]),
+    ('foo"   ', ["foo   "]), ('foo "bar   baz', ["foo", "bar   baz"]), ('foo "bar   baz"bag', ["foo", "bar   bazbag"]),
+    ('foo ""', ["foo", ""]), ('foo "" bar', ["foo", "", "bar"]), ("foo'   'bar", ["foo   bar"]),
+    ("foo '' bar", ["foo", "", "bar"]), ("\\foo", ["foo"]), ("foo\\", ["foo"]), ('\\"foo', ['"foo']),
+    ("f\\'oo", ["f'oo"]), ("foo\\\nbar", ["foobar"]), ('foo "b\\ar"', ["foo", "b\\ar"]),
+    ('foo "b\\"ar"', ["foo", 'b"ar']), ("foo \"b'a'r\"", ["foo", "b'a'r"]), ('foo"\\', ["foo"]),
+    ('foo"\\\nbar"', ["foobar"]), ("foo 'b\\ar'", ["foo", "b\\ar"]), ("foo 'b\\\"ar'", ["foo", 'b\\"ar']),
+    ("foo'\\", ["foo\\"]), ("foo'\\\nbar'", ["foo\\\nbar"]),
+]
+
+
+@pytest.mark.parametrize(("line", "words"), GOLIB_POSIX_CASES)
+def test_the_llama_swap_splitter_port_reads_golibs_own_cases(line: str, words: list[str]) -> None:
+    assert golib_posix_split(line) == words

@@ -14,6 +14,7 @@ import pytest
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import SHAPES, write_model
+from fitter.measure import ports
 from fitter.measure.capdev import (
     STATS_MAGIC,
     STATS_SIZE,
@@ -26,6 +27,7 @@ from fitter.measure.capdev import (
 )
 from fitter.measure.emulated_gpu import EmulatedGpu
 from fitter.measure.logs import parse_buffer_lines, sum_by
+from tests.ports import OCCUPANTS, first_pick_taken
 
 MIB = 1024 * 1024
 
@@ -144,6 +146,42 @@ def test_a_config_that_fits_loads_on_the_device_and_the_peak_covers_its_buffers(
     assert not gpu.running and _gone(pid)
     assert gpu.stats().peak_bytes == 0  # the last counters outlive the server
     gpu.stop()  # idempotent
+
+
+@pytest.mark.llama
+def test_the_server_listens_on_127_0_0_1_only() -> None:
+    with EmulatedGpu(64) as gpu:
+        assert gpu.pid is not None
+        port = int(gpu.endpoint.rsplit(":", 1)[1])
+        assert gpu.endpoint == f"127.0.0.1:{port}"
+        argv = Path(f"/proc/{gpu.pid}/cmdline").read_bytes().decode().split("\0")
+        assert argv[argv.index("--endpoint") + 1] == gpu.endpoint
+        assert ports.listening_addresses(gpu.pid) == {("127.0.0.1", port)}
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("how", OCCUPANTS)
+def test_a_port_taken_before_the_server_binds_it_is_given_up_for_another(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    with first_pick_taken(monkeypatch, how) as picks, EmulatedGpu(64) as gpu:
+        assert len(picks) == 2 and picks[0] != picks[1]
+        assert gpu.endpoint == f"127.0.0.1:{picks[1]}"
+        assert gpu.pid is not None and ports.listening_addresses(gpu.pid) == {("127.0.0.1", picks[1])}
+
+
+@pytest.mark.llama
+def test_a_server_that_died_is_restarted_on_its_endpoint() -> None:
+    with EmulatedGpu(64) as gpu:
+        old, endpoint = gpu.pid, gpu.endpoint
+        assert old is not None and gpu.died() is None
+        os.kill(old, signal.SIGKILL)
+        assert gpu.died(wait_s=5) == "killed by signal SIGKILL"
+        gpu.restart()
+        assert gpu.running and gpu.died() is None
+        assert gpu.pid != old and gpu.endpoint == endpoint
+        assert gpu.pid is not None and ports.listening_addresses(gpu.pid) == {("127.0.0.1", int(endpoint[10:]))}
+        assert gpu.stats().server_pid == gpu.pid  # the fresh server's counters
+    assert gpu.died() is None  # stopped, not dead
 
 
 # cap MiB → the stage that fails, from the fitting load's sizes: model 90.03 MiB (94408192 B), then KV 2 x 2 MiB,

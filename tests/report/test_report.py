@@ -358,3 +358,16 @@ def test_the_front_text_shows_each_ratio_with_its_interval_and_ties() -> None:
     line = pareto_text(Front([row], "pareto.json")).splitlines()[2]
     assert line.startswith("    5     582.8   135.9      78.1  0.945 [0.83–1.07]   1.186 [0.94–1.49]   ")
     assert line.endswith("balanced (tie: 0, 3): -ub 256 -ncmoe 6")
+
+
+def test_a_study_whose_objectives_are_not_fitters_is_refused(tmp_path: Path) -> None:
+    # the figures are files named after the objectives: a foreign study.db must not name them
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="fitter",
+                                directions=["maximize"])
+    for k, v in {"model_identity": "abc", "machine_fingerprint": "def", "llama_cpp_commit": "0c1e570",
+                 "objectives": ["../../../escape"]}.items():
+        study.set_user_attr(k, v)
+    with pytest.raises(FitterError) as e:
+        load_result(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'study.db'}: the study records objectives ['../../../escape']; fitter's "
+                            "are tg, pp, vram")

@@ -1,0 +1,122 @@
+"""fitter.measure.server: a user's llama-server on loopback, on a port of its own, and what a trial is when the server
+dies or its port is taken; with the llama-server the set-up built and the demo model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fitter.flags import parse_launch_flags
+from fitter.measure import ports, process
+from fitter.measure.runner import ServerRunner
+from fitter.measure.server import _healthy, measure_server, server_argv, start_server
+from fitter.measure.types import BenchSpec
+from tests.conftest import BUILT_TOOLS
+from tests.ports import OCCUPANTS, first_pick_taken
+
+SERVER = str(BUILT_TOOLS / "llama-server")
+FLAGS = ["-c", "512", "-np", "1", "-t", "1", "-tb", "1"]
+SHORT = BenchSpec(n_prompt=16, n_gen=16, repetitions=1, threads=1)
+LONG = BenchSpec(n_prompt=16, n_gen=512, repetitions=2, threads=1)  # ~2 s of requests: room to kill the server
+
+
+def test_the_server_listens_on_loopback_on_fitters_port_whatever_the_flags_say() -> None:
+    argv = server_argv("/opt/llama/llama-server", "/m/a b.gguf", ["--host", "0.0.0.0", "--port", "8080", "-c", "512"],
+                       41234)
+    assert argv == ["/opt/llama/llama-server", "-m", "/m/a b.gguf", "--host", "0.0.0.0", "--port", "8080", "-c", "512",
+                    "-lv", "4", "--host", "127.0.0.1", "--port", "41234", "--no-webui"]  # llama.cpp keeps the last
+
+
+@pytest.fixture
+def demo() -> str:
+    from fitter.gguf.demo_models import demo_model_path
+
+    return str(demo_model_path())
+
+
+@pytest.fixture
+def servers(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[bytes]]:
+    """Every llama-server fitter starts during the test, in order."""
+    out: list[subprocess.Popen[bytes]] = []
+    real = process.spawn
+
+    def spawn(argv: Any, **kw: Any) -> subprocess.Popen[bytes]:
+        proc = real(argv, **kw)
+        if argv[0] == SERVER:
+            out.append(proc)
+        return proc
+
+    monkeypatch.setattr(process, "spawn", spawn)
+    return out
+
+
+def _port(proc: subprocess.Popen[bytes]) -> int:
+    """The port a started server was given (its last --port)."""
+    args = [str(a) for a in proc.args]  # type: ignore[union-attr]
+    return int(args[max(i for i, a in enumerate(args) if a == "--port") + 1])
+
+
+@pytest.mark.tools("llama-server")
+def test_a_started_server_listens_on_127_0_0_1_only(llama_tools: dict[str, Path], demo: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # loopback requests must not go to a proxy
+    monkeypatch.delenv("no_proxy", raising=False)
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        proc, port, problem = start_server(SERVER, demo, FLAGS, Path(log.name), time.perf_counter() + 120)
+        try:
+            assert problem is None
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[:-1]
+            assert [a.decode() for a in cmdline] == server_argv(SERVER, demo, FLAGS, port)
+            assert ports.listening_addresses(proc.pid) == {("127.0.0.1", port)}
+        finally:
+            process.stop(proc)
+
+
+@pytest.mark.tools("llama-server")
+@pytest.mark.parametrize("how", OCCUPANTS)
+def test_a_port_taken_before_the_server_holds_it_is_given_up_for_another(
+        llama_tools: dict[str, Path], demo: str, monkeypatch: pytest.MonkeyPatch,
+        servers: list[subprocess.Popen[bytes]], how: str) -> None:
+    # a server that sets SO_REUSEPORT too binds beside the other program's socket instead of failing
+    flags = [*FLAGS, "--reuse-port"] if how == "shared" else FLAGS
+    with first_pick_taken(monkeypatch, how) as picks:
+        m = measure_server(SERVER, demo, flags, SHORT, timeout=120)
+    assert (m.outcome, m.reason) == ("ok", "")
+    assert len(picks) == 2 and picks[0] != picks[1]
+    assert [_port(p) for p in servers] == picks  # the first server was stopped, the second measured
+
+
+@pytest.mark.tools("llama-server")
+def test_a_server_killed_mid_trial_is_a_crash_and_the_next_trial_gets_a_fresh_one(
+        llama_tools: dict[str, Path], demo: str, servers: list[subprocess.Popen[bytes]]) -> None:
+    killed: list[int] = []
+
+    def kill_once_serving() -> None:
+        deadline = time.monotonic() + 60
+        while not (servers and _healthy(_port(servers[0]))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # into the trial's requests
+        os.kill(servers[0].pid, signal.SIGKILL)
+        killed.append(servers[0].pid)
+
+    config = parse_launch_flags(["-c", "512", "-np", "1"])
+    with ServerRunner(SERVER) as runner:
+        killer = threading.Thread(target=kill_once_serving)
+        killer.start()
+        first = runner.run(demo, config, LONG, 120).measurement
+        killer.join()
+        second = runner.run(demo, config, SHORT, 120).measurement
+    assert killed == [servers[0].pid]
+    assert (first.outcome, first.reason, first.returncode) == (
+        "crash", "llama-server killed by signal SIGKILL during the trial", -signal.SIGKILL)
+    assert first.pp is None and first.tg is None
+    assert (second.outcome, len(servers)) == ("ok", 2)
+    assert second.tg is not None and second.tg.n == 16
