@@ -214,6 +214,9 @@ class Tuner:
         try:
             result = self.runner.run(self.req.model, cand.config, spec, self.req.trial_timeout_s,
                                      s.plan if s is not None else None)
+        except BaseException:  # stopped (Ctrl-C) or broken mid-trial: the config is free for the next worker at once
+            self.claims.release(claim, self.worker.name)
+            raise
         finally:
             stop_heartbeat()
         m = result.measurement
@@ -355,7 +358,11 @@ class Tuner:
         cand = candidate(self.req, dict(trial.params))
         s = self.screener(cand)
         if cand.key not in self._done and s.feasible:
-            self._claim(cand.key, wait=True)
+            stop_heartbeat = self._heartbeat(trial)  # waiting for another worker's run of it may take minutes
+            try:
+                self._claim(cand.key, wait=True)
+            finally:
+                stop_heartbeat()
         return self._settle(trial, cand, s, phase)
 
     def _settle(self, trial: optuna.Trial, cand: Candidate, s: Screen, phase: str) -> FrozenTrial:

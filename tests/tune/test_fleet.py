@@ -5,6 +5,7 @@ races, and whole fleets of real `fitter tune` processes on SQLite, Optuna's jour
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -22,6 +23,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from fitter.flags import parse_launch_flags
 from fitter.tune.fleet import Claim, Claims, FileClaims, MemoryClaims, Row, SqlClaims, Worker, claims_for, decide
 from fitter.tune.storage import GRACE_S
 from fitter.tune.study import measured
@@ -301,3 +303,56 @@ def test_a_worker_of_another_machine_or_model_is_refused_naming_the_difference(t
     assert err.splitlines()[-1].startswith(
         f"fitter: error: {url}: study '{STUDY}' there is for another model identity ('{identity}'")
     assert len(load(url, STUDY).trials) == len(study.trials)  # nothing was changed
+
+
+# -- two workers in one process (the study logic, a fake runner) ------------------------------------------------
+
+
+def test_a_config_another_worker_holds_is_skipped_then_answered_from_storage(tmp_path: Path) -> None:
+    from fitter.gguf.model_spec import load_model_spec
+    from fitter.tune.plan import Screener, structured_start
+    from fitter.tune.request import candidate
+    from fitter.tune.study import Tuner
+    from tests.models import model_file
+    from tests.tune.test_study import FakeRunner, _request, _study
+
+    spec = load_model_spec(str(model_file("gpt-oss-tiny")))
+    req = _request(spec)
+    study = _study(tmp_path)
+    claims = claims_for(study._storage, "fitter")
+    a = Tuner(req, study, FakeRunner(spec), claims=claims, worker=Worker("a", 1))
+    b = Tuner(req, study, FakeRunner(spec), claims=claims, worker=Worker("b", 2))
+    params = next(iter(structured_start(req, Screener(req)))).params
+    key = candidate(req, params).key
+    assert claims.claim(key, "a:1").granted  # a is measuring it
+    assert b.run_candidate(params, "decode-first") is None
+    assert (b.progress.elsewhere, b.runner.runs, len(study.trials)) == (1, [], 0)
+    claims.release(key, "a:1")
+    first = a.run_candidate(params, "decode-first")
+    assert first is not None and first.state == TrialState.COMPLETE and len(a.runner.runs) == 1
+    assert (first.user_attrs["worker"], first.user_attrs["claim"]) == ("a:1", key)
+    row = claims.row(key)
+    assert row is not None and (row.worker, row.trial, row.done) == ("a:1", first.number, True)
+    answered = b.run_candidate(params, "decode-first")
+    assert answered is not None and answered.user_attrs["same_as"] == first.number
+    assert answered.values == first.values and b.runner.runs == []
+
+
+def test_a_config_key_names_fitters_emulated_gpu_not_its_port() -> None:
+    from fitter.gguf.model_spec import load_model_spec
+    from fitter.tune.request import candidate
+    from tests.models import model_file
+    from tests.tune.test_study import _request
+
+    req = _request(load_model_spec(str(model_file("gpt-oss-tiny"))))
+    params = {"n-cpu-moe": 2, "batch-size": 2048, "ubatch-size": 512, "cache-type-k": "f16", "cache-type-v": "f16",
+              "flash-attn": "on", "threads": 4}
+    here = candidate(req, params)
+    there = candidate(dataclasses.replace(req, rpc=("127.0.0.1:41234",)), params)
+    assert here.flags != there.flags and "127.0.0.1:41234" in there.flags
+    assert here.key == there.key == (
+        "-c 4096 -np 1 -ncmoe 2 -b 2048 -ub 512 -ctk f16 -ctv f16 -fa on -ngl all --rpc <emulated GPU> -t 4 -tb 4")
+    # a --rpc the user gave is a device of their own, named as given
+    mine = dataclasses.replace(req, base=parse_launch_flags(["-c", "4096", "-np", "1", "--rpc", "10.0.0.5:50052"]))
+    assert candidate(mine, params).key.endswith("-ngl all -t 4 -tb 4") and "10.0.0.5:50052" in candidate(
+        mine, params).key
