@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -91,6 +92,7 @@ class SimRunner:
         failed = out_of_memory(m, plan)
         if failed is not None:
             self._loaded = None if failed[0].stage == "model" else key  # a failed context leaves the model loaded
+            self._take(base.wall_s)
             return TrialResult(self._oom(base, *failed))
         need = spec.n_depth + max(spec.n_prompt, spec.n_gen)
         if need > plan.context.n_ctx_seq:
@@ -104,7 +106,13 @@ class SimRunner:
             result = replace(result, outcome="timeout", reason=why, pp=None, tg=None)
         peak = {d.name: {"bytes": plan.totals()[d.name].total + _context_bytes(m), "source": "sim"}
                 for d in plan.devices}
+        self._take(min(result.wall_s, timeout) if timeout is not None else result.wall_s)
         return TrialResult(result, peak)
+
+    def _take(self, wall_s: float) -> None:
+        """The run's simulated time as real time, at the machine's pace (none by default)."""
+        if self.machine.pace:
+            time.sleep(wall_s * self.machine.pace)
 
     def _oom(self, base: Measurement, oom: OomInfo, device: str, cap: int, allocated: list[Buffer]) -> Measurement:
         held = sum(b.bytes for b in allocated if b.device == device)
