@@ -10,6 +10,9 @@ confirm runs and the files, in an order that refuses bad input before anything s
 4. then the runner (the worker, the emulated GPU), the baseline, the search, the confirm runs, pareto.json and
    trials.csv.
 
+Faults keep the study: a disk that refuses the study or the results (full, read-only) is a one-line error saying what is
+kept and that the same command goes on once the disk allows (fitter.tune.faults).
+
 The search itself is fitter.tune.study; this module does the I/O around it. Nothing here prints: progress and notes
 go to the caller's `log`.
 """
@@ -38,6 +41,7 @@ from fitter.memory.devices import Device
 from fitter.memory.fit import fit
 from fitter.tune.baseline import replay_baseline, run_baseline, sim_fit_devices
 from fitter.tune.confirm import DEFAULT_ROUNDS, confirm, result_doc
+from fitter.tune.faults import result_writes, study_writes
 from fitter.tune.plan import Screener
 from fitter.tune.render import dry_run_text
 from fitter.tune.request import OBJECTIVES, TuneRequest, candidate, combos
@@ -238,7 +242,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     log(f"fitter: study {url} ({len(study.trials)} trials so far); space {planned.space_source}; "
         f"{planned.n_trials} launched trials")
 
-    with runner:
+    with runner, study_writes(url):
         req = plan_request(o, target, target.devices(runner), runner.rpc)
         if users is not None:
             req = replace(req, projector=drift_guard(o, users, build["commit"], runner.rpc, log))
@@ -259,8 +263,9 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     emulated = target.emulated_mib is not None or runner.emulated
     doc = result_doc(req, target.machine, build, targets, emulated, baseline, entries, dropped, tuner,
                      time.monotonic() - t_start, url, str(folder / RESULT_FILE), o.confirm_rounds)
-    write_result(folder, doc.data)
-    write_trials_csv(folder, study)
+    with result_writes(url):
+        write_result(folder, doc.data)
+        write_trials_csv(folder, study)
     if snapshot is not None and snapshot.gpus and target.emulated_mib is None:
         record_overheads(study, snapshot, log)
     return TuneOutcome(doc, folder)
