@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,9 +71,20 @@ def progress_printer(req: TuneRequest, out: Stderr) -> StudyCallback:
     return show
 
 
+def _stopping(stop: threading.Event, out: Stderr) -> None:
+    """The first Ctrl-C (from the signal handler: os.write, since the progress line may be mid-print on stderr)."""
+    stop.set()
+    was, out.open = out.open, False
+    line = "fitter: Ctrl-C: stopping after the running trial (Ctrl-C again stops at once)\n"
+    os.write(sys.stderr.fileno(), ("\n" if was else "").encode() + line.encode())
+
+
 def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
+    """The first Ctrl-C lets the running trial end (it is kept), stops the search and exits 130 saying how to
+    resume (the same command); a second one stops at once."""
     from fitter.export.launchers import render
     from fitter.machine.snapshot import take_snapshot
+    from fitter.measure.process import first_interrupt_deferred
     from fitter.tune.render import pareto_table
     from fitter.tune.session import TuneOptions, parse_objectives, run_tune
 
@@ -94,12 +107,21 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp, projection=ns.projection,
         backend=ns.backend, machine=ns.machine, landscape=ns.landscape)
     snapshot = take_snapshot() if ns.backend not in ("sim", "replay") else None
-    out = Stderr()
+    stop, out = threading.Event(), Stderr()
     try:
-        outcome = run_tune(options, snapshot, out.log, lambda req: progress_printer(req, out), dry_run=ns.dry_run)
+        with first_interrupt_deferred(lambda: _stopping(stop, out)):
+            outcome = run_tune(options, snapshot, out.log, lambda req: progress_printer(req, out), dry_run=ns.dry_run,
+                               stop=stop)
+    except KeyboardInterrupt:  # the second Ctrl-C: the running trial is left for the next run to fail and go on
+        out.log("fitter: interrupted: the running trial is left unfinished; the same command resumes the tune (it "
+                "fails that trial and keeps every finished one)")
+        return 130
     except FitterError:
         out.end()  # the one-line error on a line of its own
         raise
+    if outcome.stopped is not None:
+        out.log(f"fitter: stopped: {outcome.stopped}")
+        return 130
     if outcome.dry_run is not None:
         print(outcome.dry_run)
         return 0

@@ -10,7 +10,8 @@ confirm runs and the files, in an order that refuses bad input before anything s
 4. then the runner (the worker, the emulated GPU), the baseline, the search, the confirm runs, pareto.json and
    trials.csv.
 
-Faults keep the study: a disk that refuses the study or the results (full, read-only) is a one-line error saying what is
+Faults keep the study: `stop` (a Ctrl-C) ends the search after the running trial and writes no result (the same
+command resumes); a disk that refuses the study or the results (full, read-only) is a one-line error saying what is
 kept and that the same command goes on once the disk allows (fitter.tune.faults).
 
 The search itself is fitter.tune.study; this module does the I/O around it. Nothing here prints: progress and notes
@@ -20,6 +21,7 @@ go to the caller's `log`.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -93,6 +95,7 @@ class TuneOutcome:
     result: ParetoDoc | None  # None for a dry run
     folder: Path | None
     dry_run: str | None = None
+    stopped: str | None = None  # `stop` was set: what the study keeps and how to resume (no result was written)
 
 
 def parse_objectives(text: str) -> tuple[str, ...]:
@@ -187,7 +190,8 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
 
 
 def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str], None] = lambda _: None,
-             progress: Callable[[TuneRequest], StudyCallback] | None = None, dry_run: bool = False) -> TuneOutcome:
+             progress: Callable[[TuneRequest], StudyCallback] | None = None, dry_run: bool = False,
+             stop: threading.Event | None = None) -> TuneOutcome:
     """Tune `o.model` on this machine (`snapshot`) or a simulated one; see the module docstring for the order."""
     from fitter.machine.llama_cpp import llama_cpp_python_problem
     from fitter.measure.emulated_gpu import emulated_gpu_problem
@@ -247,6 +251,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         if users is not None:
             req = replace(req, projector=drift_guard(o, users, build["commit"], runner.rpc, log))
         tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5)
+        tuner.stop = stop or tuner.stop
         fit_devices: Any = sim_fit_devices(req, tool) if target.sim is not None else (
             lambda: contextlib.nullcontext(req.rpc))
         if target.replay is not None:
@@ -259,7 +264,11 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
             tuner.drift_probe = baseline.candidate  # the baseline again half-way: the drift monitor's middle
         tuner.run()
         log("")
-        entries, dropped, baseline = confirm(req, tuner, runner, baseline, log, o.confirm_rounds)
+        if not tuner.stop.is_set():
+            entries, dropped, baseline = confirm(req, tuner, runner, baseline, log, o.confirm_rounds)
+    if tuner.stop.is_set():  # before or during the confirm runs: they are all run again on resume
+        return TuneOutcome(None, folder, stopped=f"{tuner.launched_so_far()} of {req.n_trials} trials launched, "
+                           f"each finished one kept in {url}; the same command resumes the tune")
     emulated = target.emulated_mib is not None or runner.emulated
     doc = result_doc(req, target.machine, build, targets, emulated, baseline, entries, dropped, tuner,
                      time.monotonic() - t_start, url, str(folder / RESULT_FILE), o.confirm_rounds)

@@ -87,13 +87,14 @@ class Tuner:
         # the baseline's candidate, measured again half-way through the launches: the drift monitor's middle point
         # (its start is the baseline's trial, its end the confirm rounds; fitter.tune.confirm.drift_record)
         self.drift_probe: Candidate | None = None
+        self.stop = threading.Event()  # set from outside (a Ctrl-C): no trial starts after it, the running one ends
 
     # counts over the whole study, so a resumed study continues where it stopped
     def launched_so_far(self) -> int:
         return sum(1 for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("launched"))
 
     def _out_of_budget(self) -> bool:
-        if self.progress.launched >= self.req.n_trials:
+        if self.stop.is_set() or self.progress.launched >= self.req.n_trials:
             return True
         timeout = self.req.timeout_s
         return timeout is not None and time.monotonic() - self.progress.started > timeout
@@ -247,7 +248,8 @@ class Tuner:
         (it would be answered from storage): kept in the study's attributes, so a resumed study keeps it."""
         cand = self.drift_probe
         half = max(2, (self.req.n_trials + 1) // 2)
-        if cand is None or self.progress.launched < half or "drift_middle" in self.study.user_attrs:
+        if cand is None or self.progress.launched < half or "drift_middle" in self.study.user_attrs or \
+                self.stop.is_set():
             return
         s = self.screener(cand)
         result = self.runner.run(self.req.model, cand.config, cand.spec, self.req.trial_timeout_s, s.plan)

@@ -1,13 +1,14 @@
-"""Faults a tune survives (fitter.tune.faults): a real `fitter tune --backend sim` on a paced simulated machine (each
-run takes its simulated time, times PACE, in real time), starved at a known trial; then the same command again.
-Full and read-only disks are real (tests.disks) where mounting is allowed; twins below inject the same errors where
-it is not."""
+"""Faults a tune survives (fitter.tune.faults, the Ctrl-C of fitter.cli.tune): a real `fitter tune --backend sim`
+on a paced simulated machine (each run takes its simulated time, times PACE, in real time), stopped or starved at a
+known trial; then the same command again. Full and read-only disks are real (tests.disks) where mounting is allowed;
+twins below inject the same errors where it is not."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -104,6 +105,75 @@ def launched(db: Path) -> dict[int, tuple[TrialState, str, Any]]:
 
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------------------------------
+
+
+def test_the_first_ctrl_c_ends_the_running_trial_and_the_same_command_resumes(tmp_path: Path, demo: Path) -> None:
+    results, machine = tmp_path / "r", paced(tmp_path)
+    run = Tune(demo, machine, results, trials=4)
+    run.wait_for("tune: trial 2/4 (running)")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.finish() == 130
+    db = study_db(results)
+    assert run.stderr.count("\nfitter: Ctrl-C: stopping after the running trial (Ctrl-C again stops at once)\n") == 1
+    assert run.last_line() == (f"fitter: stopped: 2 of 4 trials launched, each finished one kept in sqlite:///{db}; "
+                               "the same command resumes the tune")
+    assert "Traceback" not in run.stderr and not (db.parent / "pareto.json").exists()
+    before = launched(db)
+    assert [s for s, _, _ in before.values()] == [TrialState.COMPLETE] * 2  # the running trial ended and was told
+    assert all(t.state != TrialState.RUNNING for t in trials(db))
+
+    rc, err = tune(demo, machine, results, trials=4)  # the same command
+    assert rc == 0, err
+    after = launched(db)
+    assert len(after) == 4 and all(after[n] == v for n, v in before.items())  # kept, as they were
+    keys = [k for _, k, _ in after.values()]
+    assert len(set(keys)) == 4  # nothing launched twice
+    assert (db.parent / "pareto.json").is_file() and (db.parent / "trials.csv").is_file()
+
+
+def test_a_second_ctrl_c_stops_at_once_and_leaves_the_running_trial_to_the_next_run(tmp_path: Path,
+                                                                                     demo: Path) -> None:
+    run = Tune(demo, paced(tmp_path, pace=40), tmp_path / "r", trials=4)  # the first trial takes about 11 s
+    run.wait_for("tune: trial 1/4 (running)")
+    run.proc.send_signal(signal.SIGINT)
+    run.wait_for("fitter: Ctrl-C: stopping after the running trial")
+    run.proc.send_signal(signal.SIGINT)
+    second = time.monotonic()
+    assert run.finish() == 130
+    assert time.monotonic() - second < 5  # at once, not after the trial
+    assert run.last_line() == ("fitter: interrupted: the running trial is left unfinished; the same command resumes "
+                               "the tune (it fails that trial and keeps every finished one)")
+    assert "Traceback" not in run.stderr
+    db = study_db(tmp_path / "r")
+    (trial,) = trials(db)
+    assert trial.state == TrialState.RUNNING and trial.user_attrs["phase"] == "baseline"
+    with sqlite3.connect(db) as con:  # a heartbeat: the next run fails it as stale (fail_stale_trials)
+        assert con.execute("select count(*) from trial_heartbeats where trial_id = ?",
+                           (trial._trial_id,)).fetchone() == (1,)
+
+
+def test_a_stop_during_the_confirm_runs_writes_no_result_and_the_same_call_does(tmp_path: Path, demo: Path) -> None:
+    stop, lines = threading.Event(), []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if line.startswith("fitter: confirm round 1/"):
+            stop.set()  # as a Ctrl-C would: the confirm runs end before their next run
+
+    options = _options(demo, tmp_path / "r", trials=4, confirm_rounds=2)
+    outcome = run_tune(options, None, log, stop=stop)
+    assert [x.split(":")[1].strip() for x in lines if "confirm round" in x] == ["confirm round 1/2"]  # no round 2
+    db = study_db(tmp_path / "r")
+    assert outcome.result is None and outcome.stopped == (
+        f"4 of 4 trials launched, each finished one kept in sqlite:///{db}; the same command resumes the tune")
+    assert [p.name for p in db.parent.iterdir()] == ["study.db"]
+    before = launched(db)
+    outcome = run_tune(options, None)
+    assert outcome.result is not None and outcome.result.data["confirm"]["rounds"] == 2
+    assert launched(db) == before and (db.parent / "pareto.json").is_file()
 
 
 # -- a full disk -------------------------------------------------------------------------------------------------
