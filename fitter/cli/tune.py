@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +25,30 @@ if TYPE_CHECKING:  # optuna and the study load when a tune runs, not when the pa
     from fitter.tune.study import StudyCallback, TuneProgress
 
 
-def progress_printer(req: TuneRequest) -> StudyCallback:
+class Stderr:
+    """tune's stderr: the progress line overwrites itself (it has no newline), any other line ends it first."""
+
+    def __init__(self) -> None:
+        self.open = False  # a progress line is on screen without its newline
+
+    def progress(self, line: str) -> None:
+        print(f"\r{line}".ljust(121), end="", file=sys.stderr, flush=True)
+        self.open = True
+
+    def end(self) -> bool:
+        """End an open progress line; whether one was open."""
+        was, self.open = self.open, False
+        if was:
+            print(file=sys.stderr, flush=True)
+        return was
+
+    def log(self, message: str) -> None:
+        """A line of its own (an empty `message` only ends the progress line, when one is open)."""
+        if not self.end() or message:
+            log(message)
+
+
+def progress_printer(req: TuneRequest, out: Stderr) -> StudyCallback:
     """One self-overwriting stderr line per trial event: trials done, screened, answered, the best so far, ETA."""
     from optuna.trial import TrialState
 
@@ -38,17 +63,28 @@ def progress_printer(req: TuneRequest) -> StudyCallback:
         elapsed = time.monotonic() - p.started
         eta = elapsed / done * (req.n_trials - done) if done else None
         best = f"best tg {best_tg:.1f} t/s, pp {best_pp:.1f} t/s" if best_tg is not None else "no result yet"
-        line = (f"\rtune: trial {done + (1 if event == 'start' else 0)}/{req.n_trials} "
+        line = (f"tune: trial {done + (1 if event == 'start' else 0)}/{req.n_trials} "
                 f"({'running' if event == 'start' else 'done'}), {p.pruned} screened out, {p.answered} from storage; "
                 f"{best}; elapsed {elapsed:.0f} s" + (f", ETA {eta:.0f} s" if eta is not None else ""))
-        print(line.ljust(120), end="", file=sys.stderr, flush=True)
+        out.progress(line)
 
     return show
 
 
+def _stopping(stop: threading.Event, out: Stderr) -> None:
+    """The first Ctrl-C (from the signal handler: os.write, since the progress line may be mid-print on stderr)."""
+    stop.set()
+    was, out.open = out.open, False
+    line = "fitter: Ctrl-C: stopping after the running trial (Ctrl-C again stops at once)\n"
+    os.write(sys.stderr.fileno(), ("\n" if was else "").encode() + line.encode())
+
+
 def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
+    """The first Ctrl-C lets the running trial end (it is kept), stops the search and exits 130 saying how to
+    resume (the same command); a second one stops at once."""
     from fitter.export.launchers import render
     from fitter.machine.snapshot import take_snapshot
+    from fitter.measure.process import first_interrupt_deferred
     from fitter.tune.render import pareto_table
     from fitter.tune.session import TuneOptions, parse_objectives, run_tune
 
@@ -71,7 +107,21 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp, projection=ns.projection,
         backend=ns.backend, machine=ns.machine, landscape=ns.landscape)
     snapshot = take_snapshot() if ns.backend not in ("sim", "replay") else None
-    outcome = run_tune(options, snapshot, log, progress_printer, dry_run=ns.dry_run)
+    stop, out = threading.Event(), Stderr()
+    try:
+        with first_interrupt_deferred(lambda: _stopping(stop, out)):
+            outcome = run_tune(options, snapshot, out.log, lambda req: progress_printer(req, out), dry_run=ns.dry_run,
+                               stop=stop)
+    except KeyboardInterrupt:  # the second Ctrl-C: the running trial is left for the next run to fail and go on
+        out.log("fitter: interrupted: the running trial is left unfinished; the same command resumes the tune (it "
+                "fails that trial and keeps every finished one)")
+        return 130
+    except FitterError:
+        out.end()  # the one-line error on a line of its own
+        raise
+    if outcome.stopped is not None:
+        out.log(f"fitter: stopped: {outcome.stopped}")
+        return 130
     if outcome.dry_run is not None:
         print(outcome.dry_run)
         return 0

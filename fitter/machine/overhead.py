@@ -5,15 +5,13 @@ the estimate, fit and tune budgets use what this machine showed instead of fitte
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from fitter.machine.nvidia import GpuInfo
 from fitter.memory.overhead import Overhead, default_overhead, measured_overhead, sm_count
-from fitter.paths import fitter_home
+from fitter.paths import WriteError, fitter_home, write_atomic
 
 FILE = "overhead.json"
 
@@ -50,14 +48,7 @@ def record(fingerprint: str, driver: str | None, gpu: str, nbytes: int, where: s
     data[key] = {"bytes": int(nbytes), "where": where}
     path = _path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".overhead-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def overhead_for(gpu: GpuInfo, fingerprint: str | None, driver: str | None) -> Overhead:
@@ -90,4 +81,6 @@ def record_measurements(measurements: Iterable[tuple[dict[str, Any], str]], gpus
             record(fingerprint, driver, gpu.uuid or gpu.name, nbytes, where)
         except OSError as e:
             return f"could not keep the measured overhead in {_path()}: {e.strerror or e}"
+        except WriteError as e:
+            return f"could not keep the measured overhead: {e}"
     return None

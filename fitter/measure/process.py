@@ -8,6 +8,8 @@ one environment, one process group each, and one cleanup that kills them when fi
 - Cleanup: at interpreter exit and on SIGTERM/SIGINT every registered stopper runs (then the previous handler, or
   the signal's default action). A child fitter cannot stop that way (kill -9 of fitter) stops itself: the worker
   and the loader end on their stdin's EOF, the emulated GPU's server polls its parent pid.
+- A graceful Ctrl-C (`first_interrupt_deferred`): the first SIGINT only tells the caller to stop at its next safe
+  point (a tune: after the running trial), the second one stops everything as above.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import IO, Any
 
@@ -150,3 +152,37 @@ def _install_hooks() -> None:
                 continue
             _PREVIOUS[signum] = previous
             signal.signal(signum, _on_signal)
+
+
+@contextlib.contextmanager
+def first_interrupt_deferred(on_first: Callable[[], None]) -> Iterator[None]:
+    """Within the block, the first SIGINT (Ctrl-C) only calls `on_first` (from the signal handler: it should set a
+    flag and at most write a line): fitter's children go on, and the caller stops at its next safe point. A second
+    SIGINT does what SIGINT does outside the block: the children are stopped and KeyboardInterrupt is raised. Outside
+    the main thread (where Python cannot set handlers) the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _install_hooks()  # this module's handler (stop the children) is the one a second Ctrl-C falls through to
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:  # started with Ctrl-C ignored (nohup, `&`): it stays ignored
+        yield
+        return
+    fired = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            on_first()
+        elif callable(previous):
+            previous(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is handler:
+            signal.signal(signal.SIGINT, previous)

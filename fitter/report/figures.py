@@ -4,6 +4,7 @@ history of each objective, parameter importances (PED-ANOVA), predicted vs measu
 
 from __future__ import annotations
 
+import io
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ import optuna
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
+from fitter.paths import write_atomic
 from fitter.report.load import StudyResult
 from fitter.report.tables import baseline_trial, front
 from fitter.tune.result import speed
@@ -60,7 +62,9 @@ def _pyplot() -> Any:
 
 def _save(figs: Figures, fig: Figure, name: str) -> None:
     path = figs.out / name
-    fig.savefig(path, dpi=PNG_DPI)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=PNG_DPI)
+    write_atomic(path, png.getvalue())
     _pyplot().close(fig)
     figs.pngs.append(path)
 

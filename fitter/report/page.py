@@ -25,6 +25,7 @@ from typing import Any
 import pandas as pd
 from optuna.trial import TrialState
 
+from fitter.paths import write_atomic
 from fitter.report.figures import Figures, decode_vs_vram, history, importances, memory
 from fitter.report.load import ReportError, StudyResult
 from fitter.report.tables import Front, front, pareto_frame
@@ -59,13 +60,13 @@ def write_report(result: StudyResult, out: Path) -> Report:
     figs = Figures(out)
     notes = _staleness(result)
     trials_csv, pareto_csv = out / "trials.csv", out / "pareto.csv"
-    trials.to_csv(trials_csv, index=False)
-    pareto_frame(f).to_csv(pareto_csv, index=False)
+    write_atomic(trials_csv, trials.to_csv(index=False))
+    write_atomic(pareto_csv, pareto_frame(f).to_csv(index=False))
     for build in (decode_vs_vram, history, importances, memory):
         build(result, figs)
     notes += figs.notes
     page = out / "report.html"
-    page.write_text(_html(result, trials, f, figs.html, notes))
+    write_atomic(page, _html(result, trials, f, figs.html, notes))
     return Report(result, out, trials, f, [trials_csv, pareto_csv, *figs.pngs, page], notes)
 
 

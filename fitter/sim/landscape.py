@@ -15,7 +15,6 @@ tell apart from the best. fitter.sim.replay replays a landscape as a TrialRunner
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -27,6 +26,7 @@ from fitter.measure.noise import tied
 from fitter.measure.types import OUTCOMES
 from fitter.memory.devices import CUDA, RPC, CpuProfile, Device
 from fitter.memory.overhead import Overhead
+from fitter.paths import write_atomic
 
 FORMAT = 1
 BASELINE_KEY = "baseline"
@@ -163,17 +163,15 @@ class Landscape:
 
 
 def write_landscape(path: str | Path, landscape: Landscape) -> None:
-    """Write atomically (a temporary file beside it, then os.replace): a killed recording leaves the last whole file."""
+    """Write atomically (fitter.paths.write_atomic): a killed recording leaves the last whole file."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
     doc = landscape.to_json()
     # one line per point keeps the file diffable and well under a MiB
     points = doc.pop("points")
     head = json.dumps(doc, indent=1)[:-2]
     body = ",\n".join("  " + json.dumps(pt, separators=(",", ":")) for pt in points)
-    tmp.write_text(f'{head},\n "points": [\n{body}\n ]\n}}\n', encoding="utf-8")
-    os.replace(tmp, p)
+    write_atomic(p, f'{head},\n "points": [\n{body}\n ]\n}}\n')
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

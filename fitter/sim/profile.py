@@ -84,6 +84,8 @@ class Machine:
     run_noise: float = _num(0, "relative standard deviation between runs of one config (other jobs, throttling): one "
                                 "factor on every repetition of a run", 0.0, hi=0.5)
     seed: int = _num(0, "seed of the noise", 0)
+    pace: float = _num(0, "real seconds each simulated second of a run takes (0: at once; 1: as long as on the "
+                       "machine), to watch a tune run or to interrupt one", 0.0)
     path: str = ""
 
     @property

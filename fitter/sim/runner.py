@@ -4,10 +4,8 @@ performance model (fitter.sim.physics) for speed, seeded noise per repetition.""
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -31,20 +29,6 @@ def _noise_factors(seed: int, key: str, n: int, noise: float) -> list[float]:
         digest = hashlib.sha256(f"{seed}|{key}|{rep}".encode()).digest()
         out.append(max(0.2, 1.0 + noise * random.Random(digest).gauss(0.0, 1.0)))
     return out
-
-
-PACE_ENV = "FITTER_SIM_PACE"
-
-
-def pace() -> Callable[[float], None]:
-    """`FITTER_SIM_PACE=F`: a simulated trial takes F real seconds per simulated second (0, the default: none), so
-    a fleet's or a fault's test can find a trial running, as it would on a real machine."""
-    text = os.environ.get(PACE_ENV, "")
-    try:
-        factor = float(text) if text else 0.0
-    except ValueError:
-        raise FitterError(f"{PACE_ENV}={text!r}: expected a number of real seconds per simulated second") from None
-    return (lambda wall_s: time.sleep(min(wall_s * factor, 600.0))) if factor > 0 else (lambda _: None)
 
 
 class SimRunner:
@@ -108,6 +92,7 @@ class SimRunner:
         failed = out_of_memory(m, plan)
         if failed is not None:
             self._loaded = None if failed[0].stage == "model" else key  # a failed context leaves the model loaded
+            self._take(base.wall_s)
             return TrialResult(self._oom(base, *failed))
         need = spec.n_depth + max(spec.n_prompt, spec.n_gen)
         if need > plan.context.n_ctx_seq:
@@ -121,8 +106,13 @@ class SimRunner:
             result = replace(result, outcome="timeout", reason=why, pp=None, tg=None)
         peak = {d.name: {"bytes": plan.totals()[d.name].total + _context_bytes(m), "source": "sim"}
                 for d in plan.devices}
-        pace()(result.wall_s)
+        self._take(min(result.wall_s, timeout) if timeout is not None else result.wall_s)
         return TrialResult(result, peak)
+
+    def _take(self, wall_s: float) -> None:
+        """The run's simulated time as real time, at the machine's pace (none by default)."""
+        if self.machine.pace:
+            time.sleep(wall_s * self.machine.pace)
 
     def _oom(self, base: Measurement, oom: OomInfo, device: str, cap: int, allocated: list[Buffer]) -> Measurement:
         held = sum(b.bytes for b in allocated if b.device == device)

@@ -75,8 +75,9 @@ def contenders(req: TuneRequest, tuner: Tuner, baseline: Baseline) -> list[Conte
 
 
 def run_rounds(req: TuneRequest, runner: TrialRunner, pool: list[Contender], rounds: int,
-               log: Callable[[str], None]) -> None:
-    """`rounds` interleaved rounds over `pool`, each in a fresh seeded order; a failed run drops its contender."""
+               log: Callable[[str], None], stopped: Callable[[], bool] = lambda: False) -> None:
+    """`rounds` interleaved rounds over `pool`, each in a fresh seeded order; a failed run drops its contender.
+    `stopped()` (a Ctrl-C) ends them before the next run."""
     for k in range(rounds):
         alive = [c for c in pool if c.failed is None]
         order = list(alive)
@@ -84,6 +85,8 @@ def run_rounds(req: TuneRequest, runner: TrialRunner, pool: list[Contender], rou
         log(f"fitter: confirm round {k + 1}/{rounds}: trials " + " ".join(
             "base" if c.phase == "baseline" else str(c.trial) for c in order))
         for position, c in enumerate(order):
+            if stopped():
+                return
             result = runner.run(req.model, c.cand.config, c.cand.spec, req.trial_timeout_s, c.plan)
             m = measurement_json(result, runner.backend, c.plan, runner.emulated)
             if result.measurement.outcome != "ok":
@@ -131,7 +134,7 @@ def confirm(req: TuneRequest, tuner: Tuner, runner: TrialRunner, baseline: Basel
     """The confirm rounds: the entries that survived them (the baseline among them when it ran), what was dropped,
     and the baseline with its confirmed measurement."""
     pool = contenders(req, tuner, baseline)
-    run_rounds(req, runner, pool, rounds, log)
+    run_rounds(req, runner, pool, rounds, log, tuner.stop.is_set)
     dropped = [c.failed for c in pool if c.failed is not None]
     entries = [_entry(c, req.bench.repetitions) for c in pool if c.failed is None and c.runs]
     base = next((e for e in entries if e["phase"] == "baseline"), None)

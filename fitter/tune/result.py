@@ -10,7 +10,6 @@ estimate.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 from fitter.errors import FitterError
 from fitter.measure.noise import tied
+from fitter.paths import write_atomic
 
 POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram")
 RESULT_FILE = "pareto.json"
@@ -202,12 +202,8 @@ def load_result(path: str | Path) -> ParetoDoc:
 
 
 def write_result(folder: Path, data: dict[str, Any]) -> Path:
-    """pareto.json, written to a temporary name and renamed: never a half-written result."""
-    path = folder / RESULT_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    """pareto.json, whole or not at all (fitter.paths.write_atomic): never a half-written result."""
+    return write_atomic(folder / RESULT_FILE, json.dumps(data, indent=1) + "\n")
 
 
 # -- picks and ratios --------------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ confirm runs and the files, in an order that refuses bad input before anything s
 4. then the runner (the worker, the emulated GPU), the baseline, the search, the confirm runs, pareto.json and
    trials.csv.
 
+Faults keep the study: `stop` (a Ctrl-C) ends the search after the running trial and writes no result (the same
+command resumes); a disk that refuses the study or the results (full, read-only) is a one-line error saying what is
+kept and that the same command goes on once the disk allows (fitter.tune.faults).
+
 The search itself is fitter.tune.study; this module does the I/O around it. Nothing here prints: progress and notes
 go to the caller's `log`.
 """
@@ -17,6 +21,7 @@ go to the caller's `log`.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -38,6 +43,7 @@ from fitter.memory.devices import Device
 from fitter.memory.fit import fit
 from fitter.tune.baseline import replay_baseline, run_baseline, sim_fit_devices, study_baseline
 from fitter.tune.confirm import DEFAULT_ROUNDS, confirm, result_doc
+from fitter.tune.faults import result_writes, study_writes
 from fitter.tune.fleet import Beater, Worker, claims_for
 from fitter.tune.plan import Screener
 from fitter.tune.render import dry_run_text
@@ -92,6 +98,7 @@ class TuneOutcome:
     folder: Path | None
     dry_run: str | None = None
     confirmed_by: str | None = None  # that other worker
+    stopped: str | None = None  # `stop` was set: what the study keeps and how to resume (no result was written)
 
 
 def parse_objectives(text: str) -> tuple[str, ...]:
@@ -186,7 +193,8 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
 
 
 def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str], None] = lambda _: None,
-             progress: Callable[[TuneRequest], StudyCallback] | None = None, dry_run: bool = False) -> TuneOutcome:
+             progress: Callable[[TuneRequest], StudyCallback] | None = None, dry_run: bool = False,
+             stop: threading.Event | None = None) -> TuneOutcome:
     """Tune `o.model` on this machine (`snapshot`) or a simulated one; see the module docstring for the order."""
     from fitter.machine.llama_cpp import llama_cpp_python_problem
     from fitter.measure.emulated_gpu import emulated_gpu_problem
@@ -243,12 +251,13 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     log(f"fitter: study {name!r} at {url} ({len(study.trials)} trials so far); space {planned.space_source}; "
         f"{planned.n_trials} launched trials; this worker is {worker.name}")
 
-    with runner:
+    with runner, study_writes(url):
         req = plan_request(o, target, target.devices(runner), runner.rpc)
         if users is not None:
             req = replace(req, projector=drift_guard(o, users, build["commit"], runner.rpc, log))
         tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5,
                       claims=claims, worker=worker, log=log)
+        tuner.stop = stop or tuner.stop
         fit_devices: Any = sim_fit_devices(req, tool) if target.sim is not None else (
             lambda: contextlib.nullcontext(req.rpc))
         if target.replay is not None:
@@ -261,28 +270,39 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
             tuner.drift_probe = baseline.candidate  # the baseline again half-way: the drift monitor's middle
         tuner.run()
         log("")
-        # the confirm rounds run once per study and --trials: by the first worker of a fleet to get here, once every
-        # other worker's running trial has ended (a rerun with more --trials confirms again; one with as many does
-        # not: it shows the result that confirm wrote, when it is on this machine)
-        # every worker to the end of its search: the fleet's launches may overshoot --trials by one a worker)
+        # the confirm rounds run once per study and --trials: by the first worker of a fleet to end its search, once
+        # every other worker's running trial has ended (a rerun with more --trials confirms again; one with as many
+        # does not: it shows the result that confirm wrote, when it is on this machine)
         what = f"confirm of a study of {o.trials} launches"
-        c = tuner.claim(what)
-        if not c.granted:
-            write_trials_csv(folder, study)
+        c = tuner.claim(what) if not tuner.stop.is_set() else None
+        if c is not None and not c.granted:
+            with result_writes(url):
+                write_trials_csv(folder, study)
             log(f"fitter: worker {c.holder} {'confirmed' if c.done else 'confirms'} the study's front and writes "
                 f"pareto.json on its machine; this worker's trials are in {url}")
             done = load_result(folder) if c.done and (folder / RESULT_FILE).exists() else None
             return TuneOutcome(done, folder, confirmed_by=c.holder)
-        with Beater(claims, worker.name):
-            tuner.wait_for_others()
-            if "trial" not in baseline.data:  # measured by another worker, or not at all
-                baseline = study_baseline(req, tuner) or baseline
-            entries, dropped, baseline = confirm(req, tuner, runner, baseline, log, o.confirm_rounds)
+        if c is not None:
+            try:
+                with Beater(claims, worker.name):
+                    tuner.wait_for_others()
+                    if "trial" not in baseline.data:  # measured by another worker, or not at all
+                        baseline = study_baseline(req, tuner) or baseline
+                    if not tuner.stop.is_set():
+                        entries, dropped, baseline = confirm(req, tuner, runner, baseline, log, o.confirm_rounds)
+            except BaseException:
+                claims.release(what, worker.name)  # the next worker (or this command again) confirms
+                raise
+    if tuner.stop.is_set():  # before or during the confirm runs: they are all run again on resume
+        claims.release(what, worker.name)
+        return TuneOutcome(None, folder, stopped=f"{tuner.launched_so_far()} of {req.n_trials} trials launched, "
+                           f"each finished one kept in {url}; the same command resumes the tune")
     emulated = target.emulated_mib is not None or runner.emulated
     doc = result_doc(req, target.machine, build, targets, emulated, baseline, entries, dropped, tuner,
                      time.monotonic() - t_start, url, str(folder / RESULT_FILE), o.confirm_rounds)
-    write_result(folder, doc.data)
-    write_trials_csv(folder, study)
+    with result_writes(url):
+        write_result(folder, doc.data)
+        write_trials_csv(folder, study)
     claims.finish(what, worker.name)
     if snapshot is not None and snapshot.gpus and target.emulated_mib is None:
         record_overheads(study, snapshot, log)

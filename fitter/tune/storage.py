@@ -18,7 +18,8 @@ from typing import Any
 import optuna
 
 from fitter.errors import FitterError
-from fitter.paths import safe_name
+from fitter.paths import WriteError, safe_name
+from fitter.tune.faults import check_refused
 
 STUDY_NAME = "fitter"
 HEARTBEAT_S = 5
@@ -67,12 +68,24 @@ def storage_url(folder: Path) -> str:
 
 
 def ensure_writable(folder: Path) -> None:
+    """Refuse a results folder that cannot be written before anything starts: by writing a file there and removing
+    it (a read-only mount refuses even root, whom permission bits do not stop; os.access would say yes)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ResultsError(f"results folder {folder}: cannot create it: {e.strerror}; give --results DIR") from None
-    if not os.access(folder, os.W_OK):
-        raise ResultsError(f"results folder {folder}: not writable; give --results DIR")
+    probe = folder / f".fitter-write-test-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"x")  # one byte: a full disk refuses it, where an empty file may still be created
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as e:
+        refused = WriteError(folder, e)
+        raise ResultsError(f"results folder {refused}: study.db and the results go there; {refused.remedy} or give "
+                           "--results DIR; nothing was started") from None
 
 
 def study_name(model_path: str, given: str | None, default_storage: bool) -> str:
@@ -144,6 +157,7 @@ def open_study(url: str, key: StudyKey, directions: list[Any], sampler: optuna.s
             if _is_creation_race(e) and attempt < 7:
                 time.sleep(0.2 * (attempt + 1))
                 continue
+            check_refused(e, url)  # not corrupt: a disk that refuses the write (read-only, full)
             raise ResultsError(f"{url}: not a readable Optuna study database ({type(e).__name__}: "
                                f"{str(e).splitlines()[0]}); move it away or give --storage URL; nothing was changed"
                                ) from None

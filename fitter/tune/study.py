@@ -89,6 +89,7 @@ class Tuner:
         # the baseline's candidate, measured again half-way through the launches: the drift monitor's middle point
         # (its start is the baseline's trial, its end the confirm rounds; fitter.tune.confirm.drift_record)
         self.drift_probe: Candidate | None = None
+        self.stop = threading.Event()  # set from outside (a Ctrl-C): no trial starts after it, the running one ends
 
     def absorb(self) -> None:
         """What the study learnt since this worker last looked (its own trials, another worker's, an earlier run's):
@@ -113,7 +114,7 @@ class Tuner:
 
     def _out_of_budget(self) -> bool:
         # the study's launches, every worker's: --trials is the study's budget, shared by a fleet
-        if max(self.progress.launched, self.launched_so_far()) >= self.req.n_trials:
+        if self.stop.is_set() or max(self.progress.launched, self.launched_so_far()) >= self.req.n_trials:
             return True
         timeout = self.req.timeout_s
         return timeout is not None and time.monotonic() - self.progress.started > timeout
@@ -295,7 +296,8 @@ class Tuner:
         (it would be answered from storage): kept in the study's attributes, so a resumed study keeps it."""
         cand = self.drift_probe
         half = max(2, (self.req.n_trials + 1) // 2)
-        if cand is None or self.progress.launched < half or "drift_middle" in self.study.user_attrs:
+        if cand is None or self.progress.launched < half or "drift_middle" in self.study.user_attrs or \
+                self.stop.is_set():
             return
         if not self.claims.claim("drift monitor, middle", self.worker.name).granted:
             return  # another worker of the fleet measures it
@@ -415,7 +417,7 @@ class Tuner:
         """Until no other worker's launched trial is RUNNING (the confirm rounds compare the whole study); a trial
         whose worker stopped beating is failed on the way."""
         said: set[int] = set()
-        while True:
+        while not self.stop.is_set():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 optuna.storages.fail_stale_trials(self.study)

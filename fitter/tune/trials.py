@@ -16,6 +16,7 @@ import optuna
 import pandas as pd
 from optuna.trial import FrozenTrial, TrialState
 
+from fitter.paths import write_atomic
 from fitter.tune.result import speed, vram_bytes
 from fitter.units import MIB
 
@@ -94,6 +95,4 @@ def trials_frame(study: optuna.Study) -> pd.DataFrame:
 
 
 def write_trials_csv(folder: Path, study: optuna.Study) -> Path:
-    path = folder / "trials.csv"
-    trials_frame(study).to_csv(path, index=False)
-    return path
+    return write_atomic(folder / "trials.csv", trials_frame(study).to_csv(index=False))

@@ -63,3 +63,23 @@ def test_children_die_when_fitter_exits_or_is_terminated(how: str) -> None:
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)
+
+
+def test_the_first_ctrl_c_only_asks_to_stop_and_the_second_stops_the_children() -> None:
+    code = ("import time\nfrom fitter.measure import process\n"
+            "child = process.spawn(['sleep', '300'])\nprint(child.pid, flush=True)\n"
+            "try:\n    with process.first_interrupt_deferred(lambda: print('asked', flush=True)):\n"
+            "        while True:\n            time.sleep(0.05)\n"
+            "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=process.child_env())
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGINT)
+    assert parent.stdout.readline() == "asked\n" and _alive(pid)  # the child goes on
+    parent.send_signal(signal.SIGINT)
+    assert parent.stdout.readline() == "interrupted\n" and parent.wait(timeout=30) == 0
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)  # stopped with the second

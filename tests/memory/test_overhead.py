@@ -3,6 +3,7 @@ own line in estimates and budgets, the default by GPU class replaced by what NVM
 
 from __future__ import annotations
 
+import errno
 import json
 
 from fitter.flags import parse_launch_flags
@@ -18,6 +19,7 @@ from fitter.memory.overhead import default_overhead, measured_overhead, sm_count
 from fitter.memory.render import plan_json
 from fitter.paths import fitter_home
 from fitter.units import MIB
+from tests.disks import refused_writes
 from tests.models import model_file
 
 RTX_4090 = GpuInfo(0, "NVIDIA GeForce RTX 4090", uuid="GPU-4090", memory_total=24 * 1024 * MIB,
@@ -61,6 +63,17 @@ def test_what_nvml_measured_here_replaces_the_default_and_only_grows() -> None:
     assert json.loads((fitter_home() / "overhead.json").read_text()) == {
         "fp1|580.1|GPU-4090": {"bytes": 600 * MIB, "where": "fitter bench 2026-12-02"}}
 
+
+
+def test_a_home_that_refuses_the_write_keeps_the_old_file_and_says_why() -> None:
+    record("fp1", "580.1", "GPU-4090", 600 * MIB, "first")
+    path = fitter_home() / "overhead.json"
+    before = path.read_text()
+    with refused_writes(fitter_home(), errno.ENOSPC):
+        problem = record_measurements([({"devices": {"CUDA0": {"overhead": 700 * MIB}}}, "trial 1")], (RTX_4090,),
+                                      "fp1", "580.1")
+    assert problem == f"could not keep the measured overhead: {path}: disk full (No space left on device)"
+    assert path.read_text() == before and [p.name for p in fitter_home().iterdir()] == ["overhead.json"]
 
 def test_a_measurement_says_what_nvml_saw_beyond_the_logged_buffers() -> None:
     from fitter.measure.types import BenchSpec, LoggedBuffer

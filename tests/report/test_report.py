@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import errno
 import importlib.util
 import json
 import sqlite3
@@ -23,6 +24,7 @@ from fitter.errors import FitterError
 from fitter.report import dashboard_command, load_result, write_report
 from fitter.report.figures import FEW_TRIALS
 from fitter.tune.trials import write_trials_csv
+from tests.disks import refused_writes
 
 MIB = 1024 * 1024
 GPU = "CUDA0"
@@ -190,6 +192,19 @@ def test_cmd_report_prints_tables_and_where_the_files_went(tmp_path: Path, capsy
     assert doc["out"] == str(folder / "report") and len(doc["trials"]) == 8
     assert [r["trial"] for r in doc["pareto"]] == ["base", 1, 5] and doc["dashboard"].startswith("optuna-dashboard")
 
+
+
+def test_a_report_the_disk_refuses_keeps_the_old_files_and_names_the_one(tmp_path: Path) -> None:
+    folder = tmp_path / "r"
+    finished_study(folder)
+    out = folder / "report"
+    write_report(load_result(folder), out)
+    page = (out / "report.html").read_bytes()
+    # the page's temporary file (.report.html.*.tmp): the last of the report's writes
+    with refused_writes(out / ".report.html", errno.ENOSPC), pytest.raises(FitterError) as e:
+        write_report(load_result(folder), out)
+    assert str(e.value) == f"{out / 'report.html'}: disk full (No space left on device)"
+    assert (out / "report.html").read_bytes() == page and not list(out.glob(".*"))  # the old page, no temporary file
 
 def test_dashboard_command_only_when_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     finished_study(tmp_path)

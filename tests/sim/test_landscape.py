@@ -4,12 +4,14 @@ the rule, the summary and which configs are within noise of the best."""
 from __future__ import annotations
 
 import copy
+import errno
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fitter.paths import WriteError
 from fitter.sim.landscape import (
     LandscapeError,
     best_within_noise,
@@ -18,6 +20,7 @@ from fitter.sim.landscape import (
     parse_landscape,
     write_landscape,
 )
+from tests.disks import refused_writes
 
 
 def _run(tg: list[float], pp: list[float], round_index: int, outcome: str = "ok") -> dict[str, Any]:
@@ -63,7 +66,7 @@ def test_a_landscape_round_trips_through_its_file(tmp_path: Path) -> None:
     write_landscape(path, land)
     again = load_landscape(path)
     assert again.to_json() == land.to_json()
-    assert not (tmp_path / "sub" / "l.json.tmp").exists()  # written beside, then moved over
+    assert [f.name for f in path.parent.iterdir()] == ["l.json"]  # written beside, then moved over
     p = again.point({"ubatch-size": 512})
     assert p is not None and p.flags == ("-ub", "512", "-t", "2", "-tb", "2") and len(p.runs) == 3
     assert p.runs[1]["loadavg"] == [1.5, 1.2, 1.0] and p.rounds_done() == {0, 1, 2}
@@ -71,6 +74,17 @@ def test_a_landscape_round_trips_through_its_file(tmp_path: Path) -> None:
     assert screened is not None and screened.screened == "RPC0 over budget by 3.0 MiB" and screened.runs == ()
     assert again.point({"ubatch-size": 4096}) is None and again.baseline is None
     assert again.bench == {"p": 64, "n": 8, "d": 0, "r": 2} and again.fixed_flags == ("-c", "4096")
+
+
+def test_a_landscape_the_disk_refuses_keeps_the_last_whole_file(tmp_path: Path) -> None:
+    path = tmp_path / "l.json"
+    land = parse_landscape(doc(), "mem")
+    write_landscape(path, land)
+    before = path.read_bytes()
+    with refused_writes(tmp_path, errno.ENOSPC), pytest.raises(WriteError) as e:
+        write_landscape(path, parse_landscape({**doc(), "rounds": 4}, "mem"))
+    assert str(e.value) == f"{path}: disk full (No space left on device)"
+    assert path.read_bytes() == before and [f.name for f in tmp_path.iterdir()] == ["l.json"]
 
 
 def test_summary_is_the_mean_of_the_run_means_with_each_run() -> None:

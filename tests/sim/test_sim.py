@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -190,6 +192,18 @@ def test_run_noise_scales_a_whole_run_and_differs_between_runs_of_one_config(tmp
     assert run(quiet, ["-c", "8192"]).measurement.tg == run(quiet, ["-c", "8192"]).measurement.tg
 
 
+
+def test_pace_makes_a_run_take_its_simulated_time_in_real_time(tmp_path: Path) -> None:
+    (tmp_path / "seeds.toml").write_text((MACHINES_DIR / "seeds.toml").read_text().replace(
+        "noise = 0.02", "noise = 0.02\npace = 0.1"))
+    paced = SimRunner(load_machine(tmp_path / "seeds.toml"), spec("gpt-oss-20b"))
+    started = time.monotonic()
+    m = run(paced, ["-c", "8192"]).measurement
+    took = time.monotonic() - started
+    instant = run(runner("seeds", "gpt-oss-20b"), ["-c", "8192"]).measurement
+    assert replace(m, llama_cpp=instant.llama_cpp) == instant  # the same figures, only slower
+    assert m.wall_s == 5.659 and 0.5659 <= took < 0.5659 + 2.0, took  # 5.659 simulated seconds at a tenth
+
 def test_model_reused_when_model_level_flags_repeat() -> None:
     r = runner("seeds", "gpt-oss-20b")
     first = run(r, ["-c", "8192", "-ncmoe", "4"]).measurement
@@ -301,7 +315,7 @@ mts = 4800
 
 @pytest.mark.parametrize(("change", "message"), [
     (("description", "colour = 1\ndescription"),
-     "unknown key 'colour'; allowed: description, models, disk_gbps, noise, run_noise, seed, gpu, cpu, ram"),
+     "unknown key 'colour'; allowed: description, models, disk_gbps, noise, run_noise, seed, pace, gpu, cpu, ram"),
     (("tflops = 10", "tflops = 10\nwatts = 300"), "unknown key 'watts' in [gpu]; allowed: memory_gib, bandwidth_gbps"),
     (("memory_gib = 8", "memory_gib = -8"), "gpu.memory_gib = -8: must be a number > 0 (memory of each GPU)"),
     (("p_cores = 8", 'p_cores = "eight"'), "cpu.p_cores = 'eight': must be an integer >= 1"),

@@ -148,6 +148,16 @@ def test_an_in_memory_study_has_claims_of_its_own() -> None:
 # -- fleets of real `fitter tune` processes -------------------------------------------------------------------------
 
 
+def paced(folder: Path, pace: float) -> Path:
+    """gpu-8gb whose trials take `pace` real seconds per simulated second, so the workers overlap as on a real fleet
+    (every worker is given the same file: one machine fingerprint)."""
+    from fitter.sim import MACHINES_DIR
+
+    path = folder / "gpu-8gb-paced.toml"
+    path.write_text((MACHINES_DIR / "gpu-8gb.toml").read_text().replace("seed = 8\n", f"seed = 8\npace = {pace}\n"))
+    return path
+
+
 def _tune(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     """A worker; the simulated GPU's baseline is llama.cpp's own fit, run on an emulated GPU of its size."""
     args = [*args, "--llama-fit-params", str(BUILT_TOOLS / "llama-fit-params")]
@@ -190,9 +200,9 @@ def test_three_workers_share_one_study(kind: str, tmp_path: Path, request: pytes
     twice, nothing finished is lost, one worker confirms and names the others."""
     storage = [] if kind == "sqlite-folder" else ["--storage", storage_url(kind, tmp_path, request)]
     roots = [tmp_path / "results"] * 3 if kind == "sqlite-folder" else [tmp_path / f"r{i}" for i in range(3)]
-    env = {"FITTER_SIM_PACE": "0.2"}  # trials take real time, so the workers overlap
-    procs = [_tune(["--backend", "sim", "--machine", "gpu-8gb", "--trials", "12", "--results", str(root),
-                    *storage], tmp_path, env) for root in roots]
+    machine = str(paced(tmp_path, 0.2))
+    procs = [_tune(["--backend", "sim", "--machine", machine, "--trials", "12", "--results", str(root),
+                    *storage], tmp_path, {}) for root in roots]
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for _, e in outs]
     url = storage[1] if storage else f"sqlite:///{next(roots[0].glob('*/*/*/study.db'))}"
@@ -251,8 +261,9 @@ def test_a_worker_killed_mid_trial_loses_nothing_finished(kind: str, tmp_path: P
     """kill -9 of one of three sim workers while its trial runs."""
     url = storage_url(kind, tmp_path, request)
     results = [tmp_path / f"r{i}" for i in range(3)]
-    procs = [_tune(["--backend", "sim", "--machine", "gpu-8gb", "--trials", "12", "--results", str(r),
-                    "--storage", url], tmp_path, {"FITTER_SIM_PACE": "3"}) for r in results]
+    machine = str(paced(tmp_path, 3))
+    procs = [_tune(["--backend", "sim", "--machine", machine, "--trials", "12", "--results", str(r),
+                    "--storage", url], tmp_path, {}) for r in results]
     kill_mid_trial(url, procs, procs[1], 12, results)
 
 
