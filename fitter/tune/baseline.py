@@ -16,8 +16,9 @@ from fitter.flags import LaunchConfig, parse_flags
 from fitter.flags.parse import flag_value, has_flag, parse_launch_flags, with_endpoint, without
 from fitter.measure.llama_fit import LlamaFit, LlamaFitError, baseline_flags, run_llama_fit
 from fitter.memory.estimator import estimate
+from fitter.tune.fleet import measured
 from fitter.tune.request import Candidate, TuneRequest
-from fitter.tune.study import Tuner, measured
+from fitter.tune.study import Tuner
 from fitter.units import MIB
 
 NAME = "llama.cpp --fit"

@@ -24,10 +24,17 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import optuna
+from optuna.trial import TrialState
+
+if TYPE_CHECKING:
+    from optuna.trial import FrozenTrial
 
 GRACE_S = 30.0  # a claim not beaten for this long is stale (the holder beats every few seconds)
 TABLE = "fitter_claims"
@@ -324,8 +331,6 @@ class FileClaims(Claims):
 
 def claims_for(storage: Any, study: str, journal: Path | None = None) -> Claims:
     """The claims of `study` where its storage keeps it: its database, beside its journal file, or in memory."""
-    import optuna
-
     backend = getattr(storage, "_backend", storage)  # Optuna wraps an RDBStorage in its _CachedStorage
     if isinstance(backend, optuna.storages.RDBStorage):
         return SqlClaims(backend.engine, study)
@@ -357,3 +362,54 @@ class Beater:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+TOLD = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED}  # how `launch` ends a trial of each outcome; else FAIL
+
+
+def measured(t: FrozenTrial) -> bool:
+    """A launched trial that its worker told as its measurement says. One whose worker died mid-run was failed by
+    heartbeat (or by the claim's beat): it has no outcome, or (killed between the two) an outcome it was not told
+    with. Either way it was never measured, and the config is free to launch again."""
+    outcome = t.user_attrs.get("outcome")
+    return bool(t.user_attrs.get("launched")) and outcome is not None and t.state == TOLD.get(outcome,
+                                                                                                TrialState.FAIL)
+
+
+def fail_trial(study: optuna.Study, number: int, reason: str) -> None:
+    """Fail a RUNNING trial another worker left behind; a trial already finished (by its worker, or failed by a third
+    one) is left as it is."""
+    storage = study._storage
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+    try:
+        storage.set_trial_user_attr(trial_id, "reason", reason)
+        storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        pass
+
+
+def wait_for_others(study: optuna.Study, claims: Claims, worker: str, stop: threading.Event,
+                    log: Callable[[str], None]) -> None:
+    """Until no other worker's launched trial is RUNNING (the confirm rounds compare the whole study); a trial
+    whose worker stopped beating is failed on the way."""
+    said: set[int] = set()
+    while not stop.is_set():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        running = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                   if t.user_attrs.get("launched") and t.user_attrs.get("worker") != worker]
+        for t in running:
+            row = claims.row(str(t.user_attrs.get("claim", "")))
+            if row is None or (row.worker != t.user_attrs.get("worker") or
+                               (not row.done and time.time() - row.beat_at > claims.grace_s)):
+                fail_trial(study, t.number, f"its worker {t.user_attrs.get('worker')} stopped beating "
+                           f"(killed?); failed by {worker}")
+        if not running:
+            return
+        new = [t for t in running if t.number not in said]
+        if new:
+            said.update(t.number for t in new)
+            log("fitter: waiting for " + ", ".join(
+                f"trial {t.number} ({t.user_attrs.get('worker')})" for t in new) + " before the confirm rounds")
+        time.sleep(1.0)

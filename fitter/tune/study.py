@@ -38,7 +38,7 @@ from fitter.measure.render import bench_json
 from fitter.measure.runner import TrialRunner
 from fitter.measure.types import TrialResult
 from fitter.memory.devices import Device
-from fitter.tune.fleet import Claim, Claims, MemoryClaims, Worker
+from fitter.tune.fleet import Claim, Claims, MemoryClaims, Worker, fail_trial, measured, wait_for_others
 from fitter.tune.plan import Screener, neighbours, structured_start
 from fitter.tune.pooling import SamplePool
 from fitter.tune.request import Candidate, TuneRequest, _choices, candidate
@@ -414,29 +414,8 @@ class Tuner:
                        f"{self.worker.name}")
 
     def wait_for_others(self) -> None:
-        """Until no other worker's launched trial is RUNNING (the confirm rounds compare the whole study); a trial
-        whose worker stopped beating is failed on the way."""
-        said: set[int] = set()
-        while not self.stop.is_set():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                optuna.storages.fail_stale_trials(self.study)
-            running = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                       if t.user_attrs.get("launched") and t.user_attrs.get("worker") != self.worker.name]
-            for t in running:
-                row = self.claims.row(str(t.user_attrs.get("claim", "")))
-                if row is None or (row.worker != t.user_attrs.get("worker") or
-                                   (not row.done and time.time() - row.beat_at > self.claims.grace_s)):
-                    fail_trial(self.study, t.number, f"its worker {t.user_attrs.get('worker')} stopped beating "
-                               f"(killed?); failed by {self.worker.name}")
-            if not running:
-                return
-            new = [t for t in running if t.number not in said]
-            if new:
-                said.update(t.number for t in new)
-                self.log("fitter: waiting for " + ", ".join(
-                    f"trial {t.number} ({t.user_attrs.get('worker')})" for t in new) + " before the confirm rounds")
-            time.sleep(1.0)
+        """Until no other worker's launched trial is RUNNING (fitter.tune.fleet.wait_for_others)."""
+        wait_for_others(self.study, self.claims, self.worker.name, self.stop, self.log)
 
     def run(self) -> None:
         """Baseline is run by the caller (it is not in the space); then the structured start, neighbours, TPE."""
@@ -493,30 +472,6 @@ class Tuner:
             if best is None or score > best[0]:
                 best = (score, t)
         return best[1] if best else None
-
-
-TOLD = {"ok": TrialState.COMPLETE, "oom": TrialState.PRUNED}  # how `launch` ends a trial of each outcome; else FAIL
-
-
-def measured(t: FrozenTrial) -> bool:
-    """A launched trial that its worker told as its measurement says. One whose worker died mid-run was failed by
-    heartbeat (or by the claim's beat): it has no outcome, or (killed between the two) an outcome it was not told
-    with. Either way it was never measured, and the config is free to launch again."""
-    outcome = t.user_attrs.get("outcome")
-    return bool(t.user_attrs.get("launched")) and outcome is not None and t.state == TOLD.get(outcome,
-                                                                                                TrialState.FAIL)
-
-
-def fail_trial(study: optuna.Study, number: int, reason: str) -> None:
-    """Fail a RUNNING trial another worker left behind; a trial already finished (by its worker, or failed by a third
-    one) is left as it is."""
-    storage = study._storage
-    trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
-    try:
-        storage.set_trial_user_attr(trial_id, "reason", reason)
-        storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
-    except optuna.exceptions.UpdateFinishedTrialError:
-        pass
 
 
 def measurement_json(result: TrialResult, backend: str, plan: Any, emulated: bool) -> dict[str, Any]:

@@ -24,9 +24,19 @@ import pytest
 from optuna.trial import TrialState
 
 from fitter.flags import parse_launch_flags
-from fitter.tune.fleet import Claim, Claims, FileClaims, MemoryClaims, Row, SqlClaims, Worker, claims_for, decide
+from fitter.tune.fleet import (
+    Claim,
+    Claims,
+    FileClaims,
+    MemoryClaims,
+    Row,
+    SqlClaims,
+    Worker,
+    claims_for,
+    decide,
+    measured,
+)
 from fitter.tune.storage import GRACE_S
-from fitter.tune.study import measured
 from tests.conftest import BUILT_TOOLS
 from tests.tune.postgres import PostgresServer, server_binaries, start_postgres
 
