@@ -86,17 +86,37 @@ def claim_id(what: str) -> str:
     return hashlib.sha256(what.encode()).hexdigest()[:40]
 
 
-def decide(row: Row | None, worker: str, now: float, grace_s: float) -> Claim:
+def decide(row: Row | None, worker: str, now: float, grace_s: float, dead: bool = False) -> Claim:
     """Who gets a claim, given its stored row (pure): nobody holds it → this worker; this worker holds it → still
-    this worker; its holder finished → held, done; its holder stopped beating before finishing → this worker takes it
-    over; else held."""
+    this worker; its holder finished → held, done; its holder stopped beating before finishing, or is `dead` (a
+    process of this host that is gone: a killed tune run again at once) → this worker takes it over; else held."""
     if row is None or row.worker == worker:
         return Claim(True, worker)
     if row.done:
         return Claim(False, row.worker, row.trial, done=True)
-    if now - row.beat_at > grace_s:
+    if dead or now - row.beat_at > grace_s:
         return Claim(True, worker, stale_holder=row.worker, stale_trial=row.trial)
     return Claim(False, row.worker, row.trial)
+
+
+def gone(worker: str) -> bool:
+    """A worker of this host whose process no longer runs (a pid reused since reads as running: the beat's grace
+    decides then). Another host's worker is never known gone: only its beat says."""
+    host, _, pid = worker.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it runs
+        return False
+    return False
+
+
+def stale(row: Row, now: float, grace_s: float) -> bool:
+    """An unfinished claim whose holder stopped beating or is gone."""
+    return not row.done and (now - row.beat_at > grace_s or gone(row.worker))
 
 
 class Claims:
@@ -139,7 +159,8 @@ class MemoryClaims(Claims):
 
     def claim(self, what: str, worker: str) -> Claim:
         with self._lock:
-            c = decide(self._rows.get(what), worker, time.time(), self.grace_s)
+            r = self._rows.get(what)
+            c = decide(r, worker, time.time(), self.grace_s, r is not None and gone(r.worker))
             if c.granted:
                 self._rows[what] = Row(what, worker, None, time.time(), False)
             return c
@@ -223,7 +244,7 @@ class SqlClaims(Claims):
             row = self.row(what)
             if row is None:  # released between the INSERT and the SELECT: try again
                 continue
-            c = decide(row, worker, now, self.grace_s)
+            c = decide(row, worker, now, self.grace_s, gone(row.worker))
             if not c.granted or row.worker == worker:
                 return c
             with self._engine.begin() as con:
@@ -301,7 +322,8 @@ class FileClaims(Claims):
         with self._locked() as doc:
             rows = self._rows(doc)
             now = time.time()
-            c = decide(self._row(rows.get(claim_id(what))), worker, now, self.grace_s)
+            row = self._row(rows.get(claim_id(what)))
+            c = decide(row, worker, now, self.grace_s, row is not None and gone(row.worker))
             if c.granted:
                 rows[claim_id(what)] = {"what": what, "worker": worker, "trial": None, "beat_at": now, "done": False}
             return c
@@ -401,8 +423,7 @@ def wait_for_others(study: optuna.Study, claims: Claims, worker: str, stop: thre
                    if t.user_attrs.get("launched") and t.user_attrs.get("worker") != worker]
         for t in running:
             row = claims.row(str(t.user_attrs.get("claim", "")))
-            if row is None or (row.worker != t.user_attrs.get("worker") or
-                               (not row.done and time.time() - row.beat_at > claims.grace_s)):
+            if row is None or row.worker != t.user_attrs.get("worker") or stale(row, time.time(), claims.grace_s):
                 fail_trial(study, t.number, f"its worker {t.user_attrs.get('worker')} stopped beating "
                            f"(killed?); failed by {worker}")
         if not running:

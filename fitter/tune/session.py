@@ -300,9 +300,14 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     emulated = target.emulated_mib is not None or runner.emulated
     doc = result_doc(req, target.machine, build, targets, emulated, baseline, entries, dropped, tuner,
                      time.monotonic() - t_start, url, str(folder / RESULT_FILE), o.confirm_rounds)
-    with result_writes(url):
-        write_result(folder, doc.data)
-        write_trials_csv(folder, study)
+    try:
+        with result_writes(url):
+            write_result(folder, doc.data)
+            write_trials_csv(folder, study)
+    except BaseException:
+        with contextlib.suppress(Exception):  # a full disk may refuse this too: the claim then goes stale
+            claims.release(what, worker.name)  # the same command, run again, confirms and writes them
+        raise
     claims.finish(what, worker.name)
     if snapshot is not None and snapshot.gpus and target.emulated_mib is None:
         record_overheads(study, snapshot, log)

@@ -34,6 +34,7 @@ from fitter.tune.fleet import (
     Worker,
     claims_for,
     decide,
+    gone,
     measured,
 )
 from fitter.tune.storage import GRACE_S
@@ -56,6 +57,19 @@ def test_who_gets_a_claim() -> None:
     assert decide(Row("k", "b:2", 4, 69.9, False), "a:1", 100.0, 30.0) == Claim(True, "a:1", stale_holder="b:2",
                                                                                stale_trial=4)
     assert decide(Row("k", "b:2", None, 70.0, False), "a:1", 100.0, 30.0) == Claim(False, "b:2")
+    # a holder known gone (a process of this host that no longer runs) is stale at once
+    assert decide(Row("k", "b:2", None, 99.0, False), "a:1", 100.0, 30.0, dead=True) == Claim(
+        True, "a:1", stale_holder="b:2")
+    assert decide(Row("k", "b:2", 4, 10.0, True), "a:1", 100.0, 30.0, dead=True) == Claim(False, "b:2", 4, done=True)
+
+
+def test_a_worker_is_gone_only_when_it_is_a_process_of_this_host_that_no_longer_runs() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert gone(f"{HOST}:{child.pid}")  # reaped: its pid is free (unless reused within this test, far from likely)
+    assert not gone(f"{HOST}:{os.getpid()}")
+    assert not gone(f"another-host:{child.pid}")  # only its beat can tell
+    assert not gone("no pid here")
 
 
 # -- the claims of each storage ---------------------------------------------------------------------------------
@@ -377,3 +391,42 @@ def test_a_config_key_names_fitters_emulated_gpu_not_its_port() -> None:
     mine = dataclasses.replace(req, base=parse_launch_flags(["-c", "4096", "-np", "1", "--rpc", "10.0.0.5:50052"]))
     assert candidate(mine, params).key.endswith("-ngl all -t 4 -tb 4") and "10.0.0.5:50052" in candidate(
         mine, params).key
+
+
+@pytest.mark.tools("llama-fit-params")
+def test_a_killed_tune_run_again_at_once_takes_its_own_claims_over(tmp_path: Path) -> None:
+    """kill -9 during the baseline, then the same command at once (well within the beats' grace): the dead process's
+    claims are taken over (its pid is gone), its trial failed, and the baseline measured again."""
+    machine = str(paced(tmp_path, 3))
+    args = ["--backend", "sim", "--machine", machine, "--trials", "3", "--confirm-rounds", "1"]
+    victim = _tune(args, tmp_path, {})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        dbs = list((tmp_path / "results").glob("*/*/*/study.db"))
+        if not dbs:
+            continue
+        url = f"sqlite:///{dbs[0]}"
+        try:
+            trials = load(url, "fitter").get_trials(deepcopy=False)
+        except KeyError:
+            continue
+        if any(t.state == TrialState.RUNNING and t.user_attrs.get("phase") == "baseline" for t in trials):
+            os.kill(victim.pid, signal.SIGKILL)
+            break
+    else:
+        pytest.fail("the baseline never ran")
+    victim.communicate(timeout=60)
+    started = time.monotonic()
+    again = _tune(args, tmp_path, {})
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-2000:]
+    assert f"fitter: worker {HOST}:{victim.pid} stopped beating; {HOST}:{again.pid} takes its claim over and fails " \
+           "its trial 0" in err
+    study = load(url, "fitter")
+    assert study.trials[0].state == TrialState.FAIL and not measured(study.trials[0])
+    assert study.trials[0].user_attrs["reason"] == (f"its worker {HOST}:{victim.pid} stopped beating (killed?); "
+                                                    f"failed by {HOST}:{again.pid}")
+    doc = json.loads(next((tmp_path / "results").glob("*/*/*/pareto.json")).read_text())
+    assert doc["baseline"]["trial"] != 0 and doc["baseline"]["measurement"]["outcome"] == "ok"
+    assert time.monotonic() - started < 120
