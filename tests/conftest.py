@@ -8,6 +8,8 @@
   GPU; `tools(NAME…)` where those tools are not built, unless FITTER_REQUIRE_TOOLS=1 (.ci/run sets it, so a
   missing build step fails there instead of skipping); `slow` marks the long matrices the default test command
   deselects (.ci/run runs them as its second command).
+- Property tests (hypothesis) run under the `fitter` profile: the same examples on every run (`derandomize`), no
+  example database left in the clone, a deadline per example; each test sets its own `max_examples`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,17 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import Phase, settings
 
 from fitter.machine.llama_cpp import llama_cpp_python_problem
 from fitter.measure.tools import TOOLS, tools_dir
 from fitter.paths import fitter_home
+
+# CI's 2 cores run every property example in tens of milliseconds: a deadline of seconds only catches a runaway.
+# No explain phase: it re-runs a failure a thousand times (a minute here) to comment the minimal example.
+settings.register_profile("fitter", derandomize=True, database=None, deadline=3000, print_blob=False,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
+settings.load_profile("fitter")
 
 pytest_plugins = ["pytester"]  # tests/test_markers.py runs the markers on a pytest of its own
 
