@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class FitterError(Exception):
     """A problem the user can fix: the message names the file or flag, the rule broken and the value seen."""
+
+    quotes_output: ClassVar[bool] = False  # True: the message quotes a program's output, its lines kept
+
+    def __init__(self, message: str = "") -> None:
+        # One line, as the CLI prints it: a name may bring a newline with it (a path, a value read from a file).
+        text = str(message)
+        super().__init__(text if self.quotes_output else text.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 class GGUFError(FitterError):

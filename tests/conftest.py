@@ -8,6 +8,8 @@
   GPU; `tools(NAME…)` where those tools are not built, unless FITTER_REQUIRE_TOOLS=1 (.ci/run sets it, so a
   missing build step fails there instead of skipping); `slow` marks the long matrices the default test command
   deselects (.ci/run runs them as its second command).
+- Property tests (hypothesis) run under the `fitter` profile: the same examples on every run (`derandomize`), no
+  example database or cache left in the clone, a deadline per example; each test sets its own `max_examples`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import Phase, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from fitter.machine.llama_cpp import llama_cpp_python_problem
 from fitter.measure.tools import TOOLS, tools_dir
@@ -28,6 +32,14 @@ STARTING_HOME = fitter_home()  # the user's (or CI's) home, where the tools were
 BUILT_TOOLS = tools_dir()  # resolved in STARTING_HOME, before the session home replaces it
 SESSION_HOME = Path(tempfile.mkdtemp(prefix="fitter-test-session-home-"))
 os.environ["FITTER_HOME"] = str(SESSION_HOME)  # before any test module is imported or any fixture runs
+
+# CI's 2 cores run every property example in tens of milliseconds: a deadline of seconds only catches a runaway.
+# No explain phase: it re-runs a failure a thousand times (a minute here) to comment the minimal example. Hypothesis's
+# own caches (unicode tables, literals of the code under test) go to the session folder, not .hypothesis/ in the clone.
+set_hypothesis_home_dir(os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY") or SESSION_HOME / "hypothesis")
+settings.register_profile("fitter", derandomize=True, database=None, deadline=3000, print_blob=False,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
+settings.load_profile("fitter")
 
 
 def _gpu_problem() -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -33,4 +34,20 @@ def unknown_arch_model(folder: Path) -> Path:
     data[:end] = bytes(data[:end]).replace(b"llama", b"llamb")
     out = folder / "llamb-tiny.gguf"
     out.write_bytes(bytes(data))
+    return out
+
+
+def renamed_in_header(shape: str, folder: Path, old: bytes, new: bytes) -> Path:
+    """`shape`'s header-only file with the bytes `old` replaced by `new` of the same length in its header (a tensor
+    renamed, a key renamed), so every offset holds; the data region stays a hole."""
+    from fitter.gguf.header import read_header
+
+    assert len(old) == len(new)
+    src = model_file(shape, sparse=True)
+    end = read_header(src).shards[0].data_offset
+    header = src.read_bytes()[:end]
+    assert old in header
+    out = folder / f"{shape}-renamed.gguf"
+    out.write_bytes(header.replace(old, new))
+    os.truncate(out, src.stat().st_size)
     return out

@@ -58,9 +58,9 @@ def _result_model(doc: Any, override: str | None) -> Any:
                           "header: give --model PATH")
     try:
         spec = load_model_spec(str(path))
-    except FitterError as e:
-        raise FitterError(f"{e}; re-planning for another program needs the model's header: give --model PATH") \
-            from None
+    except FitterError as e:  # the path came from the result: name it too
+        raise FitterError(f"{e}; re-planning for another program needs the header of the model {doc.source} was "
+                          "tuned on: give --model PATH") from None
     recorded = doc.model.get("identity")
     if recorded and spec.identity != recorded:
         raise FitterError(f"{path}: not the tuned model (header identity {spec.identity}, {doc.source} records "

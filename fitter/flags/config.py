@@ -18,6 +18,7 @@ KV_CACHE_TYPES: dict[str, tuple[int, int]] = {
     "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
     "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
 }
+GGML_MAX_N_THREADS = 512  # ggml/include/ggml.h: the CPUs --cpu-mask and --cpu-range can name
 LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")  # common/arg.cpp -lm/--load-mode
 
 SERVER_DEFAULTS_HELP = """\
@@ -208,5 +209,8 @@ def parse_cpu_mask(mask: str | None, cpu_range: str | None) -> tuple[int, ...] |
         lo, sep, hi = cpu_range.partition("-")
         if not sep or not lo.isdigit() or not hi.isdigit() or int(lo) > int(hi):
             raise LaunchConfigError(f"--cpu-range {cpu_range!r}: expected lo-hi, e.g. 0-3")
+        if int(hi) >= GGML_MAX_N_THREADS:  # llama.cpp refuses it ("End index out of bounds!"): no set of 10^11 CPUs
+            raise LaunchConfigError(f"--cpu-range {cpu_range!r}: CPUs go up to {GGML_MAX_N_THREADS - 1} "
+                                    "(GGML_MAX_N_THREADS, common/common.cpp parse_cpu_range)")
         cpus |= set(range(int(lo), int(hi) + 1))
     return tuple(sorted(cpus)) or None

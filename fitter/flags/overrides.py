@@ -15,6 +15,7 @@ from fitter.flags.config import TensorOverride
 FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 CPU_MOE_RULE = TensorOverride(FFN_EXPS_REGEX, "CPU")  # -cmoe: every layer's experts on the CPU
 EXPERT_KINDS = ("up", "gate", "down")
+MAX_LAYERS = 512  # LLAMA_MAX_LAYERS (src/llama-hparams.h)
 _NCMOE_RE = re.compile(r"^blk\\\.(\d+)" + re.escape(FFN_EXPS_REGEX) + "$")
 
 
@@ -25,7 +26,9 @@ def layer_experts_rule(layer: int) -> TensorOverride:
 
 def ncmoe_rules(n: int) -> tuple[TensorOverride, ...]:
     """The rules `-ncmoe n` adds: the experts of the *first* n layers on the CPU."""
-    return tuple(layer_experts_rule(i) for i in range(n))
+    # One rule per layer, as llama.cpp adds them; past LLAMA_MAX_LAYERS none would match (and -ncmoe 2147483647
+    # would build two billion)
+    return tuple(layer_experts_rule(i) for i in range(min(n, MAX_LAYERS)))
 
 
 def experts_rules(layers: list[int], boundary: int | None = None, kinds: tuple[str, ...] = ()) -> \

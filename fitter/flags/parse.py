@@ -132,9 +132,25 @@ def parse_launch_flags(flags: Sequence[str], consumer: str = DEFAULT_CONSUMER, c
     `consumer` (fitter.flags.consumers); `check` also applies the rules llama.cpp enforces before loading."""
     parser = _Parser(flags)
     add_launch_arguments(parser)
-    ns = parser.parse_args(list(flags))
+    ns = parser.parse_args(_joined(flags))
     ns.consumer = consumer
     return launch_config_from_args(ns, flags, check)
+
+
+def _joined(flags: Sequence[str]) -> list[str]:
+    """`-ot -x=CPU` as `-ot=-x=CPU`: llama.cpp takes the token after a flag as its value whatever it looks like,
+    argparse would take a value starting with '-' for another flag (and pin's `-ot PATTERN` would not read back)."""
+    out: list[str] = []
+    i = 0
+    while i < len(flags):
+        f = BY_NAME.get(flags[i])
+        if f is not None and f.takes_value and f.level in (Level.CONTEXT, Level.MODEL) and i + 1 < len(flags):
+            out.append(f"{flags[i]}={flags[i + 1]}")
+            i += 2
+        else:
+            out.append(flags[i])
+            i += 1
+    return out
 
 
 def parse_flags(flags: Sequence[str], consumer: str = DEFAULT_CONSUMER) -> tuple[LaunchConfig, ProcessFlags]:

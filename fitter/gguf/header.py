@@ -28,6 +28,10 @@ GGUF_MAGIC = b"GGUF"
 GGML_MAX_DIMS = 4  # ggml/include/ggml.h
 # Numeric arrays longer than this (token scores, token types) are skipped; per-layer arrays are far shorter.
 MAX_KEPT_ARRAY = 1 << 16
+# Strings are read into memory only up to this length: a damaged length may be as large as the file. A longer value
+# (an embedded tokenizer.json) is skipped; a longer key or array item is a damaged header.
+MAX_KEPT_STRING = 1 << 20
+GGML_MAX_NAME = 64  # ggml/include/ggml.h: gguf.cpp refuses a tensor name of this length or more
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "<B",
@@ -51,6 +55,13 @@ class SkippedArray:
 
     item_type: str
     count: int
+
+
+@dataclass(frozen=True)
+class SkippedString:
+    """A metadata string value longer than MAX_KEPT_STRING, not kept in memory: only its length in bytes."""
+
+    length: int
 
 
 @dataclass(frozen=True)
@@ -123,9 +134,14 @@ class _Cursor:
         self.pos += n
         return value
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int = MAX_KEPT_STRING, rule: str = "longer than any header holds") -> str:
         n = self.unpack("<Q", what)
         self.need(n, f"{what} of length {n}")
+        if n >= limit:
+            raise self.fail(f"{what} of length {n}: {limit} bytes or more, {rule}")
+        return self.text(n, what)
+
+    def text(self, n: int, what: str) -> str:
         raw = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         try:
@@ -161,7 +177,12 @@ def _value_type(cur: _Cursor, raw: int, key: str) -> GGUFValueType:
 
 def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str) -> Any:
     if vtype == GGUFValueType.STRING:
-        return cur.string(f"value of {key!r}")
+        n = cur.unpack("<Q", f"length of {key!r}")
+        cur.need(n, f"value of {key!r} of length {n}")
+        if n >= MAX_KEPT_STRING:  # an embedded tokenizer.json: fitter needs none of it
+            cur.pos += n
+            return SkippedString(n)
+        return cur.text(n, f"value of {key!r}")
     if vtype == GGUFValueType.ARRAY:
         item_type = _value_type(cur, cur.unpack("<I", f"array type of {key!r}"), key)
         count = cur.unpack("<Q", f"array length of {key!r}")
@@ -199,6 +220,8 @@ def _parse_one(path: Path, shard: int) -> tuple[ShardInfo, dict[str, Any], list[
         raise GGUFError(f"{path}: is a directory, not a GGUF file") from None
     except PermissionError:
         raise GGUFError(f"{path}: permission denied") from None
+    except OSError as e:  # a name too long, a loop of links, an I/O error: what the system said
+        raise GGUFError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
         return _parse_buffer(_Cursor(buf, path), shard)
     finally:
@@ -222,6 +245,8 @@ def _parse_buffer(cur: _Cursor, shard: int) -> tuple[ShardInfo, dict[str, Any], 
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string("metadata key")
+        if key in metadata:  # gguf.cpp refuses it: which value would count?
+            raise cur.fail(f"metadata key {key!r} appears twice")
         vtype = _value_type(cur, cur.unpack("<I", f"value type of {key!r}"), key)
         metadata[key] = _read_value(cur, vtype, key)
 
@@ -230,8 +255,12 @@ def _parse_buffer(cur: _Cursor, shard: int) -> tuple[ShardInfo, dict[str, Any], 
         raise cur.fail(f"general.alignment must be a power of two, got {alignment!r}")
 
     raw_tensors: list[tuple[str, GGMLQuantizationType, tuple[int, ...], int]] = []
+    names: set[str] = set()
     for _ in range(n_tensors):
-        name = cur.string("tensor name")
+        name = cur.string("tensor name", GGML_MAX_NAME, "gguf.cpp's limit (GGML_MAX_NAME)")
+        if name in names:  # gguf.cpp: "duplicate tensor name"
+            raise cur.fail(f"tensor {name!r} appears twice")
+        names.add(name)
         n_dims = cur.unpack("<I", f"dimension count of {name!r}")
         if not 1 <= n_dims <= GGML_MAX_DIMS:
             raise cur.fail(f"tensor {name!r} has {n_dims} dimensions, ggml allows 1..{GGML_MAX_DIMS}")

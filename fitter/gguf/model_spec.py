@@ -234,10 +234,16 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
     head_dim_k = keys.integer("attention.key_length", n_embd // n_head0 if n_head0 else 0)
     head_dim_v = keys.integer("attention.value_length", n_embd // n_head0 if n_head0 else 0)
     n_expert = keys.integer("expert_count", 0)
+    n_expert_used = keys.integer("expert_used_count", 0)
+    _check_experts(header, arch, n_expert, n_expert_used)
     n_ff = keys.per_layer("feed_forward_length", n_layer, (0,) * n_layer)
     n_swa = keys.integer("attention.sliding_window", 0)
     is_mla = keys._raw("attention.key_length_mla") is not None and keys._raw("attention.value_length_mla") is not None
     tensors = tuple(_tensor_spec(t) for t in header.tensors)
+    past = next((t for t in tensors if t.layer is not None and t.layer >= n_layer), None)
+    if past is not None:  # llama.cpp loads blocks 0..n_layer-1 only, and refuses a file with tensors it did not load
+        raise GGUFError(f"{header.path}: tensor {past.name!r} is in block {past.layer}, but '{arch}.block_count' is "
+                        f"{n_layer} (llama_model_loader: wrong number of tensors)")
     return ModelSpec(
         path=str(header.path),
         arch=arch,
@@ -251,7 +257,7 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         head_dim_k=head_dim_k,
         head_dim_v=head_dim_v,
         n_expert=n_expert,
-        n_expert_used=keys.integer("expert_used_count", 0),
+        n_expert_used=n_expert_used,
         n_ff=n_ff,
         n_ff_exp=keys.integer("expert_feed_forward_length", n_ff[0] if n_expert else 0),
         n_expert_shared=keys.integer("expert_shared_count", 0),
@@ -273,6 +279,17 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         tensors=tensors,
         warnings=tuple(notes),
     )
+
+
+def _check_experts(header: GGUFHeader, arch: str, n_expert: int, n_expert_used: int) -> None:
+    """llama_model_base::load_hparams's asserts (src/llama-model.cpp): at most LLAMA_MAX_EXPERTS (512) experts, and
+    1..n_expert of them used per token, none without experts. A count past them would also size fitter's graph."""
+    if not 0 <= n_expert <= 512:
+        raise GGUFError(f"{header.path}: '{arch}.expert_count' must be in 0..512 (LLAMA_MAX_EXPERTS), got {n_expert}")
+    lowest = 1 if n_expert else 0
+    if not lowest <= n_expert_used <= n_expert:
+        raise GGUFError(f"{header.path}: '{arch}.expert_used_count' must be in {lowest}..{n_expert} with "
+                        f"{n_expert} experts, got {n_expert_used}")
 
 
 def _tensor_spec(t: TensorInfo) -> TensorSpec:

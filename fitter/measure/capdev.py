@@ -66,6 +66,8 @@ _DIR_PREFIX = "fitter-emulated-gpu-"  # the temporary directory of a server's co
 class EmulatedGpuError(FitterError):
     """The emulated GPU could not be built, started or read."""
 
+    quotes_output = True  # the server's log or the compiler's output, line by line
+
 
 @dataclass(frozen=True)
 class EmulatedGpuStats:

@@ -99,6 +99,8 @@ class LlamaFit:
 class LlamaFitError(FitterError):
     """llama.cpp's fit did not answer: it found no placement, rejected a flag, crashed or timed out."""
 
+    quotes_output = True  # llama-fit-params's own log lines
+
     def __init__(self, message: str, exit_status: int | None = None, log: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.exit_status = exit_status  # None: it did not exit (timeout) or could not start

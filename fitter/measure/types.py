@@ -31,6 +31,8 @@ class WorkerError(FitterError):
     """A trial llama.cpp rejected for a reason other than memory (an unknown buffer type, a test that does not fit
     the context), or a worker that could not be started."""
 
+    quotes_output = True  # the worker's log tail, line by line
+
 
 @dataclass(frozen=True)
 class BenchSpec:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from fitter.errors import GGUFError
 from fitter.flags import KV_CACHE_TYPES
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory import ggml_graph as g
@@ -101,8 +102,9 @@ class Builder:
 
     def weight(self, name: str) -> Tensor:
         t = self.w(name)
-        if t is None:
-            raise KeyError(name)
+        if t is None:  # a tensor table renamed or cut short: llama.cpp's create_tensor fails the same way
+            raise GGUFError(f"{self.spec.path}: missing tensor {name!r}, which llama.cpp's {self.spec.arch} graph "
+                            "needs (llama_model_loader: missing tensor)")
         return t
 
     def kv_tensor(self, il: int, kind: str) -> Tensor:
@@ -142,7 +144,8 @@ class Builder:
         self.k_rot: dict[bool, Tensor] = {}
         self.v_rot: dict[bool, Tensor] = {}
         # llama_kv_cache: quantized caches rotate K/V with a Hadamard matrix when heads are multiples of 64
-        if _quantized(p.type_k) and spec.head_dim_k % 64 == 0:
+        # a head size of 0 (a broken header) is no multiple: every power of two divides it, so the loop would not end
+        if _quantized(p.type_k) and spec.head_dim_k > 0 and spec.head_dim_k % 64 == 0:
             nrot = 64
             while spec.head_dim_k % (nrot * 2) == 0:
                 nrot *= 2

@@ -68,7 +68,7 @@ class CheckVerdict:
 def regression_threshold(old_avg: float, old_sd: float, new_sd: float, tolerance: float) -> float:
     """The lowest new average that is not a regression: the tolerance below the old average, less twice the
     combined standard deviation of the two measurements (noise)."""
-    return old_avg * (1 - tolerance) - 2 * math.sqrt(old_sd ** 2 + new_sd ** 2)
+    return old_avg * (1 - tolerance) - 2 * math.hypot(old_sd, new_sd)  # hypot: no overflow squaring a huge σ
 
 
 def parse_tolerance(text: str) -> float:
@@ -212,10 +212,15 @@ def recorded_spec(measurement: dict[str, Any], threads: int, threads_batch: int,
     try:
         if not isinstance(first, dict):
             raise TypeError("neither pp nor tg")
-        return BenchSpec(n_prompt=int(pp["n"]) if isinstance(pp, dict) else 0,
+        spec = BenchSpec(n_prompt=int(pp["n"]) if isinstance(pp, dict) else 0,
                          n_gen=int(tg["n"]) if isinstance(tg, dict) else 0,
                          n_depth=int(first.get("depth", 0)), repetitions=_repetitions(measurement, first),
                          threads=threads, threads_batch=threads_batch)
+        # llama-bench reads -p -n -d -r as C ints: a larger count is a damaged file (and a run that never ends)
+        if max(spec.n_prompt, spec.n_gen, spec.n_depth, spec.repetitions) > 2**31 - 1:
+            raise ValueError(f"-p {spec.n_prompt} -n {spec.n_gen} -d {spec.n_depth} -r {spec.repetitions} "
+                             "exceed llama-bench's int")
+        return spec
     except (KeyError, TypeError, ValueError, FitterError) as e:
         raise FitterError(f"{where}: its measurement has no usable pp/tg n, depth and samples_ts ({e}): cannot "
                           "repeat it") from None
@@ -361,9 +366,15 @@ def runner_factory_for(result: Path, snapshot: MachineSnapshot, model: str | Non
     if doc is not None and recorded.get("sim"):
         from fitter.sim import SimRunner, load_machine
 
-        profile = recorded.get("profile") or recorded["sim"]
-        machine = load_machine(profile if Path(profile).is_file() else recorded["sim"])
-        spec = load_model_spec(model or doc.model["path"])
+        sim, profile = recorded["sim"], recorded.get("profile") or recorded["sim"]
+        if not isinstance(sim, str) or not isinstance(profile, str):  # the file's to edit: Path() takes only text
+            raise FitterError(f"{doc.source}: machine.sim {sim!r} and machine.profile {profile!r} must name the "
+                              "simulated machine (a shipped profile or a TOML file)")
+        try:
+            machine = load_machine(profile if Path(profile).is_file() else sim)
+        except FitterError as e:
+            raise FitterError(f"{doc.source}: the simulated machine it was tuned on: {e}") from None
+        _, spec = _model(doc, model)
         return lambda **_: SimRunner(machine, spec)
     binary = (doc.llama_cpp.get("llama_server") if doc is not None else None)
     if isinstance(binary, str):  # tuned through a user's llama.cpp build (`--llama-cpp DIR`): re-measured with it

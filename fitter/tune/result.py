@@ -10,13 +10,17 @@ estimate.
 from __future__ import annotations
 
 import json
+import math
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitter.errors import FitterError
+from fitter.errors import FitterError, LaunchConfigError
 from fitter.measure.noise import tied
+from fitter.memory.devices import rpc_devices
 from fitter.paths import write_atomic
 
 POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram")
@@ -76,7 +80,14 @@ class Entry:
         if flags is not None and (not isinstance(flags, list) or not all(isinstance(f, str) for f in flags)):
             raise ResultError(source, f"trial {trial}: \"flags\" must be a list of strings, got {flags!r}")
         m = data.get("measurement")
+        if isinstance(m, dict):
+            _check_measurement(m, f"trial {trial}", source)
         vram = data.get("vram_bytes")
+        if vram is not None and not _finite(vram):
+            raise ResultError(source, f"trial {trial}: \"vram_bytes\" must be a number of bytes, got {_short(vram)}")
+        ratios = data.get("ratios") or {}
+        if not isinstance(ratios, dict) or not all(v is None or _finite(v) for v in ratios.values()):
+            raise ResultError(source, f"trial {trial}: \"ratios\" must map tg/pp to a number, got {_short(ratios)}")
         intervals = data.get("intervals") or {}
         if not isinstance(intervals, dict) or not all(
                 isinstance(v, list) and len(v) == 2 and all(isinstance(x, int | float) for x in v)
@@ -88,7 +99,7 @@ class Entry:
         distance = data.get("defaults_distance", -1 if data.get("phase") == "baseline" else 0)
         return Entry(trial if isinstance(trial, int) else None, tuple(flags) if flags is not None else None,
                      m if isinstance(m, dict) else None, data.get("phase"),
-                     int(vram) if isinstance(vram, int | float) else None, dict(data.get("ratios") or {}), data,
+                     int(vram) if vram is not None else None, dict(ratios), data,
                      {k: (float(v[0]), float(v[1])) for k, v in intervals.items()}, tuple(ties),
                      int(distance) if isinstance(distance, int) else 0)
 
@@ -156,6 +167,13 @@ class ParetoDoc:
     def from_json(data: Any, source: str) -> ParetoDoc:
         if not isinstance(data, dict):
             raise ResultError(source, "expected a JSON object written by `fitter tune`")
+        for key, kind in (("model", dict), ("machine", dict), ("llama_cpp", dict), ("study", dict), ("drift", dict),
+                          ("confirm", dict), ("objectives", list), ("dropped", list)):
+            if data.get(key) is not None and not isinstance(data[key], kind):
+                raise ResultError(source, f"\"{key}\" must be {'an object' if kind is dict else 'a list'}, got "
+                                          f"{_short(data[key])}")
+        if not all(isinstance(d, dict) for d in data.get("dropped") or []):
+            raise ResultError(source, f"\"dropped\" must be a list of objects, got {_short(data['dropped'])}")
         pareto = data.get("pareto")
         if not isinstance(pareto, list):
             raise ResultError(source, f"no \"pareto\" list; is this a {RESULT_FILE} written by `fitter tune`?")
@@ -184,6 +202,60 @@ class ParetoDoc:
                                        f"(trials: {trials})")
 
 
+# -- the parts of a measurement the commands compute with, checked once here ---------------------------------------
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _endpoint(text: str) -> bool:
+    try:
+        rpc_devices([text])
+    except LaunchConfigError:
+        return False
+    return True
+
+
+def _short(value: Any) -> str:
+    text = repr(value)  # one line, whatever the file holds
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_measurement(m: dict[str, Any], where: str, source: str) -> None:
+    """Speeds, confirm rounds and VRAM as fitter writes them (`fitter bench --json`): a hand-edited or damaged file
+    fails here with the field, not later in a command's arithmetic."""
+    def need(ok: bool, part: str, rule: str, value: Any) -> None:
+        if not ok:
+            raise ResultError(source, f"{where}: measurement.{part} must be {rule}, got {_short(value)}")
+
+    def obj(part: str, value: Any) -> dict[str, Any]:
+        need(value is None or isinstance(value, dict), part, "an object", value)
+        return value or {}
+
+    for key in ("pp", "tg"):
+        for k, v in obj(key, m.get(key)).items():
+            if k in ("avg_ts", "stddev_ts"):
+                need(_finite(v), f"{key}.{k}", "a finite number", v)
+            elif k in ("n", "depth"):
+                need(isinstance(v, int) and not isinstance(v, bool), f"{key}.{k}", "an integer", v)
+            elif k == "samples_ts":
+                need(isinstance(v, list) and all(map(_finite, v)), f"{key}.{k}", "a list of finite numbers", v)
+    rounds = obj("confirm.round_avg_ts", obj("confirm", m.get("confirm")).get("round_avg_ts"))
+    for k, v in rounds.items():
+        need(isinstance(v, list) and all(map(_finite, v)), f"confirm.round_avg_ts.{k}", "a list of finite numbers", v)
+    for name, peak in obj("peak_vram", m.get("peak_vram")).items():
+        need(isinstance(peak, dict) and isinstance(peak.get("bytes"), int), "peak_vram", "{device: {bytes: int}}",
+             {name: peak})
+    for name, d in obj("devices", m.get("devices")).items():
+        need(isinstance(d, dict) and isinstance(d.get("total", 0), int), "devices", "{device: {total: int}}",
+             {name: d})
+        rpc = re.fullmatch(r"RPC\d+\[(.+)\]", name)  # a re-plan rebuilds the RPC device from its endpoint
+        need(rpc is None or _endpoint(rpc.group(1)), "devices", "named as llama.cpp names RPC devices, "
+             "RPC<i>[HOST:PORT]", name)
+    obj("llama_cpp", m.get("llama_cpp"))
+
+
 def result_file(path: Path) -> Path:
     """RESULT as commands take it: the results folder, or its pareto.json."""
     return path / RESULT_FILE if path.is_dir() else path
@@ -198,6 +270,11 @@ def load_result(path: str | Path) -> ParetoDoc:
         raise ResultError(str(file), f"cannot read the tuning result: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ResultError(str(file), f"not valid JSON ({e})") from None
+    except ValueError:  # json's int() of a literal past Python's limit on integer digits
+        raise ResultError(str(file), f"not a result fitter can read (an integer of more than "
+                                     f"{sys.get_int_max_str_digits()} digits)") from None
+    except RecursionError:  # json descends one call per level of nesting
+        raise ResultError(str(file), "not a result fitter can read (arrays or objects nested too deeply)") from None
     return ParetoDoc.from_json(data, str(file))
 
 

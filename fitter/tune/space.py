@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
+import sys
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +39,10 @@ def _ints_from(minimum: int) -> Callable[[Any], bool]:
     return lambda v: type(v) is int and v >= minimum
 
 
+def _cache_type(v: Any) -> bool:
+    return isinstance(v, str) and v in KV_CACHE_TYPES  # a dict lookup: a list or table in the file is unhashable
+
+
 def _thread_count(v: Any) -> bool:
     return (type(v) is int and v >= 1) or v in THREAD_SYMBOLS
 
@@ -55,8 +61,8 @@ _RULES: dict[str, _Rule] = {
     "n-gpu-layers": _Rule("values must be integers >= 0", _ints_from(0), minimum=0, auto=True),
     "batch-size": _Rule("values must be integers >= 1", _ints_from(1)),
     "ubatch-size": _Rule("values must be integers >= 1", _ints_from(1)),
-    "cache-type-k": _Rule(f"values must be one of {', '.join(KV_CACHE_TYPES)}", KV_CACHE_TYPES.__contains__),
-    "cache-type-v": _Rule(f"values must be one of {', '.join(KV_CACHE_TYPES)}", KV_CACHE_TYPES.__contains__),
+    "cache-type-k": _Rule(f"values must be one of {', '.join(KV_CACHE_TYPES)}", _cache_type),
+    "cache-type-v": _Rule(f"values must be one of {', '.join(KV_CACHE_TYPES)}", _cache_type),
     "flash-attn": _Rule(f"values must be one of {', '.join(FLASH_ATTN_VALUES)}", FLASH_ATTN_VALUES.__contains__),
     "threads": _Rule('values must be integers >= 1, "physical" or "performance-cores"', _thread_count, minimum=1),
     "threads-batch": _Rule('values must be integers >= 1, "physical" or "performance-cores"', _thread_count,
@@ -131,6 +137,10 @@ def parse_space(text: str, source: str) -> SearchSpace:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:  # its message ends "(at line L, column C)"
         raise SearchSpaceError(f"{source}: not valid TOML: {exc}") from None
+    except ValueError:  # tomllib's int() of a literal past Python's limit on integer digits
+        raise SearchSpaceError(f"{source}: an integer of more than {sys.get_int_max_str_digits()} digits") from None
+    except RecursionError:  # tomllib descends one call per level of nesting
+        raise SearchSpaceError(f"{source}: arrays or inline tables nested too deeply") from None
     for key in data:
         if key not in _TOP_LEVEL:
             where = " (searched flags go under [params])" if key in _RULES or key in FIXED_ON_COMMAND_LINE else ""
@@ -280,14 +290,21 @@ def _dim_toml(dim: Dimension) -> str:
     return _toml(list(dim.values))
 
 
-def _toml(value: Any) -> str:
-    """A value as the user wrote it in TOML, for error messages."""
+def _toml(value: Any, depth: int = 0) -> str:
+    """A value as the user wrote it in TOML, for error messages: on one line (keys quoted unless bare), nesting past
+    a few levels elided (hundreds of levels would exceed Python's recursion limit)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
+        return "[...]" if depth > 4 else "[" + ", ".join(_toml(v, depth + 1) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+        if depth > 4:
+            return "{...}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml(v, depth + 1)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fitter.cli import main
-from tests.models import model_file
+from tests.models import model_file, renamed_in_header
 
 
 def test_estimate_json_follows_the_contract(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,6 +53,15 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path: Path, args: 
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_estimate_of_a_tensor_table_that_lost_a_tensor_is_one_line_naming_file_and_tensor(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # issue 15: a mutant of the demo model's header died with `KeyError: 'blk.2.attn_k.weight'`
+    path = renamed_in_header("demo", tmp_path, b"blk.2.attn_k.weight", b"blk.2.attn_x.weight")
+    assert main(["estimate", str(path), "--devices", "none"]) == 2
+    assert capsys.readouterr().err == (f"fitter: error: {path}: missing tensor 'blk.2.attn_k.weight', which "
+                                       "llama.cpp's gpt-oss graph needs (llama_model_loader: missing tensor)\n")
 
 
 def test_help_states_llama_server_defaults(capsys: pytest.CaptureFixture[str]) -> None:

@@ -102,3 +102,15 @@ def test_a_result_tuned_for_python_exports_for_python_without_a_replan(
     assert main(["export", str(result), "--format", "python"]) == 0
     captured = capsys.readouterr()
     assert "re-planned" not in captured.err and "replanned" not in json.loads(captured.out)
+
+
+def test_a_re_plan_whose_recorded_model_is_gone_names_the_result(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # found by tests/tune/test_result_properties.py: the message named only the model path the result gave
+    doc = _doc(_model(), 2048)
+    doc["model"]["path"] = str(tmp_path / "gone.gguf")
+    result = _write(tmp_path, doc)
+    assert main(["export", str(result), "--format", "python"]) == 2
+    assert capsys.readouterr().err == (
+        f"fitter: error: {tmp_path}/gone.gguf: no such file; re-planning for another program needs the header of "
+        f"the model {result / 'pareto.json'} was tuned on: give --model PATH\n")

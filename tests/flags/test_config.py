@@ -3,7 +3,16 @@ from __future__ import annotations
 import pytest
 
 from fitter.errors import LaunchConfigError
-from fitter.flags import FFN_EXPS_REGEX, TensorOverride, parse_launch_flags, resolve_context
+from fitter.flags import (
+    FFN_EXPS_REGEX,
+    ProcessFlags,
+    TensorOverride,
+    ncmoe_rules,
+    parse_launch_flags,
+    pin,
+    resolve_context,
+)
+from tests.properties import bounded
 
 
 def test_server_defaults() -> None:
@@ -54,3 +63,28 @@ def test_context_is_padded_and_batches_clamped_like_llama_context() -> None:
 def test_bad_flags_are_rejected_with_flag_rule_and_value(flags: list[str], message: str) -> None:
     with pytest.raises(LaunchConfigError, match=message):
         parse_launch_flags(flags)
+
+
+# Found by tests/flags/test_parse_properties.py.
+
+
+def test_ncmoe_past_llama_max_layers_adds_a_rule_per_possible_layer() -> None:
+    with bounded():
+        c = parse_launch_flags(["-ncmoe", "2147483648"])  # was 2^31 rules built: MemoryError
+    assert c.overrides == ncmoe_rules(512)
+    assert pin(c)[-4:] == ["-ncmoe", "512", "-fit", "off"]
+
+
+def test_a_cpu_range_past_ggml_max_n_threads_is_refused() -> None:
+    with pytest.raises(LaunchConfigError) as e, bounded():
+        ProcessFlags(cpu_range="0-99999999999").cpus  # noqa: B018 (was a set of 10^11 CPUs)
+    assert str(e.value) == ("--cpu-range '0-99999999999': CPUs go up to 511 (GGML_MAX_N_THREADS, common/common.cpp "
+                            "parse_cpu_range)")
+
+
+def test_a_value_starting_with_a_dash_reads_back() -> None:
+    # llama.cpp takes the token after -ot whatever it is; argparse took "-x=CPU" for a flag, so the pinned flags of
+    # `--override-tensor=-x=CPU` did not parse back
+    c = parse_launch_flags(["--override-tensor=-x=CPU"])
+    assert c.overrides == (TensorOverride("-x", "CPU"),)
+    assert parse_launch_flags(pin(c)).overrides == parse_launch_flags(["-ot", "-x=CPU"]).overrides == c.overrides

@@ -8,7 +8,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType
 
 from fitter.errors import GGUFError
-from fitter.gguf.header import read_header, tensor_nbytes
+from fitter.gguf.header import SkippedString, read_header, tensor_nbytes
 from tests.models import model_file, model_files
 
 
@@ -121,3 +121,45 @@ def test_missing_and_empty_files(tmp_path: Path) -> None:
     (tmp_path / "empty.gguf").write_bytes(b"")
     with pytest.raises(GGUFError, match="empty"):
         read_header(tmp_path / "empty.gguf")
+
+
+def _tensor(name: bytes) -> bytes:
+    """A tensor info: one F32 dimension of 32, data at offset 0."""
+    return _str(name) + struct.pack("<IqIQ", 1, 32, 0, 0)
+
+
+# Found by tests/gguf/test_header_properties.py: each was a traceback (MemoryError), a string read into memory as long
+# as the file, or a header gguf.cpp refuses read as if it were fine.
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (_gguf(1, tensors=_tensor(b"w" * 64)),
+         "tensor name of length 64: 64 bytes or more, gguf.cpp's limit (GGML_MAX_NAME) (at byte 32 of 120)"),
+        (_gguf(0, struct.pack("<Q", 1 << 20) + bytes(1 << 20), n_kv=1),
+         "metadata key of length 1048576: 1048576 bytes or more, longer than any header holds (at byte 32 of 1048608)"),
+        (_gguf(2, tensors=_tensor(b"w") + _tensor(b"w")), "tensor 'w' appears twice (at byte 66 of 90)"),
+        (_gguf(0, 2 * (_str(b"k") + struct.pack("<II", 4, 7)), n_kv=2),
+         "metadata key 'k' appears twice (at byte 50 of 58)"),
+    ],
+    ids=["64-byte-tensor-name", "1MiB-key", "duplicate-tensor", "duplicate-key"],
+)
+def test_what_gguf_cpp_refuses_is_one_error(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(GGUFError) as info:
+        read_header(path)
+    assert str(info.value) == f"{path}: {message}"
+
+
+def test_a_long_string_value_is_skipped_not_read(tmp_path: Path) -> None:
+    path = tmp_path / "long.gguf"
+    path.write_bytes(_gguf(0, _str(b"tokenizer.huggingface.json") + struct.pack("<I", 8) + _str(b"x" * (1 << 20)),
+                           n_kv=1))
+    assert read_header(path).metadata == {"tokenizer.huggingface.json": SkippedString(1 << 20)}
+
+
+def test_a_name_the_system_refuses_is_a_gguf_error(tmp_path: Path) -> None:
+    path = tmp_path / ("x" * 300 + ".gguf")  # was an OSError traceback (ENAMETOOLONG)
+    with pytest.raises(GGUFError) as info:
+        read_header(path)
+    assert str(info.value) == f"{path}: cannot read: File name too long"

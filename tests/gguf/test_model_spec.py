@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from fitter.errors import GGUFError
 from fitter.gguf.header import read_header
 from fitter.gguf.model_spec import Role, load_model_spec, model_spec, tensor_role
 from tests.models import model_file, model_files
@@ -73,3 +76,24 @@ def test_unknown_architecture_warns_and_still_builds_a_spec() -> None:
     assert spec.arch == "mystery" and spec.n_layer == 2
     assert model_spec(read_header(model_file("llama-tiny"))).warnings == ()
     assert tensor_role("blk.0.attn_q.weight")[1] is Role.ATTENTION
+
+
+# Found by tests/gguf/test_header_properties.py: a block past block_count was an IndexError in the estimator, an
+# expert count of 2^32 a loop of 2^32 graph views, 0 used experts an IndexError.
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("gpt-oss.block_count", 1,
+         "tensor 'blk.1.attn_norm.weight' is in block 1, but 'gpt-oss.block_count' is 1 (llama_model_loader: wrong "
+         "number of tensors)"),
+        ("gpt-oss.expert_used_count", 2**32,
+         "'gpt-oss.expert_used_count' must be in 1..4 with 4 experts, got 4294967296"),
+        ("gpt-oss.expert_used_count", 0, "'gpt-oss.expert_used_count' must be in 1..4 with 4 experts, got 0"),
+        ("gpt-oss.expert_count", 513, "'gpt-oss.expert_count' must be in 0..512 (LLAMA_MAX_EXPERTS), got 513"),
+    ],
+)
+def test_hyperparameters_llama_cpp_refuses_are_one_error(key: str, value: int, message: str) -> None:
+    header = read_header(model_file("gpt-oss-tiny"))
+    with pytest.raises(GGUFError) as info:
+        model_spec(replace(header, metadata={**header.metadata, key: value}))
+    assert str(info.value) == f"{header.path}: {message}"

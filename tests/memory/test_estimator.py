@@ -4,12 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from fitter.errors import LaunchConfigError
+from fitter.errors import GGUFError, LaunchConfigError
 from fitter.flags import parse_launch_flags, resolve_context
 from fitter.gguf.model_spec import load_model_spec
 from fitter.memory.devices import CPU_AVX2, CPU_NO_REPACK, parse_devices
 from fitter.memory.estimator import alloc_size, estimate, kv_cache_sizes
 from tests.models import model_file, model_files
+from tests.properties import bounded
 
 MIB = 1024 * 1024
 
@@ -105,3 +106,23 @@ def test_quantized_cache_must_tile_the_heads() -> None:
     with pytest.raises(LaunchConfigError, match=r"-ctk q8_0: its block of 32 does not divide the model's head size 48"):
         estimate(spec, parse_launch_flags(flags))
     estimate(spec, parse_launch_flags(["-c", "512"]))  # f16 caches have no blocks to tile
+
+
+def test_a_tensor_the_graph_needs_missing_is_one_error_naming_file_and_tensor() -> None:
+    # found by tests/gguf/test_header_properties.py (issue 15): was `KeyError: 'blk.1.attn_k.weight'`
+    spec = load_model_spec(str(model_file("gpt-oss-tiny")))
+    spec = replace(spec, tensors=tuple(t for t in spec.tensors if t.name != "blk.1.attn_k.weight"))
+    with pytest.raises(GGUFError) as info:
+        estimate(spec, parse_launch_flags(["-c", "512"]), parse_devices("none"))
+    assert str(info.value) == (f"{spec.path}: missing tensor 'blk.1.attn_k.weight', which llama.cpp's gpt-oss graph "
+                               "needs (llama_model_loader: missing tensor)")
+
+
+def test_a_head_size_of_0_with_a_quantized_k_cache_ends() -> None:
+    # found by tests/gguf/test_header_properties.py: the K rotation's size loop never ended (0 % 2^n == 0)
+    spec = replace(load_model_spec(str(model_file("gpt-oss-tiny"))), head_dim_k=0)
+    with bounded(5):
+        plan = estimate(spec, parse_launch_flags(["-c", "512", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]),
+                        parse_devices("cuda:4096"))
+    # V only, K has no width: per layer 64 × 512 cells in q8_0 (34816 bytes), CUDA's row padding, aligned to 128
+    assert plan.totals()["CUDA0"].kv == 2 * 35328

@@ -17,9 +17,19 @@ from fitter.cli.check import cmd_check
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, ProcessFlags, parse_launch_flags, pin
 from fitter.gguf.model_spec import load_model_spec
+from fitter.machine.snapshot import take_snapshot
 from fitter.measure.types import BenchSpec, Measurement, OomInfo, SpeedStats, TrialResult
 from fitter.memory.devices import RPC, Device
-from fitter.tune.check import CheckVerdict, compare, parse_tolerance, regression_threshold, run_check, verdict_text
+from fitter.tune.check import (
+    CheckVerdict,
+    compare,
+    parse_tolerance,
+    recorded_spec,
+    regression_threshold,
+    run_check,
+    runner_factory_for,
+    verdict_text,
+)
 from tests.models import model_file, unknown_arch_model
 
 MIB = 1024 * 1024
@@ -366,6 +376,34 @@ def test_an_unknown_policy_or_a_missing_pick_is_refused(tmp_path: Path) -> None:
         run_check(folder, "balanced", 0.05, Factory(FakeRunner()))
     with pytest.raises(FitterError, match="--tolerance '5'"):
         cmd_check(check_ns(folder, ("tolerance", "5")), [], runner_factory=Factory(FakeRunner()))
+
+
+# Found by tests/tune/test_result_properties.py.
+
+
+def test_the_threshold_of_a_huge_recorded_sigma_is_a_number() -> None:
+    assert regression_threshold(100.0, 1e200, 0.0, 0.0) == 100.0 - 2e200  # was OverflowError squaring 1e200
+
+
+def test_recorded_counts_past_llama_bench_s_int_are_refused() -> None:
+    # -r 2^31 was handed to the runner: a run that would never end
+    m = {"pp": {"n": 32, "samples_ts": [1.0]}, "tg": {"n": 8, "depth": 0, "samples_ts": [1.0]},
+         "confirm": {"repetitions": 2**31}}
+    with pytest.raises(FitterError) as e:
+        recorded_spec(m, 2, 2, "r/pareto.json: the balanced pick (trial 3)")
+    assert str(e.value) == ("r/pareto.json: the balanced pick (trial 3): its measurement has no usable pp/tg n, depth "
+                            "and samples_ts (-p 32 -n 8 -d 0 -r 2147483648 exceed llama-bench's int): cannot repeat it")
+
+
+def test_a_simulated_machine_that_is_not_a_name_is_one_error_naming_the_file(tmp_path: Path) -> None:
+    folder = write_result(tmp_path)
+    doc = json.loads((folder / "pareto.json").read_text())
+    doc["machine"]["sim"] = 1.5  # was TypeError: Path(1.5)
+    (folder / "pareto.json").write_text(json.dumps(doc))
+    with pytest.raises(FitterError) as e:
+        runner_factory_for(folder, take_snapshot())
+    assert str(e.value) == (f"{folder}/pareto.json: machine.sim 1.5 and machine.profile 1.5 must name the simulated "
+                            "machine (a shipped profile or a TOML file)")
 
 
 # -- llama.cpp itself ------------------------------------------------------------------------------------------

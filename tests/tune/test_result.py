@@ -72,3 +72,51 @@ def test_ratios_are_over_an_ok_baseline_only() -> None:
     assert ratios(m, base) == {"pp": 1.25, "tg": 1.25}
     assert ratios(m, {**base, "outcome": "oom"}) == ratios(m, None) == {"pp": None, "tg": None}
     assert Entry(1, None, m).ok
+
+
+def _measured(**fields: object) -> dict[str, object]:
+    """_doc() whose entry's measurement has `fields` too."""
+    doc = _doc()
+    doc["pareto"][0]["measurement"] = {"outcome": "ok", **fields}  # type: ignore[index]
+    return doc
+
+
+# Found by tests/tune/test_result_properties.py; the old failure of each in a command that reads the result.
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (_doc(model=True), '"model" must be an object, got True'),  # TypeError in ParetoDoc.model
+        (_doc(dropped=[[1.0]]), '"dropped" must be a list of objects, got [[1.0]]'),  # AttributeError in report
+        ({**_doc(), "pareto": [{"trial": 3, "ratios": [1]}]},
+         'trial 3: "ratios" must map tg/pp to a number, got [1]'),  # TypeError in Entry.from_json
+        ({**_doc(), "pareto": [{"trial": 3, "vram_bytes": float("nan")}]},
+         'trial 3: "vram_bytes" must be a number of bytes, got nan'),  # ValueError: int(nan)
+        (_measured(pp=True), "trial 3: measurement.pp must be an object, got True"),  # AttributeError in speed()
+        (_measured(peak_vram={"CUDA0": {}}),
+         "trial 3: measurement.peak_vram must be {device: {bytes: int}}, got {'CUDA0': {}}"),  # KeyError: 'bytes'
+        (_measured(confirm={"round_avg_ts": {"tg": [1.0, float("inf")]}}),
+         "trial 3: measurement.confirm.round_avg_ts.tg must be a list of finite numbers, got [1.0, inf]"),  # stdev
+        (_measured(devices={"RPC0[x]": {"total": 1}}),
+         "trial 3: measurement.devices must be named as llama.cpp names RPC devices, RPC<i>[HOST:PORT], got "
+         "'RPC0[x]'"),  # a re-plan's LaunchConfigError "--rpc 'x': expected HOST:PORT", naming no file
+    ],
+    ids=["model", "dropped", "ratios", "vram", "speed", "peak", "rounds", "rpc-name"],
+)
+def test_what_the_commands_compute_with_is_checked_once_by_the_loader(data: object, message: str) -> None:
+    with pytest.raises(FitterError) as e:
+        ParetoDoc.from_json(data, "r/pareto.json")
+    assert str(e.value) == f"r/pareto.json: {message}"
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"pareto": [' + "9" * 4301 + "]}", "an integer of more than 4300 digits"),  # was ValueError
+        ("[" * 100_000, "arrays or objects nested too deeply"),  # was RecursionError
+    ],
+)
+def test_json_python_cannot_hold_is_one_error(tmp_path: Path, text: str, reason: str) -> None:
+    (tmp_path / "pareto.json").write_text(text)
+    with pytest.raises(FitterError) as e:
+        load_result(tmp_path)
+    assert str(e.value) == f"{tmp_path}/pareto.json: not a result fitter can read ({reason})"

@@ -185,6 +185,26 @@ def test_invalid_space(tmp_path: Path, body: str, message: str) -> None:
     assert _error(tmp_path, body) == f"{tmp_path}/{message}"
 
 
+# Found by tests/tune/test_space_properties.py: each was a traceback (RecursionError, ValueError, TypeError) or a
+# message over two lines.
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("[params]\nthreads = " + "[" * 1000 + "]" * 1000 + "\n", "my.toml: arrays or inline tables nested too deeply"),
+        ("[params]\nbatch-size = [" + "9" * 4301 + "]\n", "my.toml: an integer of more than 4300 digits"),
+        ("[params]\ncache-type-k = [[1]]\n",
+         f"my.toml: cache-type-k = [[1]]: values must be one of {KV_TYPES} (got [1])"),
+        ("description = " + "[" * 300 + "]" * 300 + "\n[params]\nthreads = [4]\n",
+         "my.toml: description = [[[[[[...]]]]]]: must be a string"),
+        ('[params]\nthreads = {"a\\nb" = 4}\n',
+         'my.toml: threads = {"a\\nb" = 4}: a range has exactly the keys low and high'),
+    ],
+    ids=["nested-1000", "4301-digits", "list-in-cache-types", "description-nested-300", "newline-in-a-key"],
+)
+def test_hostile_space_is_one_line_naming_the_file(tmp_path: Path, body: str, message: str) -> None:
+    assert _error(tmp_path, body) == f"{tmp_path}/{message}"
+
+
 def test_toml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
     body = '[params]\nubatch-size = [256, 512]\ncache-type-k = ["f16", q8_0]\n'
     assert _error(tmp_path, body) == f"{tmp_path}/my.toml: not valid TOML: Invalid value (at line 3, column 24)"
