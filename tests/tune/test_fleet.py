@@ -246,17 +246,19 @@ def kill_mid_trial(url: str, procs: list[subprocess.Popen[str]], victim: subproc
     the killed trial is failed and counts as never measured, every trial finished before the kill is still there
     with its values, nothing is left running, and the fleet's result is whole."""
     deadline = time.monotonic() + 300
+    study = None
     while time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.1)
         try:
-            study = load(url, STUDY)
+            study = study or load(url, STUDY)
         except KeyError:  # not created yet
             continue
         trials_now = study.get_trials(deepcopy=False)
-        # a trial that started within the last 0.7 s, so the kill lands while it runs (a trial takes seconds)
+        # a trial that started within the last 0.5 s, so the kill lands while it runs (the shortest trial of a paced
+        # sim takes about a second, a real one several)
         running = [t for t in trials_now if t.state == TrialState.RUNNING and t.user_attrs.get("launched")
                    and t.user_attrs.get("worker") == f"{HOST}:{victim.pid}" and t.datetime_start is not None
-                   and (datetime.datetime.now() - t.datetime_start).total_seconds() < 0.7]
+                   and (datetime.datetime.now() - t.datetime_start).total_seconds() < 0.5]
         if running and sum(t.state == TrialState.COMPLETE for t in trials_now) >= 2:
             os.kill(victim.pid, signal.SIGKILL)
             killed = running[0].number
@@ -285,10 +287,10 @@ def test_a_worker_killed_mid_trial_loses_nothing_finished(kind: str, tmp_path: P
     """kill -9 of one of three sim workers while its trial runs."""
     url = storage_url(kind, tmp_path, request)
     results = [tmp_path / f"r{i}" for i in range(3)]
-    machine = str(paced(tmp_path, 3))
-    procs = [_tune(["--backend", "sim", "--machine", machine, "--trials", "12", "--results", str(r),
-                    "--storage", url], tmp_path, {}) for r in results]
-    kill_mid_trial(url, procs, procs[1], 12, results)
+    machine = str(paced(tmp_path, 8))
+    procs = [_tune(["--backend", "sim", "--machine", machine, "--trials", "9", "--confirm-rounds", "1",
+                    "--results", str(r), "--storage", url], tmp_path, {}) for r in results]
+    kill_mid_trial(url, procs, procs[1], 9, results)
 
 
 @pytest.mark.slow
