@@ -89,7 +89,7 @@ def _claimed(req: TuneRequest, tuner: Tuner) -> Baseline | None:
     if c.granted:
         return None
     return study_baseline(req, tuner) or Baseline({"name": NAME, "flags": None, "measurement": None,
-                                                    "reason": f"measured by worker {c.holder}", "elsewhere": True})
+                                                    "reason": f"measured by worker {c.holder}"})
 
 
 def study_baseline(req: TuneRequest, tuner: Tuner) -> Baseline | None:

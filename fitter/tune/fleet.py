@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import TrialState
 
+from fitter.paths import write_atomic
+
 if TYPE_CHECKING:
     from optuna.trial import FrozenTrial
 
@@ -279,8 +281,8 @@ class SqlClaims(Claims):
 
 class FileClaims(Claims):
     """Claims beside a journal file (Optuna's JournalFileBackend on a shared filesystem without a database): one JSON
-    file, read, decided and replaced (os.replace) under Optuna's journal file lock (a symlink lock, safe on NFS), so
-    the whole claim is one atomic step."""
+    file, read, decided and replaced whole (fitter.paths.write_atomic) under Optuna's journal file lock (a symlink
+    lock, safe on NFS), so the whole claim is one atomic step."""
 
     def __init__(self, path: Path, study: str) -> None:
         from optuna.storages.journal import JournalFileSymlinkLock
@@ -300,9 +302,7 @@ class FileClaims(Claims):
             before = json.dumps(doc, sort_keys=True)
             yield doc
             if json.dumps(doc, sort_keys=True) != before:
-                tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(doc))
-                os.replace(tmp, self.path)
+                write_atomic(self.path, json.dumps(doc))
         finally:
             self._lock.release()
 

@@ -126,8 +126,8 @@ def _storage(url: str, heartbeat_s: int, grace_s: int) -> optuna.storages.BaseSt
 
 def _is_creation_race(e: Exception) -> bool:
     """Workers creating one storage together: Optuna's tables or its alembic version row made by another at the same
-    moment (SQLite: 'table … already exists', 'UNIQUE constraint failed'; PostgreSQL: 'already exists', 'duplicate
-    key')."""
+    moment (SQLite: 'table … already exists', 'UNIQUE constraint failed', or 'database is locked' while another
+    creates it; PostgreSQL: 'already exists', 'duplicate key')."""
     text = str(e).lower()
     return any(s in text for s in ("already exists", "unique constraint failed", "duplicate key",
                                    "database is locked"))

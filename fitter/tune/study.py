@@ -62,6 +62,7 @@ class TuneProgress:
 # -- the study --------------------------------------------------------------------------------------------------
 
 StudyCallback = Callable[[str, TuneProgress, optuna.Study], None]
+DRIFT_CLAIM = "drift monitor, middle"  # the drift probe runs once per study (fitter.tune.fleet)
 
 
 class Tuner:
@@ -299,7 +300,7 @@ class Tuner:
         if cand is None or self.progress.launched < half or "drift_middle" in self.study.user_attrs or \
                 self.stop.is_set():
             return
-        if not self.claims.claim("drift monitor, middle", self.worker.name).granted:
+        if not self.claim(DRIFT_CLAIM).granted:
             return  # another worker of the fleet measures it
         s = self.screener(cand)
         result = self.runner.run(self.req.model, cand.config, cand.spec, self.req.trial_timeout_s, s.plan)
@@ -309,7 +310,7 @@ class Tuner:
             "outcome": m["outcome"], "launched": self.progress.launched, "at": round(time.time(), 1),
             **{k: {"avg_ts": m[k]["avg_ts"], "stddev_ts": m[k]["stddev_ts"]} for k in ("pp", "tg")
                if isinstance(m.get(k), dict)}, "worker": self.worker.name})
-        self.claims.finish("drift monitor, middle", self.worker.name)
+        self.claims.finish(DRIFT_CLAIM, self.worker.name)
 
     def _learn_from_oom(self, trial: optuna.Trial, m: Any, s: Screen | None) -> None:
         """The device that refused an allocation: measured need = its logged buffers + the refused request."""
@@ -341,7 +342,7 @@ class Tuner:
         self.absorb()
         cand = candidate(self.req, params)
         s = self.screener(cand)
-        if cand.key not in self._done and s.feasible and self._claim(cand.key, wait=False) is None:
+        if cand.key not in self._done and s.feasible and self._held_elsewhere(cand.key, wait=False):
             self.progress.elsewhere += 1
             return None
         trial = self.ask()
@@ -362,7 +363,7 @@ class Tuner:
         if cand.key not in self._done and s.feasible:
             stop_heartbeat = self._heartbeat(trial)  # waiting for another worker's run of it may take minutes
             try:
-                self._claim(cand.key, wait=True)
+                self._held_elsewhere(cand.key, wait=True)
             finally:
                 stop_heartbeat()
         return self._settle(trial, cand, s, phase)
@@ -377,19 +378,19 @@ class Tuner:
             self.launch(trial, cand, s, phase)
         return self.study._storage.get_trial(trial._trial_id)
 
-    def _claim(self, what: str, wait: bool) -> bool | None:
-        """True: this worker has the claim (`what`: a config's key, or the baseline's or confirm's name); False:
-        another worker finished it (for a config: answer it from storage); None: another worker holds it and `wait`
-        is False. Waiting, a claim whose holder dies is taken over."""
+    def _held_elsewhere(self, what: str, wait: bool) -> bool:
+        """Claim `what` (a config's key) for this worker. True: another worker holds it and `wait` is False. Else this
+        worker holds it, or another finished it (then it is answered from storage); waiting, a claim whose holder
+        dies is taken over."""
         while True:
             c = self.claim(what)
             if c.granted:
-                return True
+                return False
             if c.done:
                 self.absorb()
                 return False
             if not wait:
-                return None
+                return True
             time.sleep(1.0)
             self.absorb()
             if what in self._done:
