@@ -130,6 +130,25 @@ RPC_FLAGS: dict[str, list[str]] = {
     "ngl-all-no-mmap": [*ALL, "--no-mmap"],
     "ngl-1-cmoe-ub1024": [*C4K, "-ngl", "1", "-cmoe", "-ub", "1024"],
 }
+# Several emulated GPUs of unequal caps (`--device rpc2`, `rpc3`): the layer split by free memory, -ts, partial
+# offload, pipeline parallelism (every layer offloaded, no override: 4 copies of the scheduler's inputs) and what
+# turns it off (-ncmoe, -ot, -nkvo), -ot to a named device, -sm none with -mg. `{rpc0}`, `{rpc1}`, … stand for the
+# devices in --rpc order.
+MULTI_FLAGS: dict[str, list[str]] = {
+    "ngl-all": ALL,
+    "ngl-all-ub128-fa-off": [*ALL, "-ub", "128", "-fa", "off"],
+    "ngl-all-np2-no-kvu": [*ALL, "-np", "2", "--no-kv-unified"],
+    "ngl-all-ts-1-3": [*ALL, "-ts", "1,3"],
+    "ngl-3": [*C4K, "-ngl", "3"],
+    "ngl-all-ncmoe2": [*ALL, "-ncmoe", "2"],
+    "ngl-all-cmoe": [*ALL, "-cmoe"],
+    "ngl-all-nkvo": [*ALL, "-nkvo"],
+    "ngl-all-ot-layer0-last": [*ALL, "-ot", "blk\\.0\\.={rpclast}"],
+    "ngl-all-sm-none": [*ALL, "-sm", "none"],
+    "ngl-all-sm-none-mg1": [*ALL, "-sm", "none", "-mg", "1"],
+}
+MULTI_CAPS_MIB = {"rpc2": (3000, 1500), "rpc3": (3000, 2000, 1000)}  # the split follows free memory: unequal caps
+
 # Real shapes on the emulated GPU: dense weights on the device (their holes are read and sent), experts mapped.
 REAL_RPC_FLAGS: dict[str, dict[str, list[str]]] = {
     "gpt-oss-20b": {"ngl-all-cmoe-nr-c8192": ["-c", "8192", "-ngl", "all", "-cmoe", "-nr"]},
@@ -186,6 +205,15 @@ def build_rpc_cases(c_api: bool = False, cuda: bool = False) -> list[Case]:
     return sorted(cases, key=lambda c: c.id)
 
 
+def build_multi_cases() -> list[Case]:
+    return sorted((Case(f"{m}/{name}", m, flags) for m in SMALL_MODELS for name, flags in MULTI_FLAGS.items()),
+                  key=lambda c: c.id)
+
+
+def canonical_endpoints(n: int) -> list[str]:
+    return [f"127.0.0.1:{50052 + i}" for i in range(n)]
+
+
 def build_cases(c_api: bool = False) -> list[Case]:
     cases: list[Case] = []
     for model in SMALL_MODELS:
@@ -216,10 +244,12 @@ def write_models(folder: Path, only: set[str] | None = None) -> tuple[dict[str, 
 
 def run_case(
     case: Case, model_path: Path, folder: Path, endpoint: str | None = None, device_name: str | None = None,
-    consumer: str = DEFAULT_CONSUMER,
+    consumer: str = DEFAULT_CONSUMER, endpoints: list[str] | None = None,
 ) -> tuple[dict[str, Any], CaptureResult]:
     flags = case.flags
-    if endpoint is not None:
+    if endpoints:
+        flags = [multi_flag(f, endpoints) for f in flags] + ["--rpc", ",".join(endpoints)]
+    elif endpoint is not None:
         flags = [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint]
     elif device_name is not None:  # a real GPU: {rpc} stands for its buffer type
         flags = [f.replace("{rpc}", device_name) for f in flags]
@@ -236,6 +266,11 @@ def run_case(
             b["buft"] = str(b["buft"]).replace(endpoint, CANONICAL_RPC)
         if error:
             error = error.replace(endpoint, CANONICAL_RPC)
+    for real, canonical in zip(endpoints or [], canonical_endpoints(len(endpoints or [])), strict=True):
+        for b in buffers:
+            b["buft"] = str(b["buft"]).replace(real, canonical)
+        if error:
+            error = error.replace(real, canonical)
     record = {
         "id": case.id,
         "model": case.model,
@@ -248,9 +283,17 @@ def run_case(
     return record, res
 
 
+def multi_flag(flag: str, endpoints: list[str]) -> str:
+    """A flag of MULTI_FLAGS with `{rpcN}` and `{rpclast}` standing for those devices' buffer types."""
+    flag = flag.replace("{rpclast}", f"RPC0[{endpoints[-1]}]")
+    for i, e in enumerate(endpoints):
+        flag = flag.replace(f"{{rpc{i}}}", f"RPC0[{e}]")
+    return flag
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cpu", "rpc", "cuda-emulated", "cuda"), default="cpu")
+    ap.add_argument("--device", choices=("cpu", "rpc", "cuda-emulated", "cuda", *MULTI_CAPS_MIB), default="cpu")
     ap.add_argument("--for", dest="consumer", choices=CONSUMER_NAMES, default=DEFAULT_CONSUMER,
                     help="the program whose defaults and memory rules the loads follow (default llama-server)")
     ap.add_argument("--out", type=Path, default=None,
@@ -264,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "" if args.consumer == DEFAULT_CONSUMER else f".{args.consumer}"
     out: Path = args.out or DEFAULT_OUT.with_name(f"{args.device}{suffix}.json")
     c_api = not consumer(args.consumer).outputs_per_slot
-    cases = build_cases(c_api) if args.device == "cpu" else build_rpc_cases(c_api, args.device.startswith("cuda"))
+    if args.device in MULTI_CAPS_MIB:
+        cases = build_multi_cases()
+    else:
+        cases = build_cases(c_api) if args.device == "cpu" else build_rpc_cases(c_api, args.device.startswith("cuda"))
     only = set(args.models.split(",")) if args.models else None
     if only is not None:
         unknown = only - set(SMALL_MODELS) - set(REAL_MODELS)
@@ -292,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         gpu = EmulatedGpu(cap_mib=20000, cuda=args.device == "cuda-emulated").start()
         args.jobs = 1  # one server: loads go one after another
     endpoint = gpu.endpoint if gpu is not None else None
+    gpus = None
+    if args.device in MULTI_CAPS_MIB:
+        from fitter.measure.emulated_gpu import EmulatedGpus
+
+        gpus = EmulatedGpus(MULTI_CAPS_MIB[args.device]).start()  # caps no case reaches: only sizes are recorded
+        args.jobs = 1
+    endpoints = list(gpus.endpoints) if gpus is not None else None
     records: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="fitter-goldens-") as tmp:
         folder = Path(tmp)
@@ -310,12 +363,15 @@ def main(argv: list[str] | None = None) -> int:
         real = [c for c in cases if c.model in REAL_MODELS]
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             for record, res in pool.map(
-                    lambda c: run_case(c, paths[c.model], folder, endpoint, device_name, args.consumer), small):
+                    lambda c: run_case(c, paths[c.model], folder, endpoint, device_name, args.consumer, endpoints),
+                    small):
                 report(record, res)
         for case in real:  # one at a time: each maps tens of GB of file holes
             report(*run_case(case, paths[case.model], folder, endpoint, device_name, args.consumer))
     if gpu is not None:
         gpu.stop()
+    if gpus is not None:
+        gpus.stop()
 
     golden: dict[str, Any] = {
         "generated_by": "scripts/make_goldens.py" + (f" --for {args.consumer}" if suffix else ""),
@@ -326,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.device in ("rpc", "cuda-emulated"):
         golden["device"] = {"kind": args.device, "endpoint": CANONICAL_RPC, "emulated": True}
+    if args.device in MULTI_CAPS_MIB:
+        caps = MULTI_CAPS_MIB[args.device]
+        golden["device"] = {"kind": "rpc-multi", "endpoints": canonical_endpoints(len(caps)), "caps_mib": list(caps),
+                            "emulated": True}
     if args.device == "cuda":
         from fitter.machine.nvidia import detect_nvidia
 

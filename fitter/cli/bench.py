@@ -178,7 +178,7 @@ def register(sub: Any) -> None:
                               "-tb": "threads for prefill (default: -t)"}, names=("-t", "-tb"))
     b.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds before a trial counts as hung (default: from the predicted work)")
-    add_emulated_gpu(b, "run on")
+    add_emulated_gpu(b, "run on", several=True)
     b.add_argument("--llama-server", metavar="PATH", help="measure this llama-server binary instead")
     add_llama_cpp(b, "measure with that build's llama-server")
     b.add_argument("--llama-bench", metavar="PATH",

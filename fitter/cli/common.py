@@ -18,23 +18,37 @@ if TYPE_CHECKING:
 
 
 class _EmulatedGpuAction(argparse.Action):
-    """`--emulated-gpu MiB` (the capped RPC device) or `cuda:MiB` (the CUDA-shaped one): ns.emulated_gpu = MiB,
-    ns.emulated_cuda = whether it is CUDA-shaped."""
+    """`--emulated-gpu MiB[,MiB...]` (capped RPC devices, one per value) or `cuda:MiB[,MiB...]` (CUDA-shaped ones):
+    ns.emulated_gpu = MiB for one device, a tuple of MiB for several; ns.emulated_cuda = whether they are
+    CUDA-shaped."""
 
     def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         value = str(values)
-        mib = value.removeprefix("cuda:")
-        if not mib.isdigit() or int(mib) < 1:
-            parser.error(f"{option_string} {value!r}: expected MiB or cuda:MiB, e.g. 4096 or cuda:4096")
-        ns.emulated_gpu, ns.emulated_cuda = int(mib), value.startswith("cuda:")
+        caps = value.removeprefix("cuda:").split(",")
+        if not all(c.isdigit() and int(c) >= 1 for c in caps):
+            parser.error(f"{option_string} {value!r}: expected MiB[,MiB...] or cuda:MiB[,MiB...], e.g. 4096, "
+                         "cuda:4096 or 96,48 (one emulated GPU per value)")
+        mib = tuple(int(c) for c in caps)
+        ns.emulated_gpu, ns.emulated_cuda = mib[0] if len(mib) == 1 else mib, value.startswith("cuda:")
 
 
-def add_emulated_gpu(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--emulated-gpu", action=_EmulatedGpuAction, metavar="[cuda:]MiB",
+def add_emulated_gpu(parser: argparse.ArgumentParser, what: str, several: bool = False) -> None:
+    """`several`: the command takes a list, one emulated GPU per value."""
+    metavar = "[cuda:]MiB[,MiB...]" if several else "[cuda:]MiB"
+    parser.add_argument("--emulated-gpu", action=_EmulatedGpuAction, metavar=metavar,
                         help=f"{what} a capped emulated GPU: MiB for llama.cpp's RPC device, cuda:MiB for the "
-                        "CUDA-shaped one (CUDA's buffers, op offload and CUDA_Host)")
+                        "CUDA-shaped one (CUDA's buffers, op offload and CUDA_Host)"
+                        + ("; a list (96,48) starts one per value" if several else ""))
     parser.set_defaults(emulated_gpu=None, emulated_cuda=False)
+
+
+def single_emulated_gpu(ns: argparse.Namespace, command: str) -> int | None:
+    """The one emulated GPU's cap of a command that runs on one device; a list is refused naming the command."""
+    if isinstance(ns.emulated_gpu, tuple):
+        raise LaunchConfigError(f"--emulated-gpu {','.join(map(str, ns.emulated_gpu))}: fitter {command} runs on one "
+                                "emulated GPU for now (fit and bench take several)")
+    return ns.emulated_gpu  # type: ignore[no-any-return]
 
 
 def log(message: str) -> None:

@@ -35,17 +35,18 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
     with contextlib.ExitStack() as stack:
         gpu = None
         if ns.emulated_gpu is not None:
-            from fitter.measure.emulated_gpu import EmulatedGpu
+            from fitter.measure.emulated_gpu import EmulatedGpus
+            from fitter.measure.runner import emulated_caps
 
             if ns.devices or config.rpc:
                 raise LaunchConfigError("--emulated-gpu replaces --devices and --rpc: give one target")
-            gpu = stack.enter_context(EmulatedGpu(cap_mib=ns.emulated_gpu, cuda=ns.emulated_cuda))
-            devices: tuple[Device, ...] = (gpu.device(),)
+            gpu = stack.enter_context(EmulatedGpus(emulated_caps(ns.emulated_gpu), cuda=ns.emulated_cuda))
+            devices: tuple[Device, ...] = gpu.devices()
             cpu = cpu_here()
         else:
             devices, cpu = devices_and_cpu(ns, config)
         result = fit(spec, config, devices, targets, ns.fit_ctx, cpu)
-        rpc = (gpu.endpoint,) if gpu is not None else config.rpc
+        rpc = gpu.endpoints if gpu is not None else config.rpc
         launch = pin(replace(result.config, rpc=rpc), result.plan.context)
         verify = None
         if ns.verify:
@@ -68,12 +69,13 @@ def _verify(model: str, launch: list[str], gpu: Any, consumer: str) -> dict[str,
 
     gpu.reset_peak()
     res = load_and_capture(model, parse_launch_flags(launch, consumer))
-    stats = gpu.stats()
+    peaks = gpu.peaks()
     return {
         "loaded": res.ok,
         "error": res.error,
-        "device_peak_bytes": stats.peak_bytes,
-        "device_cap_bytes": stats.cap_bytes,
+        "device_peak_bytes": sum(peaks.values()),
+        "device_cap_bytes": sum(g.cap_bytes for g in gpu.gpus),
+        "devices": {g.device_name: {"peak_bytes": peaks[g.device_name], "cap_bytes": g.cap_bytes} for g in gpu.gpus},
         "buffers": [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers],
     }
 
@@ -98,7 +100,7 @@ def register(sub: Any) -> None:
                        help="with -c 0: the context the placement is found at before it grows (default 4096)")
     fit_p.add_argument("--devices", default="", help="none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]")
     add_llama_cpp(fit_p, "fit onto the devices that build sees (llama-server --list-devices)")
-    add_emulated_gpu(fit_p, "fit onto")
+    add_emulated_gpu(fit_p, "fit onto", several=True)
     fit_p.add_argument("--verify", action="store_true", help="load the result on the emulated GPU and report it")
     fit_p.add_argument("--json", action="store_true")
     add_launch_arguments(fit_p)

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from fitter.cli.bench import add_measure_arguments
-from fitter.cli.common import add_emulated_gpu, launch_args, load_model, log, model_path
+from fitter.cli.common import (
+    add_emulated_gpu,
+    launch_args,
+    load_model,
+    log,
+    model_path,
+    single_emulated_gpu,
+)
 from fitter.errors import FitterError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, add_process_arguments
 from fitter.flags.consumers import with_bench_context
@@ -38,7 +45,8 @@ def cmd_grid(ns: argparse.Namespace, flags: list[str]) -> int:
         model=model, spec=spec, base=config, demo=ns.model is None and not ns.cpu_only, process=process,
         fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None, space=ns.space,
         trial_timeout_s=ns.trial_timeout, seed=ns.seed, n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth,
-        repetitions=ns.repetitions, emulated_gpu_mib=ns.emulated_gpu, emulated_cuda=ns.emulated_cuda,
+        repetitions=ns.repetitions, emulated_gpu_mib=single_emulated_gpu(ns, "grid"),
+        emulated_cuda=ns.emulated_cuda,
         llama_fit_params=ns.llama_fit_params, backend=ns.backend, machine=ns.machine)
     land, path = record_landscape(options, snapshot, ns.rounds, Path(ns.out) if ns.out else None, log, ns.max_runs)
     print(landscape_table(land))

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fitter.cli.bench import add_measure_arguments
-from fitter.cli.common import add_emulated_gpu, add_llama_cpp, launch_args, load_model, log, model_path
+from fitter.cli.common import (
+    add_emulated_gpu,
+    add_llama_cpp,
+    launch_args,
+    load_model,
+    log,
+    model_path,
+    single_emulated_gpu,
+)
 from fitter.errors import FitterError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, add_process_arguments
 from fitter.flags.consumers import with_bench_context
@@ -103,7 +111,8 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         trials=ns.trials, timeout_s=ns.timeout, trial_timeout_s=ns.trial_timeout, seed=ns.seed,
         n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
         confirm_rounds=ns.confirm_rounds, storage=ns.storage, study_name=ns.study_name,
-        results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu, emulated_cuda=ns.emulated_cuda,
+        results=Path(ns.results), emulated_gpu_mib=single_emulated_gpu(ns, "tune"),
+        emulated_cuda=ns.emulated_cuda,
         llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp, projection=ns.projection,
         backend=ns.backend, machine=ns.machine, landscape=ns.landscape)
     snapshot = take_snapshot() if ns.backend not in ("sim", "replay") else None

@@ -20,6 +20,7 @@ from typing import Any
 
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import LaunchConfig, parse_launch_flags, pin, split_process_flags
+from fitter.flags.config import SPLIT_MODES
 from fitter.flags.parse import flag_groups, process_flags_of
 from fitter.flags.vocabulary import BY_NAME
 from fitter.tune.result import POLICIES, Entry, ParetoDoc
@@ -267,6 +268,7 @@ def llama_kwargs(p: Pick) -> dict[str, Any]:
         "model_path": p.model_path,
         "n_gpu_layers": -1 if c.n_gpu_layers < 0 else c.n_gpu_layers,  # Llama: -1 = every layer
         "main_gpu": c.main_gpu,
+        "split_mode": SPLIT_MODES.index(c.split_mode),  # Llama(split_mode=…) takes enum llama_split_mode
         "use_mmap": mmap,
         "use_mlock": mlock,
         "n_ctx": c.ctx_size,  # 0: the model's training context, as llama-server's -c 0

@@ -20,6 +20,8 @@ KV_CACHE_TYPES: dict[str, tuple[int, int]] = {
 }
 GGML_MAX_N_THREADS = 512  # ggml/include/ggml.h: the CPUs --cpu-mask and --cpu-range can name
 LOAD_MODES = ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio")  # common/arg.cpp -lm/--load-mode
+# common/arg.cpp -sm/--split-mode, in llama_split_mode order (include/llama.h): the index is the C API value
+SPLIT_MODES = ("none", "layer", "row", "tensor")
 
 SERVER_DEFAULTS_HELP = """\
 llama-server defaults assumed when a flag is not given (llama.cpp 0c1e570):
@@ -67,6 +69,7 @@ class LaunchConfig:
     fit: bool = True
     tensor_split: tuple[float, ...] = ()
     main_gpu: int = 0
+    split_mode: str = "layer"  # -sm: none | layer | row | tensor (SPLIT_MODES)
     rpc: tuple[str, ...] = ()
     consumer: str = DEFAULT_CONSUMER  # the program that runs it (`--for`, fitter.flags.consumers)
     flags: tuple[str, ...] = field(default=(), compare=False)  # the flags as the user gave them

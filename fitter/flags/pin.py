@@ -44,6 +44,8 @@ def placement_flags(config: LaunchConfig) -> list[str]:
         flags += ["-lm", config.load_mode]
     if config.tensor_split:
         flags += ["-ts", ",".join(f"{x:g}" for x in config.tensor_split)]
+    if config.split_mode != "layer":
+        flags += ["-sm", config.split_mode]
     if config.main_gpu:
         flags += ["-mg", str(config.main_gpu)]
     return flags

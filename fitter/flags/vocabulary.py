@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from fitter.flags.config import KV_CACHE_TYPES, LOAD_MODES
+from fitter.flags.config import KV_CACHE_TYPES, LOAD_MODES, SPLIT_MODES
 
 # common/common.cpp is_truthy / is_falsey / is_autoy
 _TRUTHY = ("on", "enabled", "true", "1")
@@ -157,7 +157,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-fit", "--fit"), "fit", Kind.VALUE, _C, preset_key="fit", parse=_on_off, metavar="on|off"),
     Flag(("-ts", "--tensor-split"), "tensor_split", Kind.VALUE, _M, preset_key="tensor-split", parse=_split,
          metavar="N0,N1,..."),
-    Flag(("-mg", "--main-gpu"), "main_gpu", Kind.VALUE, _M, preset_key="main-gpu", parse=int, metavar="INDEX"),
+    Flag(("-mg", "--main-gpu"), "main_gpu", Kind.VALUE, _M, preset_key="main-gpu", parse=int, metavar="INDEX",
+         help="the GPU that holds everything with -sm none"),
+    Flag(("-sm", "--split-mode"), "split_mode", Kind.VALUE, _M, preset_key="split-mode", choices=SPLIT_MODES,
+         help="how layers spread over several GPUs (default layer; none: -mg's GPU only)"),
     Flag(("--rpc",), "rpc", Kind.VALUE, _M, preset_key="rpc", parse=_endpoints, metavar="HOST:PORT[,...]"),
     Flag(("-t", "--threads"), "threads", Kind.VALUE, _P, "threads", preset_key="threads", parse=int, metavar="N"),
     Flag(("-tb", "--threads-batch"), "threads_batch", Kind.VALUE, _P, "threads-batch", preset_key="threads-batch",

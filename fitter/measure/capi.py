@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.flags import LaunchConfig, TensorOverride
+from fitter.flags.config import SPLIT_MODES
 from fitter.flags.consumers import consumer
 from fitter.memory.devices import OFFLOAD_MIN_BATCH_ENV, offload_min_batch
 
@@ -186,6 +187,7 @@ def build_model_params(config: LaunchConfig, ggml: Ggml, keep_alive: list[Any]) 
     mparams = llama_cpp.llama_model_default_params()
     mparams.n_gpu_layers = config.n_gpu_layers
     mparams.main_gpu = config.main_gpu
+    mparams.split_mode = SPLIT_MODES.index(config.split_mode)  # enum llama_split_mode
     mparams.load_mode = LOAD_MODE_AUTO if config.mmap else LOAD_MODE_NONE
     mparams.use_extra_bufts = not config.no_repack
     if config.tensor_split:

@@ -55,7 +55,7 @@ from fitter.measure.capi import CUDA_RPC_ENV
 from fitter.memory.devices import CUDA, RPC, Device
 from fitter.units import MIB
 
-__all__ = ["EmulatedGpu", "EmulatedGpuError", "EmulatedGpuStats", "emulated_gpu_problem"]
+__all__ = ["EmulatedGpu", "EmulatedGpuError", "EmulatedGpuStats", "EmulatedGpus", "emulated_gpu_problem"]
 
 HOST = ports.HOST
 _READY_POLL_S = 0.01
@@ -312,3 +312,71 @@ class EmulatedGpu:
         if f is None:
             raise EmulatedGpuError("emulated GPU reset_peak: the server is not running")
         request_peak_reset(f)
+
+
+class EmulatedGpus:
+    """Several capped devices, one RPC server each (`--emulated-gpu 96,48`): the client registers every endpoint
+    (`--rpc A,B`) and names the devices `RPC0[A]`, `RPC0[B]`, each server's device 0 (ggml-rpc.cpp), so llama.cpp's
+    own loader splits layers by their free memory (their caps) and each runs out of memory on its own cap."""
+
+    def __init__(self, caps_mib: tuple[int, ...], threads: int = 1, cuda: bool = False,
+                 beside: str | Path | None = None) -> None:
+        if not caps_mib:
+            raise EmulatedGpuError("emulated GPUs: give at least one cap")
+        self.gpus = tuple(EmulatedGpu(cap, threads, cuda, beside) for cap in caps_mib)
+        self.cuda = cuda
+
+    @property
+    def caps_mib(self) -> tuple[int, ...]:
+        return tuple(g.cap_mib for g in self.gpus)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(g.endpoint for g in self.gpus)
+
+    def devices(self) -> tuple[Device, ...]:
+        return tuple(g.device() for g in self.gpus)
+
+    def __enter__(self) -> EmulatedGpus:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 30.0) -> EmulatedGpus:
+        try:
+            for g in self.gpus:
+                g.start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for g in self.gpus:
+            g.stop()
+
+    def died(self, wait_s: float = 0.0) -> str | None:
+        """How the first server that ended on its own ended, naming it; None while all run."""
+        for g in self.gpus:
+            how = g.died(wait_s)
+            if how is not None:
+                return f"({g.endpoint}) {how}"
+        return None
+
+    def restart_dead(self) -> bool:
+        """Restart every server that died, on its endpoint; whether any did."""
+        dead = [g for g in self.gpus if g.died() is not None]
+        for g in dead:
+            g.restart()
+        return bool(dead)
+
+    def reset_peak(self) -> None:
+        for g in self.gpus:
+            g.reset_peak()
+
+    def peaks(self) -> dict[str, int]:
+        """Peak bytes per device name since the last reset."""
+        return {g.device_name: g.stats().peak_bytes for g in self.gpus}

@@ -65,7 +65,8 @@ class TrialRunner(Protocol):
                  tb: TracebackType | None) -> None: ...
 
 
-# How commands make runners: factory(emulated_gpu_mib=MiB | None, cpus=(cpu, …) | None[, emulated_cuda=bool]).
+# How commands make runners: factory(emulated_gpu_mib=MiB | (MiB, …) | None, cpus=(cpu, …) | None
+# [, emulated_cuda=bool]).
 RunnerFactory = Callable[..., TrialRunner]
 
 
@@ -76,28 +77,36 @@ def with_rpc(config: LaunchConfig, endpoints: tuple[str, ...]) -> LaunchConfig:
     return replace(config, rpc=endpoints, flags=(*config.flags, "--rpc", ",".join(endpoints)))
 
 
+def emulated_caps(emulated_gpu_mib: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    """The caps of the emulated GPUs a runner starts: one MiB value, a tuple of them (`--emulated-gpu 96,48`), or
+    none."""
+    if emulated_gpu_mib is None:
+        return ()
+    return (emulated_gpu_mib,) if isinstance(emulated_gpu_mib, int) else tuple(emulated_gpu_mib)
+
+
 class _Devices:
-    """The emulated GPU and NVML peak sampling every real runner shares."""
+    """The emulated GPUs and NVML peak sampling every real runner shares."""
 
     backend = ""
     deployed_context = True
 
-    def __init__(self, emulated_gpu_mib: int | None = None, nvml: bool = False, emulated_cuda: bool = False,
-                 beside: str | None = None) -> None:
-        self.emulated = emulated_gpu_mib is not None
+    def __init__(self, emulated_gpu_mib: int | tuple[int, ...] | None = None, nvml: bool = False,
+                 emulated_cuda: bool = False, beside: str | None = None) -> None:
+        self._caps = emulated_caps(emulated_gpu_mib)
+        self.emulated = bool(self._caps)
         self._beside = beside  # a user's binary: its own ggml serves the emulated GPU when it can
-        self._cap_mib = emulated_gpu_mib
         self._cuda = emulated_cuda  # the CUDA-shaped emulated GPU (fitter's own llama.cpp client only)
-        self._gpu: Any = None
+        self._gpu: Any = None  # an EmulatedGpus group while running
         self._nvml = nvml
         self.trials_run = 0
         self.model_loads = 0
 
     def __enter__(self) -> Any:
-        if self._cap_mib is not None:
-            from fitter.measure.emulated_gpu import EmulatedGpu
+        if self._caps:
+            from fitter.measure.emulated_gpu import EmulatedGpus
 
-            self._gpu = EmulatedGpu(cap_mib=self._cap_mib, cuda=self._cuda, beside=self._beside).start()
+            self._gpu = EmulatedGpus(self._caps, cuda=self._cuda, beside=self._beside).start()
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
@@ -106,7 +115,7 @@ class _Devices:
 
     @property
     def rpc(self) -> tuple[str, ...]:
-        return (self._gpu.endpoint,) if self._gpu is not None else ()
+        return self._gpu.endpoints if self._gpu is not None else ()
 
     @property
     def emulated_cuda(self) -> bool:
@@ -114,24 +123,23 @@ class _Devices:
         return self.emulated and self._cuda
 
     def devices(self) -> tuple[Device, ...]:
-        """The emulated device as the estimator sees it (its free memory is its cap)."""
+        """The emulated devices as the estimator sees them (each one's free memory is its cap)."""
         if self._gpu is None:
             return ()
-        return (self._gpu.device(),)
+        return self._gpu.devices()  # type: ignore[no-any-return]
 
     def cpu_profile(self) -> CpuProfile | None:
         return None  # this machine's CPU runs the trials
 
     def _fresh_gpu(self) -> bool:
-        """Restart the emulated GPU if its server died (a fresh one on the same endpoint); whether it did."""
-        if self._gpu is None or self._gpu.died() is None:
+        """Restart any emulated GPU whose server died (a fresh one on the same endpoint); whether one did."""
+        if self._gpu is None:
             return False
-        self._gpu.restart()
-        return True
+        return self._gpu.restart_dead()  # type: ignore[no-any-return]
 
     def _measured(self, measure: Callable[[], Measurement]) -> TrialResult:
-        """Run `measure` with the emulated GPU's peak restarted and NVML sampling; the device peaks it reached. A
-        trial during which the emulated GPU's server died is a crash that says so (its client died or hung with it)."""
+        """Run `measure` with the emulated GPUs' peaks restarted and NVML sampling; the device peaks it reached. A
+        trial during which an emulated GPU's server died is a crash that says so (its client died or hung with it)."""
         from fitter.machine.nvml_peak import NvmlPeakSampler
 
         if self._gpu is not None:
@@ -143,13 +151,13 @@ class _Devices:
             # the client sees the connection drop as soon as the server's sockets close, a moment before it is reaped
             died = self._gpu.died(wait_s=1.0)
             if died is not None:
-                m = replace(m, outcome="crash", reason=f"the emulated GPU's server ({self._gpu.endpoint}) {died} "
-                            f"during the trial; {m.reason}")
+                m = replace(m, outcome="crash", reason=f"the emulated GPU's server {died} during the trial; "
+                            f"{m.reason}")
         self.trials_run += 1
         self.model_loads += 0 if m.reused_model else 1
         peak: dict[str, dict[str, Any]] = {}
         if self._gpu is not None:
-            peak[self._gpu.device_name] = {"bytes": self._gpu.stats().peak_bytes, "source": "emulator"}
+            peak.update({name: {"bytes": b, "source": "emulator"} for name, b in self._gpu.peaks().items()})
         if isinstance(sampler, NvmlPeakSampler):
             peak.update({name: {"bytes": b, "source": "nvml"} for name, b in sampler.peaks.items()})
         return TrialResult(m, peak)
@@ -160,7 +168,7 @@ class WorkerRunner(_Devices):
 
     backend = "llama-cpp-python"
 
-    def __init__(self, emulated_gpu_mib: int | None = None, cpus: tuple[int, ...] | None = None,
+    def __init__(self, emulated_gpu_mib: int | tuple[int, ...] | None = None, cpus: tuple[int, ...] | None = None,
                  nvml: bool = False, log_path: str | Path | None = None, build: dict[str, str] | None = None,
                  emulated_cuda: bool = False) -> None:
         super().__init__(emulated_gpu_mib, nvml, emulated_cuda)
@@ -196,7 +204,8 @@ class ServerRunner(_Devices):
 
     backend = "llama-server"
 
-    def __init__(self, binary: str, emulated_gpu_mib: int | None = None, process: ProcessFlags | None = None,
+    def __init__(self, binary: str, emulated_gpu_mib: int | tuple[int, ...] | None = None,
+                 process: ProcessFlags | None = None,
                  nvml: bool = False, vocab_size: int = 256) -> None:
         super().__init__(emulated_gpu_mib, nvml, beside=binary)
         self.binary = binary
@@ -226,7 +235,8 @@ class LlamaBenchRunner(_Devices):
     backend = "llama-bench"
     deployed_context = False
 
-    def __init__(self, binary: str, emulated_gpu_mib: int | None = None, cpu_mask: str | None = None,
+    def __init__(self, binary: str, emulated_gpu_mib: int | tuple[int, ...] | None = None,
+                 cpu_mask: str | None = None,
                  nvml: bool = False) -> None:
         super().__init__(emulated_gpu_mib, nvml, beside=binary)
         self.binary = binary

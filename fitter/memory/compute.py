@@ -41,6 +41,7 @@ from fitter.memory.replay import Replayed, flash_attn_devices_match, graph_compu
 
 F32 = 4
 I32 = 4
+SCHED_MAX_COPIES = 4  # GGML_SCHED_MAX_COPIES, ggml/CMakeLists.txt
 I64 = 8
 
 
@@ -107,10 +108,11 @@ def _output_bytes(spec: ModelSpec, g: GraphShape) -> int:
 
 def backend_map(
     devices: tuple[Device, ...], layer_dev: tuple[Device | None, ...], weight_device: Mapping[str, str],
-    kv_on_cpu: bool, op_offload: bool = True,
+    kv_on_cpu: bool, op_offload: bool = True, pipeline_parallel: bool = False,
 ) -> BackendMap:
     """ggml_backend_sched's view of a placement: devices are backends 0…n-1, the CPU is backend n. `op_offload`:
-    llama_context_params.op_offload (`--no-op-offload` turns it off)."""
+    llama_context_params.op_offload (`--no-op-offload` turns it off); `pipeline_parallel`: the context's scheduler
+    keeps GGML_SCHED_MAX_COPIES copies of its inputs (ggml-backend.cpp `ggml_backend_sched_new`)."""
     index = {d.name: i for i, d in enumerate(devices)}
     cpu = len(devices)
     return BackendMap(
@@ -122,6 +124,7 @@ def backend_map(
         offload_min_batch=tuple(d.profile.offload_min_batch if op_offload and d.profile.op_offload else None
                                 for d in devices),
         cuda=tuple(d.profile.cuda_rules for d in devices),
+        n_copies=SCHED_MAX_COPIES if pipeline_parallel else 1,
     )
 
 

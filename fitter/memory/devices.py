@@ -85,11 +85,15 @@ def parse_devices(spec: str) -> tuple[Device, ...]:
 
 
 def rpc_devices(endpoints: list[str], flag: str = "--rpc") -> tuple[Device, ...]:
+    """One device per RPC server, named as ggml-rpc.cpp names a server's devices, `RPC<index on that
+    server>[HOST:PORT]`: each server's (only) device is `RPC0[…]` whatever its place in the list."""
     devices = []
-    for i, endpoint in enumerate(endpoints):
+    for endpoint in endpoints:
         if not re.fullmatch(r"[\w.\-\[\]:]+:\d+", endpoint):
             raise LaunchConfigError(f"{flag} {endpoint!r}: expected HOST:PORT")
-        devices.append(Device(f"RPC{i}[{endpoint}]", RPC))
+        devices.append(Device(f"RPC0[{endpoint}]", RPC))
+    if len({d.name for d in devices}) < len(devices):
+        raise LaunchConfigError(f"{flag} {','.join(endpoints)}: an RPC server is named twice")
     return tuple(devices)
 
 

@@ -93,6 +93,50 @@ def alloc_size(device: Device | None, type_name: str, ne: tuple[int, ...], n_byt
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The model's devices (src/llama.cpp `llama_model_load_from_file_impl`)
+
+
+def _device_list(devices: tuple[Device, ...]) -> str:
+    return ", ".join(d.name for d in devices) or "none"
+
+
+def model_devices(config: LaunchConfig, devices: tuple[Device, ...]) -> tuple[Device, ...]:
+    """The devices the model uses: all of them with -sm layer; with -sm none only -mg's ("if using single GPU
+    mode, remove all except the main GPU"; a negative -mg removes them all). -ts and -mg are checked against the
+    devices here: llama.cpp reads only the first n_devices values of -ts and silently drops the rest."""
+    if not devices:
+        return devices
+    if len(config.tensor_split) > len(devices):
+        raise LaunchConfigError(
+            f"-ts {','.join(f'{x:g}' for x in config.tensor_split)}: {len(config.tensor_split)} values for "
+            f"{len(devices)} device(s) ({_device_list(devices)}); give one value per device")
+    if config.split_mode in ("row", "tensor"):
+        # row: CUDA's split buffer type (ggml_backend_split_buffer_type, RPC has none); tensor: experimental
+        raise LaunchConfigError(
+            f"-sm {config.split_mode}: fitter's estimator models -sm layer and -sm none only (llama.cpp's "
+            f"{config.split_mode} split spreads each weight over the GPUs); use -sm layer or none")
+    if config.split_mode != "none":
+        return devices
+    if config.main_gpu < 0:
+        return ()
+    if config.main_gpu >= len(devices):
+        raise LaunchConfigError(
+            f"-mg {config.main_gpu}: invalid value for main_gpu with -sm none: {len(devices)} device(s) "
+            f"({_device_list(devices)}), numbered from 0")
+    return (devices[config.main_gpu],)
+
+
+def pipeline_parallel(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...]) -> bool:
+    """src/llama-context.cpp `llama_context::llama_context`: the scheduler pipelines (and keeps 4 copies of its
+    inputs) with several devices, every layer and the output offloaded (`n_gpu_layers() > n_layer`), -sm layer,
+    the KV offloaded and no tensor override (-ot, -cmoe, -ncmoe); every device must offer async compute and events,
+    which CUDA and RPC (ggml-rpc.cpp `ggml_backend_rpc_device_get_props`) both do at 0c1e570."""
+    every_layer = config.n_gpu_layers < 0 or config.n_gpu_layers > spec.n_layer
+    return (len(devices) > 1 and every_layer and config.split_mode == "layer" and not config.no_kv_offload
+            and not config.overrides)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Layer → device (src/llama-model.cpp `llama_model_base::load_tensors`)
 
 
@@ -368,6 +412,7 @@ class Placed:
 
     ctx: ContextParams
     warnings: tuple[str, ...]
+    devices: tuple[Device, ...]  # the model's devices (model_devices): -sm none keeps one
     layer_dev: tuple[Device | None, ...]
     placements: tuple[Placement, ...]
     buffers: tuple[Buffer, ...]  # model, then KV
@@ -389,24 +434,39 @@ def place(
     warnings = list(ctx.warnings)
     if devices and config.n_gpu_layers == -1 and config.fit:
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
+    devices = model_devices(config, devices)
     layer_dev = layer_devices(spec, config, devices)
     placements = place_tensors(spec, config, devices, layer_dev, cpu)
     buffers = model_buffers(placements, config, devices) + kv_buffers(spec, config, ctx, layer_dev)
-    return Placed(ctx, tuple(warnings), layer_dev, tuple(placements), tuple(buffers))
+    return Placed(ctx, tuple(warnings), devices, layer_dev, tuple(placements), tuple(buffers))
+
+
+def _short_of_pipeline(placed: Placed, devices: tuple[Device, ...], compute: list[Buffer]) -> str | None:
+    """The first device whose free memory cannot hold its model, KV and pipelined compute buffers (llama.cpp then
+    reserves again without pipeline parallelism), or None. A device of unknown free memory is taken to hold it."""
+    used = placed.device_bytes()
+    for b in compute:
+        used[b.device] += b.bytes
+    for d in devices:
+        free = d.free_bytes if d.free_bytes is not None else d.total_bytes
+        if free is not None and used[d.name] > free:
+            return d.name
+    return None
 
 
 def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...], placed: Placed) -> MemoryPlan:
     """The rest of `estimate`: the `-fa auto` probe and the compute buffers, on `place`'s result for the same
-    (spec, config, devices)."""
+    (spec, config, devices). The plan lists every device given; with -sm none all but one hold nothing."""
     ctx, layer_dev, placements = placed.ctx, placed.layer_dev, placed.placements
+    used = placed.devices
     warnings = list(placed.warnings)
-    if devices and spec.arch not in GRAPH_ARCHS:
+    if used and spec.arch not in GRAPH_ARCHS:
         warnings.append(f"{spec.arch}: compute buffers come from fitter's phase model, not a graph replay")
     cache_types = (config.cache_type_k, config.cache_type_v)
-    backends = backend_map(devices, layer_dev, {p.tensor.name: p.buft for p in placements}, config.no_kv_offload,
-                           not config.no_op_offload)
+    backends = backend_map(used, layer_dev, {p.tensor.name: p.buft for p in placements}, config.no_kv_offload,
+                           not config.no_op_offload, pipeline_parallel(spec, config, used))
     replayed = Replayed()  # this estimate's graphs only
-    bad_layer = auto_flash_attn_mismatch(spec, ctx, backends, kv_cache_sizes(spec, ctx), cache_types, devices,
+    bad_layer = auto_flash_attn_mismatch(spec, ctx, backends, kv_cache_sizes(spec, ctx), cache_types, used,
                                          replayed)
     if bad_layer is not None:
         ctx = replace(ctx, flash_attn=False)
@@ -415,7 +475,16 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
             "flash attention off (its V cache stays untransposed); pin it with -fa on or off"
         )
     buffers = list(placed.buffers)
-    buffers += compute_buffers(spec, ctx, layer_dev, devices, backends, cache_types, replayed)
+    compute = compute_buffers(spec, ctx, layer_dev, used, backends, cache_types, replayed)
+    short = _short_of_pipeline(placed, used, compute) if backends.n_copies > 1 else None
+    if short is not None:
+        # src/llama-context.cpp `sched_reserve`: "compute buffer allocation failed, retrying without pipeline
+        # parallelism": a fresh scheduler with one copy of the inputs
+        backends = replace(backends, n_copies=1)
+        compute = compute_buffers(spec, ctx, layer_dev, used, backends, cache_types, None)
+        warnings.append(f"{short}: pipeline parallelism's compute buffers do not fit its free memory, so llama.cpp "
+                        "retries without it (one copy of the scheduler's inputs)")
+    buffers += compute
     buffers.append(output_buffer(spec, ctx, layer_dev))
     return MemoryPlan(
         model=spec,

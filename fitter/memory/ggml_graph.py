@@ -213,6 +213,9 @@ class Graph:
     nodes: list[Tensor] = field(default_factory=list)
     leafs: list[Tensor] = field(default_factory=list)
     _seen: set[int] = field(default_factory=set)
+    # tensors the scheduler flags input and output so ggml-alloc never frees or reuses them: with pipeline
+    # parallelism, every copy of a graph input and of a split input (ggml-backend.cpp, n_copies > 1)
+    kept: set[Tensor] = field(default_factory=set)
 
     def expand(self, t: Tensor) -> Tensor:
         """ggml_build_forward_expand: add t and its unseen ancestors, sources first."""
@@ -348,7 +351,7 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
                 p_hn = info[parent]
                 # Only a tensor this allocator placed can be reused (views and weights never are), never a graph
                 # output, only with the same layout, and only by its last consumer.
-                if not p_hn.allocated or parent.is_output or not _same_layout(node, parent):
+                if not p_hn.allocated or parent.is_output or parent in kept or not _same_layout(node, parent):
                     continue
                 if p_hn.n_children == 1 and p_hn.n_views == 0:
                     hn.buffer, hn.offset = p_hn.buffer, p_hn.offset
@@ -362,8 +365,10 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
         hn.buffer = buffer_id
         hn.offset = allocs[buffer_id].alloc(size(node, buffer_id))
 
+    kept = graph.kept
+
     def free_node(node: Tensor, hn: _Hash) -> None:
-        if node.is_output:
+        if node.is_output or node in kept:
             return
         allocs[hn.buffer].free(hn.offset, size(node, hn.buffer))
         hn.allocated = False

@@ -38,6 +38,7 @@ class BackendMap:
     # or not a CUDA device), and whether CUDA's allocation and support rules apply (fitter.memory.cuda)
     offload_min_batch: tuple[int | None, ...] = ()
     cuda: tuple[bool, ...] = ()
+    n_copies: int = 1  # the scheduler's input copies: GGML_SCHED_MAX_COPIES (4) with pipeline parallelism
 
     @property
     def cpu(self) -> int:

@@ -72,7 +72,8 @@ def flash_attn_devices_match(spec: ModelSpec, p: GraphParams, alignments: tuple[
     if p.backends.n_backends == 1:
         return None
     with _graph(spec, p) as graph:
-        copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda)
+        copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda,
+                                      p.backends.n_copies)
         for node in graph.nodes:
             if node.op == "FLASH_ATTN_EXT" and node.name.startswith("fa-"):
                 il = int(node.name[3:])
@@ -99,5 +100,6 @@ def graph_compute_bytes(spec: ModelSpec, p: GraphParams, alignments: tuple[int, 
     with _graph(spec, p) as graph:
         if p.backends.n_backends == 1:
             return [allocate(graph, alignments[0])]
-        copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda)
+        copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda,
+                                      p.backends.n_copies)
         return _allocate(copy, p, alignments, backend_of)

@@ -31,9 +31,10 @@ def _buffer_backend(t: Tensor) -> int:
 
 
 def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None, ...] = (),
-             cuda_devices: tuple[bool, ...] = ()) -> tuple[Graph, Callable[[Tensor], int]]:
+             cuda_devices: tuple[bool, ...] = (), n_copies: int = 1) -> tuple[Graph, Callable[[Tensor], int]]:
     """`offload_min_batch[b]`: the batch from which device b takes over ops with CPU weights (None: never);
-    `cuda_devices[b]`: device b supports ops as CUDA does."""
+    `cuda_devices[b]`: device b supports ops as CUDA does; `n_copies`: the scheduler's input copies (4 with
+    pipeline parallelism, GGML_SCHED_MAX_COPIES; else 1)."""
     cpu = n_backends - 1
     backend: dict[Tensor | None, int] = {}  # tensors hash by identity; None is never a key
 
@@ -116,8 +117,11 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
     first = next((n for n in graph.nodes if n.op not in VIEW_OPS), None)
     cur = backend[first] if first is not None else cpu
 
+    split_inputs: list[Tensor] = []  # every split's input copies, in split order (the current copy of each)
+
     def flush() -> None:
         for inp in inputs:
+            split_inputs.append(copies[(inp, split_backend)])
             dep = Tensor(inp.type, inp.ne, inp.nb, "NONE", (inp,),
                          inp.view_src if inp.view_src is not None else inp)
             backend[dep] = get(inp)
@@ -158,4 +162,23 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
             node.src = tuple(srcs)
         pending.append(node)
     flush()
+    if n_copies > 1:
+        _pipeline_copies(graph, copy, split_inputs, backend, n_copies)
     return copy, lambda t: backend.get(t, cpu)
+
+
+def _pipeline_copies(graph: Graph, copy: Graph, split_inputs: list[Tensor], backend: dict[Tensor | None, int],
+                     n_copies: int) -> None:
+    """ggml_backend_sched_split_graph with n_copies > 1: pass 6 gives every graph input n_copies copies on its
+    backend (the input itself is the current one), each split input has n_copies copies (pass 5), all flagged input
+    and output so ggml-alloc never frees them, and all are added as leafs ahead of the graph's own, so they are
+    allocated first: graph inputs, then split inputs in split order."""
+    leafs: list[Tensor] = []
+    for current in [leaf for leaf in graph.leafs if leaf.is_input] + split_inputs:
+        for c in range(n_copies):
+            t = current if c == 0 else Tensor(current.type, current.ne, current.nb, "NONE",
+                                              name=f"{current.name}#{c}")
+            backend[t] = backend[current]
+            copy.kept.add(t)
+            leafs.append(t)
+    copy.leafs = leafs + copy.leafs

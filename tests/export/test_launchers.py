@@ -249,7 +249,7 @@ def test_llama_swap_refuses_a_macro_in_a_value() -> None:
 def test_python_kwargs_and_overrides_of_the_decode_pick() -> None:
     doc = json.loads(render(_result(), "max-decode", "python", SOURCE))
     assert doc["kwargs"] == {
-        "model_path": MODEL, "n_gpu_layers": -1, "main_gpu": 0, "use_mmap": True, "use_mlock": False,
+        "model_path": MODEL, "n_gpu_layers": -1, "main_gpu": 0, "split_mode": 1, "use_mmap": True, "use_mlock": False,
         "n_ctx": 4096, "n_batch": 2048, "n_ubatch": 512, "n_threads": 2, "n_threads_batch": 2,
         "offload_kqv": True, "flash_attn": True, "op_offload": True, "swa_full": False,
         "type_k": 8, "type_v": 8,  # GGML_TYPE_Q8_0

@@ -126,3 +126,63 @@ def test_a_head_size_of_0_with_a_quantized_k_cache_ends() -> None:
                         parse_devices("cuda:4096"))
     # V only, K has no width: per layer 64 × 512 cells in q8_0 (34816 bytes), CUDA's row padding, aligned to 128
     assert plan.totals()["CUDA0"].kv == 2 * 35328
+
+
+# -- several devices ---------------------------------------------------------------------------------------------
+
+
+def test_the_default_split_follows_free_memory_and_the_output_goes_with_the_last_layers() -> None:
+    spec, plan = _plan("gpt-oss-120b", ["-c", "4096", "-ngl", "all"], devices="cuda:24576,12288", sparse=True)
+    layers = plan.layer_devices
+    # 37 layers (36 blocks and the output) split 2:1 by free memory: upper_bound(splits, il / 37)
+    assert layers.count("CUDA0") == 25 and layers.count("CUDA1") == 12
+    assert layers[:25] == ("CUDA0",) * 25 and layers[spec.n_layer] == "CUDA1"
+
+
+def test_ts_counts_layers_per_device() -> None:
+    _, plan = _plan("gpt-oss-120b", ["-c", "4096", "-ngl", "all", "-ts", "30,7"], devices="cuda:24576,12288",
+                    sparse=True)
+    assert plan.layer_devices.count("CUDA0") == 30 and plan.layer_devices.count("CUDA1") == 7
+
+
+def test_pipeline_parallelism_needs_every_layer_offloaded_and_no_override() -> None:
+    from fitter.memory.estimator import pipeline_parallel
+
+    spec = load_model_spec(str(model_file("gpt-oss-120b", True)))
+    two = parse_devices("cuda:24576,12288")
+    assert pipeline_parallel(spec, parse_launch_flags(["-ngl", "all"]), two)
+    assert pipeline_parallel(spec, parse_launch_flags(["-ngl", "37"]), two)
+    for flags in (["-ngl", "36"], ["-ngl", "all", "-ncmoe", "1"], ["-ngl", "all", "-nkvo"],
+                  ["-ngl", "all", "-sm", "none"]):
+        assert not pipeline_parallel(spec, parse_launch_flags(flags), two), flags
+    assert not pipeline_parallel(spec, parse_launch_flags(["-ngl", "all"]), two[:1])
+
+
+def test_sm_none_puts_everything_on_the_main_gpu() -> None:
+    _, plan = _plan("gpt-oss-120b", ["-c", "4096", "-ngl", "all", "-sm", "none", "-mg", "1", "-cmoe"],
+                    devices="cuda:24576,12288", sparse=True)
+    totals = plan.totals()
+    assert totals["CUDA0"].total == 0 and totals["CUDA1"].model > 0
+    assert set(plan.layer_devices) == {"CUDA1"}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["-ts", "1,1,1"], "-ts 1,1,1: 3 values for 2 device(s) (CUDA0, CUDA1); give one value per device"),
+    (["-sm", "none", "-mg", "2"],
+     "-mg 2: invalid value for main_gpu with -sm none: 2 device(s) (CUDA0, CUDA1), numbered from 0"),
+    (["-sm", "row"], "-sm row: fitter's estimator models -sm layer and -sm none only (llama.cpp's row split "
+                     "spreads each weight over the GPUs); use -sm layer or none"),
+    (["-ot", r"blk\.0\.=CUDA2"], "-ot blk\\.0\\.=CUDA2: unknown buffer type 'CUDA2'; available: CPU, CUDA0, CUDA1"),
+])
+def test_placement_flags_that_name_missing_devices_are_one_line_errors(flags: list[str], message: str) -> None:
+    with pytest.raises(LaunchConfigError) as e:
+        _plan("demo", ["-c", "512", *flags], devices="cuda:4096,2048")
+    assert str(e.value) == message
+
+
+def test_every_rpc_server_serves_its_own_device_0() -> None:
+    from fitter.memory.devices import rpc_devices
+
+    assert [d.name for d in rpc_devices(["127.0.0.1:1", "127.0.0.1:2"])] == ["RPC0[127.0.0.1:1]", "RPC0[127.0.0.1:2]"]
+    with pytest.raises(LaunchConfigError, match="named twice"):
+        rpc_devices(["127.0.0.1:1", "127.0.0.1:1"])

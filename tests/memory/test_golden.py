@@ -30,7 +30,7 @@ MIB = 1024 * 1024
 _DIR = Path(__file__).resolve().parents[1] / "golden"
 # cuda.json exists once scripts/make_goldens.py --device cuda has run on a GPU
 GOLDENS = {p.stem: json.loads(p.read_text()) for p in sorted(_DIR.glob("*.json"))
-           if p.stem.split(".")[0] in ("cpu", "rpc", "cuda-emulated", "cuda")}
+           if p.stem.split(".")[0] in ("cpu", "rpc", "rpc2", "rpc3", "cuda-emulated", "cuda")}
 CASES = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "ok"]
 ERRORS = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "error"]
 _specs: dict[str, ModelSpec] = {}
@@ -55,11 +55,24 @@ def _target(golden: str, flags: list[str]) -> tuple[list[str], tuple[Device, ...
     if device["kind"] == "cuda":
         free = device["free_mib"] * MIB
         return [f.replace("{rpc}", "CUDA0") for f in flags], (Device("CUDA0", CUDA, free, free),)
+    if device["kind"] == "rpc-multi":  # several emulated GPUs: each one's free memory is its cap
+        endpoints = device["endpoints"]
+        devices = tuple(replace(d, total_bytes=cap * MIB, free_bytes=cap * MIB)
+                        for d, cap in zip(rpc_devices(endpoints), device["caps_mib"], strict=True))
+        return [multi_flag(f, endpoints) for f in flags] + ["--rpc", ",".join(endpoints)], devices
     endpoint = device["endpoint"]
     devices = rpc_devices([endpoint])
     if device["kind"] == "cuda-emulated":  # an RPC device with CUDA's rules: the estimator's CUDA profile
         devices = tuple(replace(d, profile=CUDA) for d in devices)
     return [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint], devices
+
+
+def multi_flag(flag: str, endpoints: list[str]) -> str:
+    """scripts/make_goldens.py's `{rpcN}` and `{rpclast}`: those devices' buffer types."""
+    flag = flag.replace("{rpclast}", f"RPC0[{endpoints[-1]}]")
+    for i, e in enumerate(endpoints):
+        flag = flag.replace(f"{{rpc{i}}}", f"RPC0[{e}]")
+    return flag
 
 
 def _by_kind(buffers: list[tuple[str, str, float]]) -> dict[tuple[str, str], list[float]]:
