@@ -24,6 +24,7 @@ from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.devices import CPU_AVX2, CpuProfile, Device
 from fitter.memory.estimator import MemoryPlan, complete, estimate, place
+from fitter.memory.fit_devices import DeviceSearch, better
 from fitter.units import MIB
 
 
@@ -77,7 +78,37 @@ def _expert_layers_on_device(plan: MemoryPlan) -> int:
 
 
 def _place(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
+    if len(s.devices) > 1 and base.split_mode == "layer":
+        return _place_across(s, base)
     return (_place_moe if s.spec.n_expert else _place_layers)(s, base)
+
+
+def _place_across(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
+    """Two or more devices (fitter.memory.fit_devices): -ts and each device's experts, for each -ngl from all
+    layers down (an -ngl or -ts the user gave is kept); below the first -ngl that fits, two more are tried, where
+    whole layers' KV traded for experts can still pay."""
+    search = DeviceSearch(s.spec, s.devices, s.budgets, s.fits, base, s.cpu)
+    n_layer = s.spec.n_layer
+    fixed = base.n_gpu_layers != -1
+    ngl_values = [base.n_gpu_layers] if fixed else list(range(n_layer + 1, -1, -1))
+    counts = base.tensor_split or None
+    best: tuple[LaunchConfig, MemoryPlan] | None = None
+    first_fitting: int | None = None
+    for ngl in ngl_values:
+        if first_fitting is not None and (ngl < first_fitting - 2 or not s.spec.n_expert):
+            break
+        if ngl == 0:  # nothing on the devices: the split and the experts are moot
+            config = replace(base, n_gpu_layers=0, overrides=())
+            plan = s.fits(config)
+            found = (config, plan) if plan is not None else None
+        else:
+            found = search.place(-2 if ngl == n_layer + 1 and not fixed else ngl, counts)
+        if found is None:
+            continue
+        first_fitting = ngl if first_fitting is None else first_fitting
+        if best is None or better(found[1], best[1]):
+            best = found
+    return best
 
 
 def _cpu_layers(n_layer: int, n: int, from_top: bool) -> list[int]:

@@ -1,0 +1,275 @@
+"""`fitter fit` on two or more GPUs: how many layers each device holds (`-ts` as layer counts, as llama.cpp's own
+`--fit` writes it) and, per device, which of its layers keep their experts there, so every GPU is filled.
+
+llama.cpp's default split follows free memory and knows nothing of experts: with `-ncmoe` or `--fit`'s last-N order
+the layers whose experts go to the CPU are all on one device, and the other GPU stays mostly empty (llama.cpp
+issues #15263, #15136). Here each device is filled on its own:
+
+1. for a count of offloaded layers (`-ngl`, from the top as llama.cpp offloads), the layers are split over the
+   devices in proportion to their budgets, then moved one at a time off any device whose dense part alone (every
+   expert of its layers on the CPU) is over its budget;
+2. each device keeps the experts of as many of its layers as fit (bisection per device, the others held; a few
+   passes, since compute buffers depend a little on the whole graph), the rest go to the CPU (`-ot …=CPU`, the
+   highest-numbered layers of each device's range, as llama.cpp's `--fit` orders them);
+3. the split is improved by moving one layer between two devices while that puts more bytes on the devices;
+4. on each device the next layer's expert tensors that still fit come back (up, gate, down: a partial layer).
+
+So after the fit each GPU's free memory is at most its target plus about one layer's experts, unless it holds
+every expert of its layers. Every candidate is judged by the estimator alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from fitter.flags import LaunchConfig, TensorOverride
+from fitter.flags.overrides import EXPERT_KINDS, layer_experts_rule
+from fitter.gguf.model_spec import ModelSpec, Role
+from fitter.memory.devices import CpuProfile, Device
+from fitter.memory.estimator import MemoryPlan, layer_devices, place
+
+# A plan when the config fits every device's budget, else None (fitter.memory.fit._Search.fits).
+Judge = Callable[[LaunchConfig], MemoryPlan | None]
+_FILL_PASSES = 3
+_MOVES = 64  # split improvements tried at most, per -ngl
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One placement on N devices: layers per device (-ts), how many of each device's expert layers keep their
+    experts there (the first ones of its range), and on each device the expert kinds of the next layer that stay."""
+
+    counts: tuple[float, ...]  # -ts: layer counts (the user's own values when given)
+    keep: tuple[int, ...]
+    partial: tuple[tuple[str, ...], ...]
+
+
+def split_by_budget(n: int, budgets: list[int]) -> tuple[int, ...]:
+    """n layers in proportion to the budgets (largest remainder; a device without budget gets none)."""
+    weights = [max(b, 0) for b in budgets]
+    total = sum(weights) or 1
+    exact = [n * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)[: n - sum(counts)]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+Found = tuple[LaunchConfig, MemoryPlan]
+
+
+class DeviceSearch:
+    """The search on N devices. Bisections judge a layout by its model and KV buffers (exact, no graph replay)
+    plus the compute buffers of the last fully estimated layout with the same -ngl and split: a layout's compute
+    buffers barely move with which experts it keeps. Every layout the search returns was then estimated in full
+    and fits (`judge`)."""
+
+    def __init__(self, spec: ModelSpec, devices: tuple[Device, ...], budgets: dict[str, int], judge: Judge,
+                 base: LaunchConfig, cpu: CpuProfile) -> None:
+        self.spec, self.devices, self.budgets, self.judge, self.base = spec, devices, budgets, judge, base
+        self.cpu = cpu
+        self.expert_layers = sorted({t.layer for t in spec.tensors if t.role is Role.EXPERT and t.layer is not None})
+        self._judged: dict[tuple[int, Layout], Found | None] = {}
+        self._compute: dict[tuple[int, tuple[float, ...]], dict[str, int]] = {}  # last full estimate's compute
+
+    # -- a layout as llama.cpp flags -------------------------------------------------------------------------
+
+    def ranges(self, ngl: int, counts: tuple[float, ...]) -> list[list[int]]:
+        """Each device's expert layers under this -ngl and -ts, as the estimator assigns layers (load_tensors)."""
+        config = replace(self.base, n_gpu_layers=ngl, tensor_split=tuple(float(c) for c in counts), overrides=())
+        layer_dev = layer_devices(self.spec, config, self.devices)
+        index = {d.name: i for i, d in enumerate(self.devices)}
+        out: list[list[int]] = [[] for _ in self.devices]
+        for il in self.expert_layers:
+            dev = layer_dev[il]
+            if dev is not None:
+                out[index[dev.name]].append(il)
+        return out
+
+    def config(self, ngl: int, layout: Layout) -> LaunchConfig:
+        rules: list[TensorOverride] = []
+        for layers, keep, kinds in zip(self.ranges(ngl, layout.counts), layout.keep, layout.partial, strict=True):
+            to_cpu = layers[keep:]
+            if kinds and to_cpu:  # the first layer sent to the CPU keeps these expert tensors on its device
+                gone = [k for k in EXPERT_KINDS if k not in kinds]
+                rules.append(TensorOverride(rf"blk\.{to_cpu[0]}\.ffn_({'|'.join(gone)})_(ch|)exps", "CPU"))
+                to_cpu = to_cpu[1:]
+            rules += [layer_experts_rule(il) for il in to_cpu]
+        return replace(self.base, n_gpu_layers=ngl, tensor_split=tuple(float(c) for c in layout.counts),
+                       overrides=tuple(rules))
+
+    # -- judging ---------------------------------------------------------------------------------------------
+
+    def judged(self, ngl: int, layout: Layout) -> Found | None:
+        """The full estimate, when the layout fits."""
+        key = (ngl, layout)
+        if key not in self._judged:  # the split's moves come back to layouts judged before
+            config = self.config(ngl, layout)
+            plan = self.judge(config)
+            self._judged[key] = (config, plan) if plan is not None else None
+            if plan is not None:
+                totals = plan.totals()
+                self._compute[(ngl, layout.counts)] = {d.name: totals[d.name].compute for d in self.devices}
+        return self._judged[key]
+
+    def _bytes(self, ngl: int, layout: Layout) -> list[int] | None:
+        """Each device's bytes as the bisections judge them: model and KV exact, compute as last estimated."""
+        compute = self._compute.get((ngl, layout.counts))
+        if compute is None:
+            found = self.judged(ngl, layout)
+            if found is None:
+                return None
+            totals = found[1].totals()
+            return [totals[d.name].total for d in self.devices]
+        static = place(self.spec, self.config(ngl, layout), self.devices, self.cpu).device_bytes()
+        return [static.get(d.name, 0) + compute[d.name] for d in self.devices]
+
+    def _fits(self, ngl: int, layout: Layout) -> bool:
+        used = self._bytes(ngl, layout)
+        return used is not None and all(u <= self.budgets[d.name] for u, d in zip(used, self.devices, strict=True))
+
+    # -- the search ------------------------------------------------------------------------------------------
+
+    def place(self, ngl: int, counts: tuple[float, ...] | None = None) -> Found | None:
+        """The best layout with this -ngl (`counts`: the user's -ts, kept), or None when even the dense parts do
+        not fit."""
+        n_on = self.spec.n_layer + 1 if ngl < 0 else min(ngl, self.spec.n_layer + 1)
+        fixed_split = counts is not None
+        if counts is None:
+            counts = self._dense_fit(ngl, split_by_budget(n_on, [self.budgets[d.name] for d in self.devices]))
+            if counts is None:
+                return None
+        best = self._fill(ngl, counts)
+        if best is None:
+            return None
+        if not fixed_split:
+            best = self._improve_split(ngl, best)
+        return self._partials(ngl, best)
+
+    def _empty(self, counts: tuple[float, ...]) -> Layout:
+        return Layout(counts, (0,) * len(counts), ((),) * len(counts))
+
+    def _dense_fit(self, ngl: int, counts: tuple[float, ...]) -> tuple[float, ...] | None:
+        """Move layers off devices whose dense part is over budget (to the device with the most budget left)."""
+        from fitter.memory.estimator import estimate
+
+        for _ in range(int(sum(counts)) + 1):
+            if self.judged(ngl, self._empty(counts)) is not None:
+                return counts
+            plan = estimate(self.spec, self.config(ngl, self._empty(counts)), self.devices, self.cpu)
+            over = _slack(plan, self.devices, self.budgets)
+            worst = min(range(len(counts)), key=lambda i: over[i])
+            roomiest = max((i for i in range(len(counts)) if i != worst), key=lambda i: over[i])
+            if counts[worst] < 1 or over[roomiest] <= 0:
+                return None
+            counts = tuple(c - (i == worst) + (i == roomiest) for i, c in enumerate(counts))
+        return None
+
+    def _fill(self, ngl: int, counts: tuple[float, ...]) -> tuple[Layout, Found] | None:
+        """Each device keeps the experts of as many of its layers as fit, the others held (bisection), then the
+        layout is estimated in full; while that is over a budget, the device most over keeps one layer fewer."""
+        empty = self._empty(counts)
+        start = self.judged(ngl, empty)
+        if start is None:
+            return None
+        ranges = self.ranges(ngl, counts)
+        keep = [0] * len(counts)
+        for _ in range(_FILL_PASSES):
+            changed = False
+            used = self._bytes(ngl, Layout(counts, tuple(keep), empty.partial)) or []
+            slack = [self.budgets[d.name] - u for d, u in zip(self.devices, used, strict=True)]
+            for d in sorted(range(len(counts)), key=lambda i: -slack[i]):
+                lo, hi = keep[d], len(ranges[d])  # the largest count that fits lies in [lo, hi]
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if self._fits(ngl, Layout(counts, tuple(mid if i == d else k for i, k in enumerate(keep)),
+                                              empty.partial)):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                if lo != keep[d]:
+                    keep[d], changed = lo, True
+            if not changed:
+                break
+        while True:
+            layout = Layout(counts, tuple(keep), empty.partial)
+            found = self.judged(ngl, layout)
+            if found is not None:
+                return self._one_more(ngl, layout, found, ranges)
+            plan = _estimate(self, ngl, layout)
+            over = _slack(plan, self.devices, self.budgets)
+            worst = min((i for i in range(len(keep)) if keep[i]), key=lambda i: over[i], default=None)
+            if worst is None:
+                return empty, start
+            keep[worst] -= 1
+
+    def _one_more(self, ngl: int, layout: Layout, found: Found, ranges: list[list[int]]) -> tuple[Layout, Found]:
+        """Fully estimated, one more layer's experts on a device may still fit: the judged compute was high."""
+        for d in range(len(layout.keep)):
+            while layout.keep[d] < len(ranges[d]):
+                more = replace(layout, keep=tuple(k + (i == d) for i, k in enumerate(layout.keep)))
+                more_found = self.judged(ngl, more)
+                if more_found is None:
+                    break
+                layout, found = more, more_found
+        return layout, found
+
+    def _improve_split(self, ngl: int, best: tuple[Layout, Found]) -> tuple[Layout, Found]:
+        """Move one layer from device i to device j while that puts more on the devices."""
+        n = len(best[0].counts)
+        for _ in range(_MOVES):
+            improved = False
+            for i in range(n):
+                for j in range(n):
+                    counts = best[0].counts
+                    if i == j or counts[i] < 1:
+                        continue
+                    moved = tuple(c - (k == i) + (k == j) for k, c in enumerate(counts))
+                    found = self._fill(ngl, moved)
+                    if found is not None and better(found[1][1], best[1][1]):
+                        best, improved = found, True
+            if not improved:
+                break
+        return best
+
+    def _partials(self, ngl: int, best: tuple[Layout, Found]) -> Found:
+        """On each device the next layer's expert tensors that still fit come back: of the kinds whose model and KV
+        buffers fit, the fullest is estimated first, until one fits in full."""
+        ranges = self.ranges(ngl, best[0].counts)
+        for d in range(len(best[0].counts)):
+            if best[0].keep[d] >= len(ranges[d]):
+                continue
+            options = []
+            for kinds in [*((a, b) for i, a in enumerate(EXPERT_KINDS) for b in EXPERT_KINDS[i + 1:]),
+                          *((k,) for k in EXPERT_KINDS)]:
+                layout = replace(best[0], partial=tuple(kinds if i == d else p for i, p in enumerate(best[0].partial)))
+                used = self._bytes(ngl, layout)
+                if used is not None and all(u <= self.budgets[x.name] for u, x in zip(used, self.devices, strict=True)):
+                    options.append((sum(used), layout))
+            for _, layout in sorted(options, key=lambda o: -o[0]):
+                found = self.judged(ngl, layout)
+                if found is not None:
+                    if better(found[1], best[1][1]):
+                        best = (layout, found)
+                    break
+        return best[1]
+
+
+def _estimate(search: DeviceSearch, ngl: int, layout: Layout) -> MemoryPlan:
+    from fitter.memory.estimator import estimate
+
+    return estimate(search.spec, search.config(ngl, layout), search.devices, search.cpu)
+
+
+def _slack(plan: MemoryPlan, devices: tuple[Device, ...], budgets: dict[str, int]) -> list[int]:
+    totals = plan.totals()
+    return [budgets[d.name] - totals[d.name].total for d in devices]
+
+
+def better(a: MemoryPlan, b: MemoryPlan) -> bool:
+    """More device memory put to use, then more weights on the devices."""
+    def key(p: MemoryPlan) -> tuple[int, int]:
+        totals = p.totals()
+        return (sum(totals[d.name].total for d in p.devices), sum(totals[d.name].model for d in p.devices))
+    return key(a) > key(b)
