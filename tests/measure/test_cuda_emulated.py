@@ -93,4 +93,10 @@ def test_the_emulated_gpu_option_takes_a_cuda_prefix(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as exit_info:  # argparse's errors leave through fitter's one-line parser error
         main(["fit", "--emulated-gpu", "cuda:lots"])
     assert exit_info.value.code == 2
-    assert "--emulated-gpu 'cuda:lots': expected MiB or cuda:MiB" in capsys.readouterr().err
+    assert "--emulated-gpu 'cuda:lots': expected MiB[,MiB...] or cuda:MiB[,MiB...]" in capsys.readouterr().err
+
+
+def test_a_list_of_emulated_gpus_is_refused_where_one_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", "--emulated-gpu", "96,48"]) == 2
+    assert ("--emulated-gpu 96,48: fitter tune runs on one emulated GPU for now (fit and bench take several)"
+            in capsys.readouterr().err)
