@@ -444,12 +444,12 @@ def place(
 def _short_of_pipeline(placed: Placed, devices: tuple[Device, ...], compute: list[Buffer]) -> str | None:
     """The first device whose free memory cannot hold its model, KV and pipelined compute buffers (llama.cpp then
     reserves again without pipeline parallelism), or None. A device of unknown free memory is taken to hold it."""
-    used = placed.device_bytes()
+    used = dict(placed.device_bytes())
     for b in compute:
-        used[b.device] += b.bytes
+        used[b.device] = used.get(b.device, 0) + b.bytes
     for d in devices:
         free = d.free_bytes if d.free_bytes is not None else d.total_bytes
-        if free is not None and used[d.name] > free:
+        if free is not None and used.get(d.name, 0) > free:
             return d.name
     return None
 

@@ -53,7 +53,8 @@ class NotRecorded(WorkerError):
 def config_key(config: LaunchConfig, threads: int, threads_batch: int) -> str:
     """A config as the replay matches it: the parsed launch config (flags as typed, RPC endpoints ignored: an emulated
     GPU listens on a fresh port each time) and its threads."""
-    text = repr(replace(config, flags=(), rpc=()))
+    # landscapes recorded before a config held its split mode (`-sm`) keep their keys
+    text = repr(replace(config, flags=(), rpc=())).replace(", split_mode='layer'", "")
     for endpoint in config.rpc:
         text = text.replace(endpoint, "<rpc>")
     return f"{text}|t{threads}|tb{threads_batch}"

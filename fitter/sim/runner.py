@@ -130,8 +130,9 @@ class SimRunner:
         pp_s = prefill_seconds(m, plan, spec.n_prompt, spec.n_depth, tb)
         tg_s = decode_seconds(m, plan, spec)
         # the config, however its flags were spelled; llama-server's configs keep the key they had before a config
-        # named its program (`consumer`), so seeded figures recorded then reproduce
-        config_key = repr(replace(plan.config, flags=())).replace(f", consumer='{DEFAULT_CONSUMER}'", "")
+        # named its program (`consumer`) or its split mode (`-sm`), so seeded figures recorded then reproduce
+        config_key = (repr(replace(plan.config, flags=())).replace(f", consumer='{DEFAULT_CONSUMER}'", "")
+                      .replace(", split_mode='layer'", ""))
 
         run_key = f"{config_key}|t{spec.threads}|tb{tb}"
         run = self._runs.get(run_key, 0)

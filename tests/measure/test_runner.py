@@ -69,7 +69,7 @@ def test_an_emulated_gpu_killed_mid_trial_is_a_crash_and_the_next_trial_gets_a_f
 
     model = str(demo_model_path())
     with _runner(kind, 256) as runner:
-        gpu = runner._gpu
+        gpu = runner._gpu.gpus[0]
         old_pid, endpoint = gpu.pid, gpu.endpoint
 
         def kill_once_loaded() -> None:
@@ -98,12 +98,12 @@ def test_an_emulated_gpu_that_died_between_trials_is_replaced_before_the_next() 
     model = str(demo_model_path())
     with WorkerRunner(emulated_gpu_mib=256) as runner:
         assert runner.run(model, _config(runner), SHORT, 120).measurement.outcome == "ok"
-        old_pid = runner._gpu.pid
+        old_pid = runner._gpu.gpus[0].pid
         os.kill(old_pid, signal.SIGKILL)  # the worker keeps the model it loaded onto that server
-        assert runner._gpu.died(wait_s=5) == "killed by signal SIGKILL"
+        assert runner._gpu.gpus[0].died(wait_s=5) == "killed by signal SIGKILL"
         after = runner.run(model, _config(runner), SHORT, 120).measurement
         assert (after.outcome, after.reused_model) == ("ok", False)
-        assert runner._gpu.pid != old_pid
+        assert runner._gpu.gpus[0].pid != old_pid
 
 
 @pytest.mark.parametrize("how", OCCUPANTS)
