@@ -217,3 +217,10 @@ def parse_cpu_mask(mask: str | None, cpu_range: str | None) -> tuple[int, ...] |
                                     "(GGML_MAX_N_THREADS, common/common.cpp parse_cpu_range)")
         cpus |= set(range(int(lo), int(hi) + 1))
     return tuple(sorted(cpus)) or None
+
+
+def recorded_repr(config: LaunchConfig) -> str:
+    """repr(config) as keys recorded before `split_mode` existed spell it: the field is left out at its default
+    (`-sm layer`), so seeded simulations and recorded landscapes keep matching (fitter.sim)."""
+    return repr(config).replace(", split_mode='layer'", "")
+

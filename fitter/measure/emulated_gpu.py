@@ -324,11 +324,6 @@ class EmulatedGpus:
         if not caps_mib:
             raise EmulatedGpuError("emulated GPUs: give at least one cap")
         self.gpus = tuple(EmulatedGpu(cap, threads, cuda, beside) for cap in caps_mib)
-        self.cuda = cuda
-
-    @property
-    def caps_mib(self) -> tuple[int, ...]:
-        return tuple(g.cap_mib for g in self.gpus)
 
     @property
     def endpoints(self) -> tuple[str, ...]:

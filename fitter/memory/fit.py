@@ -118,12 +118,7 @@ def _cpu_layers(n_layer: int, n: int, from_top: bool) -> list[int]:
 
 def _better(a: tuple[LaunchConfig, MemoryPlan] | None, b: tuple[LaunchConfig, MemoryPlan]) -> bool:
     """More device memory put to use, then more weights on the devices."""
-    if a is None:
-        return True
-    def key(p: MemoryPlan) -> tuple[int, int]:
-        totals = p.totals()
-        return (sum(totals[d.name].total for d in p.devices), sum(totals[d.name].model for d in p.devices))
-    return key(b[1]) > key(a[1])
+    return a is None or better(b[1], a[1])
 
 
 def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:

@@ -27,7 +27,7 @@ from fitter.flags import LaunchConfig, TensorOverride
 from fitter.flags.overrides import EXPERT_KINDS, layer_experts_rule
 from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.devices import CpuProfile, Device
-from fitter.memory.estimator import MemoryPlan, layer_devices, place
+from fitter.memory.estimator import MemoryPlan, estimate, layer_devices, place
 
 # A plan when the config fits every device's budget, else None (fitter.memory.fit._Search.fits).
 Judge = Callable[[LaunchConfig], MemoryPlan | None]
@@ -72,11 +72,18 @@ class DeviceSearch:
         self.expert_layers = sorted({t.layer for t in spec.tensors if t.role is Role.EXPERT and t.layer is not None})
         self._judged: dict[tuple[int, Layout], Found | None] = {}
         self._compute: dict[tuple[int, tuple[float, ...]], dict[str, int]] = {}  # last full estimate's compute
+        self._ranges: dict[tuple[int, tuple[float, ...]], list[list[int]]] = {}  # every judgment writes rules
 
     # -- a layout as llama.cpp flags -------------------------------------------------------------------------
 
     def ranges(self, ngl: int, counts: tuple[float, ...]) -> list[list[int]]:
         """Each device's expert layers under this -ngl and -ts, as the estimator assigns layers (load_tensors)."""
+        key = (ngl, counts)
+        if key not in self._ranges:
+            self._ranges[key] = self._assign(ngl, counts)
+        return self._ranges[key]
+
+    def _assign(self, ngl: int, counts: tuple[float, ...]) -> list[list[int]]:
         config = replace(self.base, n_gpu_layers=ngl, tensor_split=tuple(float(c) for c in counts), overrides=())
         layer_dev = layer_devices(self.spec, config, self.devices)
         index = {d.name: i for i, d in enumerate(self.devices)}
@@ -125,9 +132,11 @@ class DeviceSearch:
         static = place(self.spec, self.config(ngl, layout), self.devices, self.cpu).device_bytes()
         return [static.get(d.name, 0) + compute[d.name] for d in self.devices]
 
-    def _fits(self, ngl: int, layout: Layout) -> bool:
-        used = self._bytes(ngl, layout)
+    def _within(self, used: list[int] | None) -> bool:
         return used is not None and all(u <= self.budgets[d.name] for u, d in zip(used, self.devices, strict=True))
+
+    def _fits(self, ngl: int, layout: Layout) -> bool:
+        return self._within(self._bytes(ngl, layout))
 
     # -- the search ------------------------------------------------------------------------------------------
 
@@ -152,12 +161,10 @@ class DeviceSearch:
 
     def _dense_fit(self, ngl: int, counts: tuple[float, ...]) -> tuple[float, ...] | None:
         """Move layers off devices whose dense part is over budget (to the device with the most budget left)."""
-        from fitter.memory.estimator import estimate
-
         for _ in range(int(sum(counts)) + 1):
             if self.judged(ngl, self._empty(counts)) is not None:
                 return counts
-            plan = estimate(self.spec, self.config(ngl, self._empty(counts)), self.devices, self.cpu)
+            plan = _estimate(self, ngl, self._empty(counts))
             over = _slack(plan, self.devices, self.budgets)
             worst = min(range(len(counts)), key=lambda i: over[i])
             roomiest = max((i for i in range(len(counts)) if i != worst), key=lambda i: over[i])
@@ -245,7 +252,7 @@ class DeviceSearch:
                           *((k,) for k in EXPERT_KINDS)]:
                 layout = replace(best[0], partial=tuple(kinds if i == d else p for i, p in enumerate(best[0].partial)))
                 used = self._bytes(ngl, layout)
-                if used is not None and all(u <= self.budgets[x.name] for u, x in zip(used, self.devices, strict=True)):
+                if used is not None and self._within(used):
                     options.append((sum(used), layout))
             for _, layout in sorted(options, key=lambda o: -o[0]):
                 found = self.judged(ngl, layout)
@@ -257,8 +264,7 @@ class DeviceSearch:
 
 
 def _estimate(search: DeviceSearch, ngl: int, layout: Layout) -> MemoryPlan:
-    from fitter.memory.estimator import estimate
-
+    """A layout's full estimate, fitting or not: which device is over, and by how much."""
     return estimate(search.spec, search.config(ngl, layout), search.devices, search.cpu)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, parse_flags
+from fitter.flags.config import recorded_repr
 from fitter.flags.consumers import with_bench_context
 from fitter.flags.vocabulary import MODEL_LEVEL
 from fitter.measure.types import (
@@ -53,8 +54,7 @@ class NotRecorded(WorkerError):
 def config_key(config: LaunchConfig, threads: int, threads_batch: int) -> str:
     """A config as the replay matches it: the parsed launch config (flags as typed, RPC endpoints ignored: an emulated
     GPU listens on a fresh port each time) and its threads."""
-    # landscapes recorded before a config held its split mode (`-sm`) keep their keys
-    text = repr(replace(config, flags=(), rpc=())).replace(", split_mode='layer'", "")
+    text = recorded_repr(replace(config, flags=(), rpc=()))
     for endpoint in config.rpc:
         text = text.replace(endpoint, "<rpc>")
     return f"{text}|t{threads}|tb{threads_batch}"

@@ -12,6 +12,7 @@ from typing import Any
 
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig
+from fitter.flags.config import recorded_repr
 from fitter.flags.consumers import DEFAULT_CONSUMER
 from fitter.flags.vocabulary import MODEL_LEVEL
 from fitter.gguf.model_spec import ModelSpec
@@ -131,8 +132,7 @@ class SimRunner:
         tg_s = decode_seconds(m, plan, spec)
         # the config, however its flags were spelled; llama-server's configs keep the key they had before a config
         # named its program (`consumer`) or its split mode (`-sm`), so seeded figures recorded then reproduce
-        config_key = (repr(replace(plan.config, flags=())).replace(f", consumer='{DEFAULT_CONSUMER}'", "")
-                      .replace(", split_mode='layer'", ""))
+        config_key = recorded_repr(replace(plan.config, flags=())).replace(f", consumer='{DEFAULT_CONSUMER}'", "")
 
         run_key = f"{config_key}|t{spec.threads}|tb{tb}"
         run = self._runs.get(run_key, 0)
