@@ -14,8 +14,10 @@ version fitter pins; `--llama-src DIR` names a llama.cpp tree instead) and cache
 llama-bench and their shared libraries in `fitter_home()/tools/llama.cpp-0.3.36-0c1e570-<recipe hash>/`, so later
 runs skip the build.
 
-A run takes ~3 minutes after the build, most of it copying two ~3.3 GiB placements of the real shapes into the
-emulated GPU; placements projected over 6 GiB are fitted but not loaded (`load_skipped` says so).
+A run of the 56 cases takes ~13 minutes after the build on a 2-core machine (759 s), ~8 of them loading the four
+real-shape placements of 3.4-5.1 GiB into the emulated GPU(s) (60-110 s each, for its two loads); placements
+projected over 6 GiB in all are fitted but not loaded (`load_skipped` says so). `--only SUBSTRING` runs a subset
+(`--only +`: the 13 cases on two or three devices, ~4.5 minutes).
 
 Semantics to know when comparing (llama.cpp 0c1e570):
 - llama-fit-params parses args as its own example (LLAMA_EXAMPLE_FIT_PARAMS), not as llama-server: `-np` defaults
@@ -24,9 +26,12 @@ Semantics to know when comparing (llama.cpp 0c1e570):
   (`load_and_capture(..., n_outputs_max=0)`); llama-server itself reserves only min(-b, slots) outputs.
 - `-c 0` given explicitly disables fit's context reduction unless `-fitc` follows it (common/arg.cpp); the fit
   command puts the case's flags first and `-fitc` last.
-- With one device, fit only ever overflows tensors to `CPU`; with two, the first device's partial layer may
-  overflow to the second device's buffer type (`RPC0[127.0.0.1:PORT]`).
-- The RPC endpoints are normalized to 127.0.0.1:50052 (and :50053 for a second device) in args, logs and buffers.
+- With one device, fit only ever overflows tensors to `CPU`; with two or more, a device's partial layer may
+  overflow to the next device's buffer type (`RPC0[127.0.0.1:PORT]`).
+- `-fitt` takes one value for every device or one per device (common/arg.cpp `MiB0,MiB1,...`): a case's
+  `fit_target_mib` is a number or a list, as fitter's `fit` takes a tuple of targets.
+- The RPC endpoints are normalized to 127.0.0.1:50052, :50053, :50054, … (CANONICAL_PORTS, the case's devices in
+  order) in args, logs and buffers.
 
     python scripts/llama_fit_reference.py [--llama-src DIR] [--out tests/golden/fit_reference.json]
                                           [--only SUBSTRING] [--rebuild] [--build-only]
@@ -58,7 +63,7 @@ from fitter.units import MIB
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "tests" / "golden" / "fit_reference.json"
 
-CANONICAL_PORTS = (50052, 50053)  # endpoint i of a case is written as 127.0.0.1:CANONICAL_PORTS[i]
+CANONICAL_PORTS = (50052, 50053, 50054, 50055)  # endpoint i of a case is written as 127.0.0.1:CANONICAL_PORTS[i]
 LOAD_LIMIT_BYTES = 6 * 1024 * MIB  # device-resident bytes above which a load is skipped (copied into the server)
 FIT_TIMEOUT_S = 600.0
 TOOK_RE = re.compile(r"fitting params to free memory took [0-9.]+ seconds")
@@ -73,9 +78,13 @@ class Case:
     id: str
     model: str
     caps_mib: tuple[int, ...]  # one capped device per entry
-    fit_target_mib: int  # -fitt, broadcast to every device
+    fit_target_mib: int | tuple[int, ...]  # -fitt: one value broadcast to every device, or one per device
     flags: tuple[str, ...]  # the case's own llama.cpp flags, given to both the fit and the load
     fit_ctx_min: int | None = None  # -fitc (only matters with -c 0)
+
+    @property
+    def targets(self) -> tuple[int, ...]:
+        return self.fit_target_mib if isinstance(self.fit_target_mib, tuple) else (self.fit_target_mib,)
 
 
 # Small models: real files. Real shapes: header-only sparse files (fit reads headers only; loads map file holes).
@@ -107,10 +116,17 @@ def build_cases() -> list[Case]:
     }
     for name, flags in variants.items():
         cases.append(Case(f"demo/cap64/fitt8/{name}", "demo", (64,), 8, flags))
-    # Two capped devices: fit fills them front to back and may overflow a partial layer into the next device.
-    for pair in ((32, 32), (48, 32)):
-        tag = "+".join(map(str, pair))
-        cases.append(Case(f"demo/cap{tag}/fitt4/c4096", "demo", pair, 4, ("-c", "4096", *np1)))
+    # Two or three capped devices: fit fills them front to back and may overflow a partial layer into the next
+    # device. Uneven pairs both ways (the small device first, then last), and one -fitt per device.
+    several: tuple[tuple[int, ...], ...] = ((32, 32), (48, 32), (64, 24), (24, 64), (48, 32, 24), (32, 32, 32))
+    for sizes in several:
+        tag = "+".join(map(str, sizes))
+        cases.append(Case(f"demo/cap{tag}/fitt4/c4096", "demo", sizes, 4, ("-c", "4096", *np1)))
+    per_device: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
+        ((48, 32), (16, 0)), ((48, 32), (0, 16)), ((48, 32, 24), (8, 0, 4)))
+    for sizes, targets in per_device:
+        tag, fitt = "+".join(map(str, sizes)), ",".join(map(str, targets))
+        cases.append(Case(f"demo/cap{tag}/fitt{fitt}/c4096", "demo", sizes, targets, ("-c", "4096", *np1)))
     # Tiny models (2 layers, ~1 MiB of weights, ~5 MiB loaded): caps of a few MiB still force choices.
     tiny: dict[str, tuple[int, ...]] = {"gpt-oss-tiny": (3, 4, 5), "qwen3moe-tiny": (4, 5)}
     for model, caps in tiny.items():
@@ -121,6 +137,12 @@ def build_cases() -> list[Case]:
         for cap, target in ((4096, 512), (8192, 1024)):
             flags = ("-c", "8192", *np1, "-nr")
             cases.append(Case(f"{model}/cap{cap}/fitt{target}/c8192", model, (cap,), target, flags))
+    # ... and on two devices, an uneven pair and an even one.
+    for model in REAL_MODELS:
+        for pair, target in (((4096, 2048), 512), ((6144, 6144), 1024)):
+            flags = ("-c", "8192", *np1, "-nr")
+            tag = "+".join(map(str, pair))
+            cases.append(Case(f"{model}/cap{tag}/fitt{target}/c8192", model, pair, target, flags))
     return cases
 
 
@@ -138,10 +160,16 @@ def write_models(folder: Path, names: set[str]) -> tuple[dict[str, Path], dict[s
 # Running one case
 
 
+def _replace_all(text: str, mapping: dict[str, str]) -> str:
+    """Every key of `mapping` replaced at once (a replaced endpoint is never replaced again), whole ports only."""
+    if not mapping:
+        return text
+    pattern = "|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True))
+    return re.sub(rf"(?:{pattern})(?!\d)", lambda m: mapping[m.group(0)], text)
+
+
 def _normalize(text: str, endpoints: list[str]) -> str:
-    for endpoint, port in zip(endpoints, CANONICAL_PORTS, strict=False):
-        text = text.replace(endpoint, f"127.0.0.1:{port}")
-    return text
+    return _replace_all(text, {e: f"127.0.0.1:{p}" for e, p in zip(endpoints, CANONICAL_PORTS, strict=False)})
 
 
 def run_fit(tool: Path, model: Path, case: Case, endpoints: list[str]) -> dict[str, Any]:
@@ -149,7 +177,7 @@ def run_fit(tool: Path, model: Path, case: Case, endpoints: list[str]) -> dict[s
     exit_status = None
     try:
         fit = run_llama_fit(
-            tool, model, case.flags, tuple(endpoints), (case.fit_target_mib,), 1, FIT_TIMEOUT_S, case.fit_ctx_min
+            tool, model, case.flags, tuple(endpoints), case.targets, 1, FIT_TIMEOUT_S, case.fit_ctx_min
         )
         args, raw_log, projected = list(fit.flags), fit.log, fit.projected_mib
     except LlamaFitError as e:
@@ -181,6 +209,8 @@ def _load_skip_reason(fit: dict[str, Any]) -> str | None:
 
 
 def run_case(tool: Path, case: Case, model: Path, folder: Path) -> dict[str, Any]:
+    if len(case.caps_mib) > len(CANONICAL_PORTS):
+        raise SystemExit(f"{case.id}: {len(case.caps_mib)} devices, but CANONICAL_PORTS names {len(CANONICAL_PORTS)}")
     gpus = [EmulatedGpu(cap) for cap in case.caps_mib]
     try:
         for gpu in gpus:
@@ -193,7 +223,7 @@ def run_case(tool: Path, case: Case, model: Path, folder: Path) -> dict[str, Any
             "id": case.id,
             "model": case.model,
             "cap_mib": case.caps_mib[0] if len(case.caps_mib) == 1 else list(case.caps_mib),
-            "fit_target_mib": case.fit_target_mib,
+            "fit_target_mib": list(case.targets) if len(case.targets) > 1 else case.targets[0],
             "fit_ctx_min": case.fit_ctx_min,
             "flags": list(case.flags),
             "llama_fit": fit,
@@ -273,9 +303,7 @@ def _sorted_buffers(buffers: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _denormalize(arg: str, canonical: list[str], endpoints: list[str]) -> str:
-    for c, e in zip(canonical, endpoints, strict=True):
-        arg = arg.replace(c, e)
-    return arg
+    return _replace_all(arg, dict(zip(canonical, endpoints, strict=True)))
 
 
 def _load_summary(record: dict[str, Any]) -> str:
@@ -343,8 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             "fit_tool": TOOL,
             "fit_tool_source": f"llama-cpp-python {LLAMA_CPP_PYTHON} vendor/llama.cpp",
             "fit_tool_cmake_args": CMAKE_ARGS,
-            "fit_command": "llama-fit-params --model MODEL --rpc ENDPOINT[,ENDPOINT] -fitt TARGET_MIB FLAGS "
-            "[-fitc MIN_CTX] -t 1 -lv 4 --no-log-prefix --no-log-timestamps --log-colors off",
+            "fit_command": "llama-fit-params --model MODEL --rpc ENDPOINT[,ENDPOINT...] "
+            "-fitt TARGET_MIB[,TARGET_MIB...] FLAGS [-fitc MIN_CTX] -t 1 -lv 4 --no-log-prefix --no-log-timestamps "
+            "--log-colors off",
             "load": "load_and_capture(model, parse_launch_flags(flags + llama_fit.args + ['--rpc', ENDPOINTS]), "
             "n_outputs_max=0)",
             "load_server": "the same with n_outputs_max=None (llama-server: min(-b, slots) outputs)",

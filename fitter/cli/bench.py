@@ -30,6 +30,7 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
     from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, LlamaBenchRunner, ServerRunner, WorkerRunner
 
     nvml = bool(snapshot.gpus)
+    order = snapshot.nvml_indices() if nvml else None  # NVML's peaks named as llama.cpp names the devices
     if ns.llama_cpp:  # the build's own llama-server
         from fitter.measure.llama_build import find_build
 
@@ -45,11 +46,21 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
             raise LaunchConfigError("-tb: llama-bench has one thread count (-t) for prefill and decode")
         if ns.cpu_range:
             raise LaunchConfigError("--cpu-range: llama-bench only takes --cpu-mask")
-        return LlamaBenchRunner(ns.llama_bench, ns.emulated_gpu, ns.cpu_mask, nvml=nvml)
+        return LlamaBenchRunner(ns.llama_bench, ns.emulated_gpu, ns.cpu_mask, nvml=nvml, gpu_order=order)
     if ns.llama_server:
-        return ServerRunner(ns.llama_server, ns.emulated_gpu, process, nvml=nvml, vocab_size=vocab_size)
+        return ServerRunner(ns.llama_server, ns.emulated_gpu, process, nvml=nvml, vocab_size=vocab_size,
+                            gpu_order=order)
     return WorkerRunner(emulated_gpu_mib=ns.emulated_gpu, cpus=process.cpus, nvml=nvml,
-                        build=snapshot.llama_cpp or None, emulated_cuda=ns.emulated_cuda)
+                        build=snapshot.llama_cpp or None, emulated_cuda=ns.emulated_cuda, gpu_order=order)
+
+
+def _listed(snapshot: MachineSnapshot, ns: argparse.Namespace) -> MachineSnapshot:
+    """The snapshot with the user's build's own device list, when a build measures and this machine has GPUs: it
+    confirms (or gives) which GPU llama.cpp calls CUDA0 (fitter.machine.gpu_order)."""
+    from fitter.measure.llama_build import binary_devices, find_build
+
+    binary = ns.llama_server or ns.llama_bench or (find_build(ns.llama_cpp).llama_server if ns.llama_cpp else None)
+    return snapshot.with_listing(binary_devices(binary)) if binary and snapshot.gpus else snapshot
 
 
 def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
@@ -66,7 +77,7 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
         return _bench_sim(ns, model, spec, config, process)
     if ns.backend == "replay":
         return _bench_replay(ns, model, spec, config)
-    snapshot = take_snapshot()
+    snapshot = _listed(take_snapshot(), ns)
     # llama.cpp's advice for hybrid CPUs: one thread per physical performance core (fitter probe)
     threads = ns.threads if ns.threads is not None else snapshot.cpu.recommended_threads
     cpus = process.cpus
@@ -86,8 +97,9 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     if snapshot.gpus and result["outcome"] == "ok":
         from fitter.machine.overhead import record_measurements
 
-        problem = record_measurements([(result, f"fitter bench {time.strftime('%Y-%m-%d')}")], snapshot.gpus,
-                                      result["machine"]["fingerprint"], snapshot.nvidia.driver)
+        problem = record_measurements([(result, f"fitter bench {time.strftime('%Y-%m-%d')}")],
+                                      tuple(c.gpu for c in snapshot.gpu_order()), result["machine"]["fingerprint"],
+                                      snapshot.nvidia.driver)
         if problem:
             warn(problem)
     return 0 if result["outcome"] == "ok" else 1

@@ -12,6 +12,7 @@ from fitter.flags.consumers import CONSUMER_NAMES
 from fitter.tune.result import POLICIES
 
 if TYPE_CHECKING:
+    from fitter.machine.snapshot import MachineSnapshot
     from fitter.measure.runner import RunnerFactory
 
 
@@ -22,18 +23,37 @@ def cmd_check(ns: argparse.Namespace, flags: list[str], runner_factory: RunnerFa
     from fitter.tune.check import parse_tolerance, run_check, runner_factory_for, verdict_json, verdict_text
 
     tolerance = parse_tolerance(str(ns.tolerance))
-    snapshot = take_snapshot()
+    snapshot = _listed(take_snapshot(), Path(ns.result))
     model = getattr(ns, "model", None)
     factory = runner_factory or runner_factory_for(Path(ns.result), snapshot, model)
     log(f"fitter: check: re-measuring the {ns.policy} pick of {ns.result}")
     verdict = run_check(Path(ns.result), ns.policy, tolerance, factory, model=model,
                         timeout=getattr(ns, "timeout", None), cpu=snapshot.cpu_profile,
                         machine_devices=lambda: (gpus_now(snapshot) or snapshot.devices()) if snapshot.gpus else (),
-                        consumer=getattr(ns, "consumer", None))
+                        consumer=getattr(ns, "consumer", None),
+                        machine_gpus=lambda: snapshot.record()["gpu_map"])
     for w in verdict.warnings:
         warn(w)
     print(json.dumps(verdict_json(verdict), indent=1) if ns.json else verdict_text(verdict))
     return 0 if verdict.ok else 1
+
+
+def _listed(snapshot: MachineSnapshot, result: Path) -> MachineSnapshot:
+    """The snapshot with the device list of the llama-server the result was tuned with, when it is still there and
+    this machine has GPUs: which GPU it calls CUDA0, as the tune read it (fitter.machine.gpu_order)."""
+    from fitter.errors import FitterError
+    from fitter.measure.llama_build import binary_devices
+    from fitter.tune.result import load_result
+
+    if not snapshot.gpus:
+        return snapshot
+    try:
+        binary = load_result(result).llama_cpp.get("llama_server")
+    except FitterError:
+        return snapshot  # run_check reports the unreadable result
+    if not isinstance(binary, str) or not Path(binary).is_file():
+        return snapshot
+    return snapshot.with_listing(binary_devices(binary))
 
 
 def register(sub: Any) -> None:

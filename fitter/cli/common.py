@@ -47,7 +47,7 @@ def single_emulated_gpu(ns: argparse.Namespace, command: str) -> int | None:
     """The one emulated GPU's cap of a command that runs on one device; a list is refused naming the command."""
     if isinstance(ns.emulated_gpu, tuple):
         raise LaunchConfigError(f"--emulated-gpu {','.join(map(str, ns.emulated_gpu))}: fitter {command} runs on one "
-                                "emulated GPU for now (fit and bench take several)")
+                                "emulated GPU for now (fit, bench and tune take several)")
     return ns.emulated_gpu  # type: ignore[no-any-return]
 
 

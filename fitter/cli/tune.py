@@ -19,7 +19,6 @@ from fitter.cli.common import (
     load_model,
     log,
     model_path,
-    single_emulated_gpu,
 )
 from fitter.errors import FitterError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, add_process_arguments
@@ -111,7 +110,7 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         trials=ns.trials, timeout_s=ns.timeout, trial_timeout_s=ns.trial_timeout, seed=ns.seed,
         n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
         confirm_rounds=ns.confirm_rounds, storage=ns.storage, study_name=ns.study_name,
-        results=Path(ns.results), emulated_gpu_mib=single_emulated_gpu(ns, "tune"),
+        results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu,
         emulated_cuda=ns.emulated_cuda,
         llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp, projection=ns.projection,
         backend=ns.backend, machine=ns.machine, landscape=ns.landscape)
@@ -188,7 +187,7 @@ def register(sub: Any) -> None:
     tune.add_argument("--study-name", metavar="NAME", help="the study's name in --storage (default: "
                       "fitter-<model file stem>)")
     tune.add_argument("--results", default="results", metavar="DIR", help="results root (default ./results)")
-    add_emulated_gpu(tune, "tune on")
+    add_emulated_gpu(tune, "tune on", several=True)
     tune.add_argument("--llama-fit-params", metavar="PATH", help="llama.cpp's llama-fit-params for the baseline")
     add_llama_cpp(tune, "every trial runs its llama-server at the deployed context, its llama-fit-params gives the "
                   "baseline, its commit keys the results")

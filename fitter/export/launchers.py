@@ -82,14 +82,21 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
     emulated = bool(result.emulated or (entry.measurement or {}).get("emulated"))
     warning = None
     if emulated:
-        for rule in config.overrides:
+        # several emulated GPUs stand for CUDA0, CUDA1, … in their order: a rule naming one names that GPU
+        named = {f"RPC0[{endpoint}]": f"CUDA{i}" for i, endpoint in enumerate(config.rpc)}
+        rules = tuple(replace(r, buft=named.get(r.buft, r.buft)) for r in config.overrides)
+        for rule in rules:
             if any(endpoint in rule.buft for endpoint in config.rpc):
                 raise FitterError(f"{where}: -ot {rule.pattern}={rule.buft} names the emulated GPU, which an "
                                   "export leaves out; nothing to place it on")
         dropped = f"; its --rpc {','.join(config.rpc)} is left out" if config.rpc else ""
-        warning = (f"measured on fitter's emulated GPU (a capped llama.cpp RPC device on the tuning machine, CPU "
-                   f"speed){dropped}: check the placement fits your GPU with `fitter fit`")
-        config = replace(config, rpc=())
+        renamed = sorted({f"{r.buft} as {named[r.buft]}" for r in config.overrides if r.buft in named})
+        dropped += f"; -ot names {', '.join(renamed)}" if renamed else ""
+        several = len(config.rpc) > 1
+        what = "GPUs (capped llama.cpp RPC devices" if several else "GPU (a capped llama.cpp RPC device"
+        warning = (f"measured on fitter's emulated {what} on the tuning machine, CPU speed){dropped}: check the "
+                   f"placement fits your GPU{'s' if several else ''} with `fitter fit`")
+        config = replace(config, rpc=(), overrides=rules)
     if config.flash_attn == "auto":
         raise FitterError(f"{where}: -fa auto is resolved by llama-server per device at launch; an export pins "
                           "-fa on or off: tune with flash-attn on/off")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from fitter.flags import LaunchConfig
 from fitter.flags.consumers import retarget
+from fitter.flags.parse import flag_value
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.devices import CPU_AVX2, CUDA, CpuProfile, Device, rpc_devices
 from fitter.memory.estimator import estimate
@@ -76,10 +77,21 @@ def recorded_budgets(doc: ParetoDoc) -> dict[str, int]:
     return {}
 
 
+def _on_measured_devices(config: LaunchConfig, entry: Entry) -> LaunchConfig:
+    """A pick whose rules an export renamed from the i-th emulated GPU to CUDA<i> (fitter.export.launchers), with
+    the emulated GPUs' names again, as it was measured: the i-th endpoint of the trial's --rpc."""
+    endpoints = (flag_value(list(entry.flags or []), "rpc") or "").split(",")
+    named = {f"CUDA{i}": f"RPC0[{e}]" for i, e in enumerate(endpoints) if e}
+    if not named or config.rpc:
+        return config
+    return replace(config, overrides=tuple(replace(r, buft=named.get(r.buft, r.buft)) for r in config.overrides))
+
+
 def replan(doc: ParetoDoc, entry: Entry, config: LaunchConfig, target: str, spec: ModelSpec,
            cpu: CpuProfile = CPU_AVX2) -> Replan:
     """`config` (the pick, parsed as its program reads it, with the devices it ran on) for program `target`."""
     devices = measured_devices(entry, doc)
+    config = _on_measured_devices(config, entry)
     before = estimate(spec, config, devices, cpu)
     moved = retarget(config, target)
     after = estimate(spec, moved, devices, cpu)

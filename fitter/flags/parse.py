@@ -264,3 +264,14 @@ def with_endpoint(flags: Sequence[str], old: str, new: str) -> list[str]:
     """`flags` with every mention of an RPC endpoint (the `--rpc` value, `-ot …=RPC0[old]`) moved to another: a
     recorded run's emulated GPU is gone, a fresh one listens elsewhere."""
     return [f.replace(old, new) for f in flags]
+
+
+def with_endpoints(flags: Sequence[str], old: Sequence[str], new: Sequence[str]) -> list[str]:
+    """`with_endpoint` for several emulated GPUs at once, the i-th old endpoint to the i-th new one (through names no
+    endpoint has, so one moved to another's old port is not moved twice)."""
+    out = list(flags)
+    for i, endpoint in enumerate(old):
+        out = with_endpoint(out, endpoint, f"\0{i}\0")
+    for i, endpoint in enumerate(new):
+        out = with_endpoint(out, f"\0{i}\0", endpoint)
+    return out

@@ -201,9 +201,10 @@ def process_flags() -> tuple[Flag, ...]:
 # registered for a process's life).
 MODEL_LEVEL: tuple[str, ...] = tuple(dict.fromkeys(f.field for f in FLAGS if f.level is Level.MODEL))
 BARE: frozenset[str] = frozenset(name for f in FLAGS if not f.takes_value for name in f.names)
-# The searched part of a trial's flags, as tables show it (context, slots and --rpc are the same in every trial).
-SEARCHED: frozenset[str] = frozenset(f.canonical for f in FLAGS
-                                     if f.takes_value and (f.space_key or f.field == "overrides"))
+# The searched part of a trial's flags, as tables show it (context, slots and --rpc are the same in every trial);
+# on several GPUs the split too (fitter.tune.split).
+SEARCHED: frozenset[str] = frozenset(f.canonical for f in FLAGS if f.takes_value and (
+    f.space_key or f.field in ("overrides", "tensor_split", "split_mode", "main_gpu")))
 
 
 def fixing(space_key: str) -> tuple[str, ...]:

@@ -121,13 +121,18 @@ def detect_nvidia(module: Any = None) -> tuple[tuple[GpuInfo, ...], NvidiaInfo]:
             driver = _text(_opt(lib.nvmlSystemGetDriverVersion))
             cuda = cuda_version(_opt(lib.nvmlSystemGetCudaDriverVersion))
             for i in range(lib.nvmlDeviceGetCount()):
-                gpus.append(_nvml_gpu(lib, i))
+                gpus.append(nvml_gpu(lib, i))
             return tuple(gpus), NvidiaInfo(driver, cuda, None)
         except Exception as e:
             return tuple(gpus), NvidiaInfo(driver, cuda, f"NVML failed: {type(e).__name__}: {e}")
 
 
-def _nvml_gpu(nvml: Any, index: int) -> GpuInfo:
+def nvml_gpus(nvml: Any) -> tuple[GpuInfo, ...]:
+    """Every GPU an open NVML (`nvml()`) lists, in its order; NVMLError when it cannot count them."""
+    return tuple(nvml_gpu(nvml, i) for i in range(nvml.nvmlDeviceGetCount()))
+
+
+def nvml_gpu(nvml: Any, index: int) -> GpuInfo:
     h = nvml.nvmlDeviceGetHandleByIndex(index)
     mem = _opt(nvml.nvmlDeviceGetMemoryInfo, h)
     cc = _opt(nvml.nvmlDeviceGetCudaComputeCapability, h)

@@ -6,19 +6,23 @@ context (a few hundred MiB that llama.cpp's buffer lines never show), so the pea
 not what the estimate predicts. Sampling misses allocations shorter than the interval; llama.cpp allocates its
 buffers once per load and context, so they live for the whole trial.
 
-Device names follow llama.cpp's CUDA numbering under `CUDA_DEVICE_ORDER=PCI_BUS_ID`, which is NVML's order.
+Device names are llama.cpp's (`CUDA{i}`): `order` gives NVML's index of each, CUDA0 first (a machine snapshot's
+`nvml_indices()`); without it the sampler works the order out from NVML and this environment
+(fitter.machine.gpu_order), as the children it samples see it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 import psutil
 
-from fitter.machine.nvidia import nvml
+from fitter.errors import FitterError
+from fitter.machine.gpu_order import cuda_environment, cuda_order
+from fitter.machine.nvidia import nvml, nvml_gpus
 
 
 def child_pids() -> set[int]:
@@ -32,11 +36,13 @@ def child_pids() -> set[int]:
 class NvmlPeakSampler:
     """`with NvmlPeakSampler() as s: ...` then `s.peaks` → {"CUDA0": bytes}; empty when NVML is unavailable."""
 
-    def __init__(self, nvml: Any = None, pids: Callable[[], set[int]] = child_pids, interval_s: float = 0.05) -> None:
+    def __init__(self, nvml: Any = None, pids: Callable[[], set[int]] = child_pids, interval_s: float = 0.05,
+                 order: Sequence[int] | None = None) -> None:
         self._nvml = nvml
         self._pids = pids
         self._interval = interval_s
-        self._handles: list[Any] = []
+        self._order = None if order is None else tuple(order)
+        self._handles: list[tuple[str, Any]] = []  # (llama.cpp's device name, NVML handle)
         self._session: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -47,7 +53,12 @@ class NvmlPeakSampler:
         lib, _ = self._session.__enter__()
         self._nvml = lib
         try:
-            self._handles = [lib.nvmlDeviceGetHandleByIndex(i) for i in range(lib.nvmlDeviceGetCount())] if lib else []
+            if lib is not None:
+                order = self._order if self._order is not None else _cuda_indices(lib)
+                self._handles = [(f"CUDA{i}", lib.nvmlDeviceGetHandleByIndex(n)) for i, n in enumerate(order)]
+        except FitterError:  # GPUs whose CUDA order cannot be known: the caller must not guess either
+            self.__exit__(None, None, None)
+            raise
         except Exception:  # no device: nothing to sample (pynvml raises one class per return code)
             self._handles = []
         if self._handles:
@@ -59,13 +70,12 @@ class NvmlPeakSampler:
     def sample(self) -> None:
         """One reading: each device's memory used by our children, kept when it is a new peak."""
         pids = self._pids()
-        for index, handle in enumerate(self._handles):
+        for name, handle in self._handles:
             try:
                 procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
             except Exception:
                 continue
             used = sum(int(p.usedGpuMemory or 0) for p in procs if p.pid in pids)
-            name = f"CUDA{index}"
             if used and used > self.peaks.get(name, 0):
                 self.peaks[name] = used
 
@@ -80,3 +90,8 @@ class NvmlPeakSampler:
         if self._session is not None:
             self._session.__exit__(None, None, None)
             self._session = None
+
+
+def _cuda_indices(lib: Any) -> tuple[int, ...]:
+    """NVML's index of each GPU llama.cpp sees, CUDA0 first, under this process's environment."""
+    return tuple(c.gpu.index for c in cuda_order(nvml_gpus(lib), cuda_environment()))

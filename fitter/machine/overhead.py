@@ -65,10 +65,11 @@ def overhead_for(gpu: GpuInfo, fingerprint: str | None, driver: str | None) -> O
 def record_measurements(measurements: Iterable[tuple[dict[str, Any], str]], gpus: tuple[GpuInfo, ...],
                         fingerprint: str, driver: str | None) -> str | None:
     """Keep the largest overhead measurements (`fitter bench --json` shape, each with where it was taken) saw on
-    this machine's GPUs: their devices' `overhead`, NVML's peak beyond the buffers llama.cpp logged there; the file
-    is written once per GPU, not once per measurement. Returns why it could not be kept (a fitter home that cannot
-    be written), else None: the measurements themselves are never lost to this."""
-    by_name = {f"CUDA{g.index}": g for g in gpus}
+    this machine's GPUs (`gpus`: in llama.cpp's CUDA order, CUDA0 first, as MachineSnapshot.gpu_order gives them):
+    their devices' `overhead`, NVML's peak beyond the buffers llama.cpp logged there; the file is written once per
+    GPU, not once per measurement. Returns why it could not be kept (a fitter home that cannot be written), else
+    None: the measurements themselves are never lost to this."""
+    by_name = {f"CUDA{i}": g for i, g in enumerate(gpus)}
     largest: dict[str, tuple[int, str]] = {}
     for measurement, where in measurements:
         for name, device in (measurement.get("devices") or {}).items():

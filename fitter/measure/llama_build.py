@@ -81,6 +81,12 @@ def list_devices(build: LlamaCppBuild, rpc: tuple[str, ...] = (), timeout: float
     return parse_list_devices(proc.stdout + proc.stderr)
 
 
+def binary_devices(binary: str | Path, timeout: float = 60.0) -> tuple[ListedDevice, ...]:
+    """The devices one llama.cpp binary lists (`llama-server` or `llama-bench --list-devices`, common/arg.cpp)."""
+    path = Path(binary)
+    return list_devices(LlamaCppBuild(path.parent, path, None, None), timeout=timeout)
+
+
 def build_devices(listed: tuple[ListedDevice, ...]) -> tuple[tuple[Device, ...], list[str]]:
     """The estimator's devices for what the build lists, and a warning for each backend fitter has no rules for
     (its buffers are then not estimated)."""

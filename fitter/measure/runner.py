@@ -92,13 +92,15 @@ class _Devices:
     deployed_context = True
 
     def __init__(self, emulated_gpu_mib: int | tuple[int, ...] | None = None, nvml: bool = False,
-                 emulated_cuda: bool = False, beside: str | None = None) -> None:
+                 emulated_cuda: bool = False, beside: str | None = None,
+                 gpu_order: tuple[int, ...] | None = None) -> None:
         self._caps = emulated_caps(emulated_gpu_mib)
         self.emulated = bool(self._caps)
         self._beside = beside  # a user's binary: its own ggml serves the emulated GPU when it can
         self._cuda = emulated_cuda  # the CUDA-shaped emulated GPU (fitter's own llama.cpp client only)
         self._gpu: Any = None  # an EmulatedGpus group while running
         self._nvml = nvml
+        self._gpu_order = gpu_order  # NVML's index of each CUDA device, CUDA0 first (MachineSnapshot.nvml_indices)
         self.trials_run = 0
         self.model_loads = 0
 
@@ -144,7 +146,7 @@ class _Devices:
 
         if self._gpu is not None:
             self._gpu.reset_peak()
-        sampler: Any = NvmlPeakSampler() if self._nvml else contextlib.nullcontext()
+        sampler: Any = NvmlPeakSampler(order=self._gpu_order) if self._nvml else contextlib.nullcontext()
         with sampler:
             m = measure()
         if self._gpu is not None and m.outcome in ("crash", "timeout"):
@@ -170,8 +172,8 @@ class WorkerRunner(_Devices):
 
     def __init__(self, emulated_gpu_mib: int | tuple[int, ...] | None = None, cpus: tuple[int, ...] | None = None,
                  nvml: bool = False, log_path: str | Path | None = None, build: dict[str, str] | None = None,
-                 emulated_cuda: bool = False) -> None:
-        super().__init__(emulated_gpu_mib, nvml, emulated_cuda)
+                 emulated_cuda: bool = False, gpu_order: tuple[int, ...] | None = None) -> None:
+        super().__init__(emulated_gpu_mib, nvml, emulated_cuda, gpu_order=gpu_order)
         self._worker = Worker(log_path=log_path, cpus=cpus)
         self._build = build  # the machine snapshot's reading, when the caller has one
 
@@ -206,8 +208,8 @@ class ServerRunner(_Devices):
 
     def __init__(self, binary: str, emulated_gpu_mib: int | tuple[int, ...] | None = None,
                  process: ProcessFlags | None = None,
-                 nvml: bool = False, vocab_size: int = 256) -> None:
-        super().__init__(emulated_gpu_mib, nvml, beside=binary)
+                 nvml: bool = False, vocab_size: int = 256, gpu_order: tuple[int, ...] | None = None) -> None:
+        super().__init__(emulated_gpu_mib, nvml, beside=binary, gpu_order=gpu_order)
         self.binary = binary
         self._process = process or ProcessFlags()
         self._vocab_size = vocab_size
@@ -237,8 +239,8 @@ class LlamaBenchRunner(_Devices):
 
     def __init__(self, binary: str, emulated_gpu_mib: int | tuple[int, ...] | None = None,
                  cpu_mask: str | None = None,
-                 nvml: bool = False) -> None:
-        super().__init__(emulated_gpu_mib, nvml, beside=binary)
+                 nvml: bool = False, gpu_order: tuple[int, ...] | None = None) -> None:
+        super().__init__(emulated_gpu_mib, nvml, beside=binary, gpu_order=gpu_order)
         self.binary = binary
         self._cpu_mask = cpu_mask
 

@@ -25,21 +25,23 @@ def parse_fit_targets(text: str, flag: str = "--fit-target") -> tuple[int, ...]:
     return values
 
 
-def check_target_count(n_devices: int, targets_mib: Sequence[int], source: str = "--fit-target") -> None:
-    """One target for every device, or exactly one per device (common/arg.cpp -fitt); else an error naming both."""
+def check_target_count(devices: Sequence[str], targets_mib: Sequence[int], source: str = "--fit-target") -> None:
+    """One target for every device, or exactly one per device (common/arg.cpp -fitt); else an error naming both
+    counts and the devices, in the order the values apply to them."""
     if not targets_mib:
         raise FitterError(f"{source}: no value; give MiB to leave free (one for every GPU, or one per GPU)")
+    n_devices = len(devices)
     if len(targets_mib) not in (1, n_devices):
         plural = "s" if n_devices != 1 else ""
         raise FitterError(f"{source} {','.join(map(str, targets_mib))}: {len(targets_mib)} values for {n_devices} "
-                          f"GPU{plural}; give one value for every GPU or exactly one per GPU")
+                          f"GPU{plural} ({', '.join(devices)}); give one value for every GPU or exactly one per GPU")
 
 
 def device_budgets(devices: Sequence[Device], targets_mib: Sequence[int],
                    source: str = "--fit-target") -> dict[str, int | None]:
     """Each device's budget in bytes: its free memory (else its total) less its overhead and its fit target; None
     where neither is known (an RPC server fitter cannot ask). `source` names where the targets come from."""
-    check_target_count(len(devices), targets_mib, source)
+    check_target_count([d.name for d in devices], targets_mib, source)
     out: dict[str, int | None] = {}
     for i, d in enumerate(devices):
         free = d.free_bytes if d.free_bytes is not None else d.total_bytes

@@ -60,6 +60,7 @@ class MemoryPlan:
     placements: tuple[Placement, ...]
     layer_devices: tuple[str, ...]  # per layer, plus the output layer last
     warnings: tuple[str, ...]
+    pipelined: bool = False  # the scheduler pipelines ubatches across the devices (n_copies > 1)
 
     def totals(self) -> dict[str, DeviceTotals]:
         sums: dict[str, dict[str, int]] = {CPU: dict.fromkeys(KINDS, 0)}
@@ -495,6 +496,7 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
         placements=placements,
         layer_devices=tuple(d.name if d else CPU for d in layer_dev),
         warnings=tuple(warnings),
+        pipelined=backends.n_copies > 1,
     )
 
 

@@ -12,7 +12,12 @@ issues #15263, #15136). Here each device is filled on its own:
    passes, since compute buffers depend a little on the whole graph), the rest go to the CPU (`-ot …=CPU`, the
    highest-numbered layers of each device's range, as llama.cpp's `--fit` orders them);
 3. the split is improved by moving one layer between two devices while that puts more bytes on the devices;
-4. on each device the next layer's expert tensors that still fit come back (up, gate, down: a partial layer).
+4. on each device the next layer's expert tensors that still fit come back (up, gate, down: a partial layer);
+5. the split is improved again a layer at a time, each split now judged with its partial layers: a layer's dense
+   part moved to another device can free just the room one more expert tensor needs;
+6. a device's partial layer may leave the rest of its experts on another device instead of the CPU (llama.cpp's
+   `--fit` overflow to the next device, its patterns), which fills a device with room but no layer of its own to
+   fill it with (e.g. one holding only the output layer).
 
 So after the fit each GPU's free memory is at most its target plus about one layer's experts, unless it holds
 every expert of its layers. Every candidate is judged by the estimator alone.
@@ -35,14 +40,21 @@ _FILL_PASSES = 3
 _MOVES = 64  # split improvements tried at most, per -ngl
 
 
+# llama.cpp's --fit overflow of a device's partial layer to the next device (common/fit.cpp get_overflow_pattern):
+# the expert kinds that stay on the device → the pattern of the layer's tensors that go (router included with gate).
+_OVERFLOW = {(): "ffn_(gate|up|gate_up|down).*", ("up",): "ffn_(gate|gate_up|down).*", ("up", "gate"): "ffn_down.*"}
+
+
 @dataclass(frozen=True)
 class Layout:
     """One placement on N devices: layers per device (-ts), how many of each device's expert layers keep their
-    experts there (the first ones of its range), and on each device the expert kinds of the next layer that stay."""
+    experts there (the first ones of its range), on each device the expert kinds of the next layer that stay, and
+    where the rest of that layer's experts go: the CPU, or another device (`spill`, llama.cpp's overflow)."""
 
     counts: tuple[float, ...]  # -ts: layer counts (the user's own values when given)
     keep: tuple[int, ...]
     partial: tuple[tuple[str, ...], ...]
+    spill: tuple[int, ...] = ()  # per device: the device index the rest of its partial layer goes to, -1 the CPU
 
 
 def split_by_budget(n: int, budgets: list[int]) -> tuple[int, ...]:
@@ -73,6 +85,7 @@ class DeviceSearch:
         self._judged: dict[tuple[int, Layout], Found | None] = {}
         self._compute: dict[tuple[int, tuple[float, ...]], dict[str, int]] = {}  # last full estimate's compute
         self._ranges: dict[tuple[int, tuple[float, ...]], list[list[int]]] = {}  # every judgment writes rules
+        self._partial_splits: dict[tuple[int, tuple[float, ...]], tuple[Layout, Found] | None] = {}
 
     # -- a layout as llama.cpp flags -------------------------------------------------------------------------
 
@@ -96,9 +109,14 @@ class DeviceSearch:
 
     def config(self, ngl: int, layout: Layout) -> LaunchConfig:
         rules: list[TensorOverride] = []
-        for layers, keep, kinds in zip(self.ranges(ngl, layout.counts), layout.keep, layout.partial, strict=True):
+        spill = layout.spill or (-1,) * len(layout.counts)
+        for layers, keep, kinds, to in zip(self.ranges(ngl, layout.counts), layout.keep, layout.partial, spill,
+                                           strict=True):
             to_cpu = layers[keep:]
-            if kinds and to_cpu:  # the first layer sent to the CPU keeps these expert tensors on its device
+            if to >= 0 and to_cpu:  # these kinds stay, the rest of the layer's experts go to device `to`
+                rules.append(TensorOverride(rf"blk\.{to_cpu[0]}\.{_OVERFLOW[kinds]}", self.devices[to].name))
+                to_cpu = to_cpu[1:]
+            elif kinds and to_cpu:  # the first layer sent to the CPU keeps these expert tensors on its device
                 gone = [k for k in EXPERT_KINDS if k not in kinds]
                 rules.append(TensorOverride(rf"blk\.{to_cpu[0]}\.ffn_({'|'.join(gone)})_(ch|)exps", "CPU"))
                 to_cpu = to_cpu[1:]
@@ -143,6 +161,27 @@ class DeviceSearch:
     def place(self, ngl: int, counts: tuple[float, ...] | None = None) -> Found | None:
         """The best layout with this -ngl (`counts`: the user's -ts, kept), or None when even the dense parts do
         not fit."""
+        best = self.whole_layers(ngl, counts)
+        if best is None:
+            return None
+        best = self._partials(ngl, best)
+        if counts is None:  # step 5: the split improved again, each split judged with its partial layers
+            best = self._improve_split(ngl, best, self._with_partials)
+        return self._spills(ngl, best)[1]
+
+    def _with_partials(self, ngl: int, counts: tuple[float, ...]) -> tuple[Layout, Found] | None:
+        """A split's experts per device (_fill), then its partial layers (_partials). A layer moved to another
+        device takes its dense part with it, which can free just the room one more expert tensor needs (gpt-oss-20b
+        on 6144+6144 MiB, -fitt 1024, llama-fit-params' outputs: -ts 12,13 and a partial layer on device 0 hold one
+        expert tensor more than -ts 13,12, where neither device has room for one)."""
+        key = (ngl, counts)
+        if key not in self._partial_splits:
+            found = self._fill(ngl, counts)
+            self._partial_splits[key] = None if found is None else self._partials(ngl, found)
+        return self._partial_splits[key]
+
+    def whole_layers(self, ngl: int, counts: tuple[float, ...] | None = None) -> tuple[Layout, Found] | None:
+        """The best layout of whole layers (no partial layer): steps 1-3. `counts`: a split kept as it is."""
         n_on = self.spec.n_layer + 1 if ngl < 0 else min(ngl, self.spec.n_layer + 1)
         fixed_split = counts is not None
         if counts is None:
@@ -152,9 +191,7 @@ class DeviceSearch:
         best = self._fill(ngl, counts)
         if best is None:
             return None
-        if not fixed_split:
-            best = self._improve_split(ngl, best)
-        return self._partials(ngl, best)
+        return best if fixed_split else self._improve_split(ngl, best)
 
     def _empty(self, counts: tuple[float, ...]) -> Layout:
         return Layout(counts, (0,) * len(counts), ((),) * len(counts))
@@ -222,8 +259,12 @@ class DeviceSearch:
                 layout, found = more, more_found
         return layout, found
 
-    def _improve_split(self, ngl: int, best: tuple[Layout, Found]) -> tuple[Layout, Found]:
-        """Move one layer from device i to device j while that puts more on the devices."""
+    def _improve_split(self, ngl: int, best: tuple[Layout, Found],
+                       fill: Callable[[int, tuple[float, ...]], tuple[Layout, Found] | None] | None = None,
+                       ) -> tuple[Layout, Found]:
+        """Move one layer from device i to device j while that puts more on the devices; each split judged by `fill`
+        (default: whole layers, _fill)."""
+        fill = fill or self._fill
         n = len(best[0].counts)
         for _ in range(_MOVES):
             improved = False
@@ -233,14 +274,14 @@ class DeviceSearch:
                     if i == j or counts[i] < 1:
                         continue
                     moved = tuple(c - (k == i) + (k == j) for k, c in enumerate(counts))
-                    found = self._fill(ngl, moved)
+                    found = fill(ngl, moved)
                     if found is not None and better(found[1][1], best[1][1]):
                         best, improved = found, True
             if not improved:
                 break
         return best
 
-    def _partials(self, ngl: int, best: tuple[Layout, Found]) -> Found:
+    def _partials(self, ngl: int, best: tuple[Layout, Found]) -> tuple[Layout, Found]:
         """On each device the next layer's expert tensors that still fit come back: of the kinds whose model and KV
         buffers fit, the fullest is estimated first, until one fits in full."""
         ranges = self.ranges(ngl, best[0].counts)
@@ -260,7 +301,38 @@ class DeviceSearch:
                     if better(found[1], best[1][1]):
                         best = (layout, found)
                     break
-        return best[1]
+        return best
+
+    def _spills(self, ngl: int, best: tuple[Layout, Found]) -> tuple[Layout, Found]:
+        """Step 6, llama.cpp's overflow: a device's partial layer split with another device instead of the CPU
+        (llama.cpp's --fit writes it for the next device, e.g. -ts 8,1 with `blk.0.ffn_(gate|gate_up|down).*` on
+        the second GPU, which holds only the output layer). For each device and each other device (the next one
+        first): the up kind staying and the rest going, then up and gate staying, else every expert kind going
+        (llama.cpp's order); a layout that fits and puts more on the devices is kept."""
+        n = len(best[0].counts)
+        ranges = self.ranges(ngl, best[0].counts)
+        for d in range(n):
+            if best[0].keep[d] >= len(ranges[d]):
+                continue
+            for e in sorted((e for e in range(n) if e != d), key=lambda e: (e != d + 1, e)):
+                found = self._spilled(ngl, best[0], d, e, ("up",))
+                if found is not None:
+                    found = self._spilled(ngl, best[0], d, e, ("up", "gate")) or found
+                else:
+                    found = self._spilled(ngl, best[0], d, e, ())
+                if found is not None and better(found[1][1], best[1][1]):
+                    best = found
+                    break
+        return best
+
+    def _spilled(self, ngl: int, layout: Layout, d: int, e: int, kinds: tuple[str, ...]) -> tuple[Layout, Found] | None:
+        """`layout` with device d's partial layer keeping `kinds` and the rest of its experts on device e, when it
+        fits."""
+        spill = tuple(e if i == d else s for i, s in enumerate(layout.spill or (-1,) * len(layout.counts)))
+        partial = tuple(kinds if i == d else p for i, p in enumerate(layout.partial))
+        variant = replace(layout, spill=spill, partial=partial)
+        found = self.judged(ngl, variant)
+        return None if found is None else (variant, found)
 
 
 def _estimate(search: DeviceSearch, ngl: int, layout: Layout) -> MemoryPlan:

@@ -99,12 +99,18 @@ def _rates(m: Machine, dev: str, threads: int) -> tuple[float, float]:
     if dev == CPU:
         compute, bandwidth = thread_capacity(m.cpu, threads)
         return compute * m.cpu.core_gflops * 1e9, min(bandwidth * m.cpu.core_gbps, m.ram.gbps) * 1e9
-    assert m.gpu is not None
-    return m.gpu.tflops * 1e12, m.gpu.bandwidth_gbps * 1e9
+    g = m.gpu_of(dev)
+    return g.tflops * 1e12, g.bandwidth_gbps * 1e9
 
 
 def ubatch_seconds(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, threads: int) -> float:
     """One llama_decode of n_tokens whose queries attend n_kv cells on average (the module's equation)."""
+    return sum(ubatch_stages(m, plan, n_tokens, n_kv, threads).values())
+
+
+def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, threads: int) -> dict[str, float]:
+    """One ubatch's seconds on each device (the module's equation, its terms charged to the device that spends
+    them: a hand-off to the device it hands off to, op offload's copies to the GPU that runs them)."""
     spec, config = plan.model, plan.config
     gpus = [d.name for d in plan.devices]
     offload = bool(gpus) and not config.no_op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH
@@ -125,28 +131,39 @@ def ubatch_seconds(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thr
             rows, size = n_tokens * k_share, t.n_bytes * used
         dev = p.buft if p.buft in gpus else CPU
         if dev == CPU and offload:
+            # ggml-backend.cpp ggml_backend_sched_backend_id_from_cur: the first backend that wants the op
             dev, pcie = gpus[0], pcie + size
         layer = spec.n_layer if t.layer is None else t.layer
         work.append(((layer, _STEP.get(t.role, 0)), dev, 2.0 * n_el * rows, size))
     for il in range(spec.n_layer):
         work.append(((il, 1), *_attention(m, plan, il, n_tokens, n_kv)))
     work.sort(key=lambda w: w[0])
-    seconds = pcie / m.gpu.pcie_gbps / 1e9 if m.gpu and pcie else 0.0
+    stages = dict.fromkeys([CPU, *gpus], 0.0)
+    if pcie:
+        stages[gpus[0]] += pcie / m.gpu_of(gpus[0]).pcie_gbps / 1e9
     rates = {dev: _rates(m, dev, threads) for dev in {CPU, *gpus}}
     for _, dev, flops, size in work:
         f, b = rates[dev]
-        seconds += max(flops / f, size / b)
+        stages[dev] += max(flops / f, size / b)
     path = [CPU] + [w[1] for w in work]  # the token embedding is looked up on the CPU
-    hand_offs = sum(a != b for a, b in itertools.pairwise(path))
-    cpu_ops = sum(w[1] == CPU for w in work)
-    if m.gpu is not None:
-        seconds += (hand_offs * m.gpu.split_sync_us + (len(work) - cpu_ops) * m.gpu.launch_us) * 1e-6
+    activation = n_tokens * spec.n_embd * 4.0  # the f32 hidden state a split hands to the next device
+    for src, dst in itertools.pairwise(path):
+        if src == dst:
+            continue
+        gpu = dst if dst != CPU else src
+        stages[gpu] += m.gpu_of(gpu).split_sync_us * 1e-6
+        if src != CPU and dst != CPU:
+            # ggml-cuda.cu ggml_backend_cuda_cpy_tensor_async: cudaMemcpyPeerAsync, over the peer link or the host
+            stages[dst] += activation / (m.peer_gbps(src, dst) * 1e9)
+    for dev in gpus:
+        stages[dev] += sum(w[1] == dev for w in work) * m.gpu_of(dev).launch_us * 1e-6
     sync = m.cpu.sync_us * threads
     if threads > _free_logical(m.cpu):
         # ggml_barrier spins (ggml_thread_cpu_relax) until every thread has arrived: with more threads than free
         # hardware threads one of them is descheduled at most barriers, and the op waits for the OS to run it again
         sync += m.cpu.barrier_wait_us
-    return seconds + cpu_ops * sync * 1e-6
+    stages[CPU] += sum(w[1] == CPU for w in work) * sync * 1e-6
+    return stages
 
 
 def _attention(m: Machine, plan: MemoryPlan, il: int, n_tokens: int, n_kv: float) -> tuple[str, float, float]:
@@ -168,7 +185,7 @@ def _attention(m: Machine, plan: MemoryPlan, il: int, n_tokens: int, n_kv: float
     # the fused kernel (ggml_compute_forward_flash_attn_ext on the CPU: one query row at a time, every KV cell
     # dequantised and dotted per row, no reuse across the ubatch's queries) may run below the rate of the unfused
     # path's batched mul_mats: llama.cpp #27086 measures ~2x the instructions of a whole pp512 on Neoverse-V2
-    fa = m.gpu.fa_efficiency if dev != CPU and m.gpu is not None else m.cpu.fa_efficiency
+    fa = m.gpu_of(dev).fa_efficiency if dev != CPU else m.cpu.fa_efficiency
     return dev, flops / fa, size / fa
 
 
@@ -178,14 +195,21 @@ def decode_seconds(m: Machine, plan: MemoryPlan, bench: BenchSpec) -> float:
 
 
 def prefill_seconds(m: Machine, plan: MemoryPlan, n_prompt: int, depth: int, threads: int) -> float:
-    """n_prompt tokens after depth tokens, in batches of -b split into ubatches of -ub (llama_decode)."""
+    """n_prompt tokens after depth tokens, in batches of -b split into ubatches of -ub (llama_decode). With pipeline
+    parallelism (plan.pipelined) a batch's ubatches flow through the devices as a pipeline: the first ubatch takes
+    every device's stage in turn, each further one adds the slowest stage (ggml-backend.cpp: the scheduler's
+    n_copies input copies let device i run ubatch u while device i+1 runs ubatch u-1)."""
     ctx = plan.context
     seconds, done = 0.0, 0
     while done < n_prompt:
         batch = min(n_prompt - done, ctx.n_batch)
-        for start in range(0, batch, ctx.n_ubatch):
-            n = min(ctx.n_ubatch, batch - start)
-            seconds += ubatch_seconds(m, plan, n, depth + done + start + n / 2, threads)
+        stages = [ubatch_stages(m, plan, min(ctx.n_ubatch, batch - start),
+                                depth + done + start + min(ctx.n_ubatch, batch - start) / 2, threads)
+                  for start in range(0, batch, ctx.n_ubatch)]
+        if plan.pipelined and len(stages) > 1:
+            seconds += sum(stages[0].values()) + sum(max(s.values()) for s in stages[1:])
+        else:
+            seconds += sum(sum(s.values()) for s in stages)
         done += batch
     return seconds
 
@@ -203,7 +227,7 @@ def out_of_memory(m: Machine, plan: MemoryPlan) -> tuple[OomInfo, str, int, list
     RAM cannot hold: (what failed, its device, that device's capacity, the buffers allocated before); None: fits."""
     caps = {CPU: round(m.ram.gib * GIB)}
     for d in plan.devices:
-        caps[d.name] = (d.free_bytes or 0) - _context_bytes(m)
+        caps[d.name] = (d.free_bytes or 0) - context_bytes(m, d.name)
     used = dict.fromkeys(caps, 0)
     done: list[Buffer] = []
     for kind in KINDS:
@@ -217,5 +241,6 @@ def out_of_memory(m: Machine, plan: MemoryPlan) -> tuple[OomInfo, str, int, list
     return None
 
 
-def _context_bytes(m: Machine) -> int:
-    return round(m.gpu.context_mib * MIB) if m.gpu else 0
+def context_bytes(m: Machine, device: str = "CUDA0") -> int:
+    """The CUDA context of a GPU: its memory beyond llama.cpp's buffers."""
+    return round(m.gpu_of(device).context_mib * MIB) if m.gpus else 0

@@ -1,6 +1,8 @@
-"""Simulated machines' profiles: physical parameters only (GPU memory, bandwidth, TFLOPS, PCIe, CUDA context; P/E
-cores, SMT, per-core rates; RAM channels and speed; noise and seed), read strictly from `fitter/sim/machines/*.toml`
-or any TOML file of the same keys. Nothing in a profile refers to a flag or a configuration.
+"""Simulated machines' profiles: physical parameters only (GPU memory, bandwidth, TFLOPS, PCIe, peer links, CUDA
+context; P/E cores, SMT, per-core rates; RAM channels and speed; noise and seed), read strictly from
+`fitter/sim/machines/*.toml` or any TOML file of the same keys. Nothing in a profile refers to a flag or a
+configuration. GPUs: one `[gpu]` table (with `count` identical ones), or `[[gpu]]` tables, one per kind of GPU in the
+machine in CUDA's order (CUDA0 first), each with its own memory, speed and links.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class Gpu:
     split_sync_us: float = _num(0, "per CPU↔GPU hand-off: stream sync, activation copy, waking the CPU threads", 80.0)
     fa_efficiency: float = _num(0, "the flash-attention kernel's rate relative to the unfused attention path's "
                                 "(< 1: FA is slower on this GPU)", 1.0, lo_open=True)
+    name: str = field(default="", metadata={"doc": "what the GPU stands for (e.g. RTX 3060)"})
+    peer_gbps: float = _num(0, "achieved copy bandwidth to another GPU, GB/s (0: no peer access, copies go through "
+                            "host memory at the slower of the two PCIe links)", 0.0)
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class Machine:
     name: str
     cpu: Cpu
     ram: Ram
-    gpu: Gpu | None = None  # None: CPU only
+    gpus: tuple[Gpu, ...] = ()  # in CUDA's order, one entry per GPU (a table's `count` expanded); none: CPU only
     description: str = field(default="", metadata={"doc": "what the machine stands for"})
     models: tuple[str, ...] = field(default=(), metadata={"doc": "fitter.gguf.demo_models SHAPES it is meant for"})
     disk_gbps: float = _num(0, "model file read rate, GB/s (load time only)", 3.0, lo_open=True)
@@ -87,6 +92,22 @@ class Machine:
     pace: float = _num(0, "real seconds each simulated second of a run takes (0: at once; 1: as long as on the "
                        "machine), to watch a tune run or to interrupt one", 0.0)
     path: str = ""
+
+    @property
+    def gpu(self) -> Gpu | None:
+        """The first GPU (CUDA0): the one op offload runs the CPU's weights on; None on a CPU-only machine."""
+        return self.gpus[0] if self.gpus else None
+
+    def gpu_of(self, device: str) -> Gpu:
+        """The GPU a llama.cpp device name (CUDA<i>) stands for."""
+        return self.gpus[int(device.removeprefix("CUDA"))]
+
+    def peer_gbps(self, a: str, b: str) -> float:
+        """GB/s of an activation copy from device a to device b: their peer link, else through host memory."""
+        ga, gb = self.gpu_of(a), self.gpu_of(b)
+        if ga.peer_gbps and gb.peer_gbps:
+            return min(ga.peer_gbps, gb.peer_gbps)
+        return min(ga.pcie_gbps, gb.pcie_gbps)
 
     @property
     def cpu_threads(self) -> int:
@@ -117,15 +138,30 @@ def load_machine(name_or_path: str | Path) -> Machine:
     for key, cls in _TABLES.items():
         if key not in data and key != "gpu":
             raise FitterError(f"{path}: missing table [{key}] (only [gpu] may be left out: a CPU-only machine)")
+        if key == "gpu" and isinstance(data.get(key), list):
+            continue  # [[gpu]]: read below
         if key in data:
             if not isinstance(data[key], dict):
-                raise FitterError(f"{path}: {key} = {data[key]!r}: must be a table [{key}]")
+                raise FitterError(f"{path}: {key} = {data[key]!r}: must be a table [{key}] or tables [[{key}]]")
             tables[key] = cls(**_values(path, key, cls, data[key]))
     cpu = tables["cpu"]
     if cpu.busy_cores >= cpu.p_cores + cpu.e_cores:
         raise FitterError(f"{path}: cpu.busy_cores = {cpu.busy_cores}: must be below the {cpu.p_cores + cpu.e_cores} "
                           "cores (P + E), or llama.cpp's threads get none")
-    return Machine(name=path.stem, path=str(path), **top, **tables)
+    kinds = _gpu_tables(path, data.get("gpu"), tables.pop("gpu", None))
+    gpus = tuple(g for g in kinds for _ in range(g.count))
+    return Machine(name=path.stem, path=str(path), gpus=gpus, **top, **tables)
+
+
+def _gpu_tables(path: Path, raw: Any, table: Gpu | None) -> tuple[Gpu, ...]:
+    """The machine's kinds of GPU: one [gpu] table, or [[gpu]] tables in CUDA's order."""
+    if table is not None:
+        return (table,)
+    if raw is None:
+        return ()
+    if not raw or not all(isinstance(t, dict) for t in raw):
+        raise FitterError(f"{path}: gpu = {raw!r}: must be a table [gpu] or tables [[gpu]]")
+    return tuple(Gpu(**_values(path, f"gpu #{i + 1}", Gpu, t)) for i, t in enumerate(raw))
 
 
 def _values(path: Path, section: str, cls: Any, data: dict[str, Any]) -> dict[str, Any]:
@@ -165,14 +201,24 @@ def _rule(f: dataclasses.Field[Any], value: Any) -> str | None:
     return None if in_range else rule
 
 
+def _runs(gpus: tuple[Gpu, ...]) -> list[tuple[Gpu, int]]:
+    """Consecutive identical GPUs as (GPU, how many)."""
+    out: list[tuple[Gpu, int]] = []
+    for g in gpus:
+        if out and out[-1][0] == g:
+            out[-1] = (g, out[-1][1] + 1)
+        else:
+            out.append((g, 1))
+    return out
+
+
 def machines_table() -> str:
     """The shipped profiles, one line each (`fitter machines`)."""
     rows = [("machine", "GPU", "CPU", "RAM", "for")]
     for name in shipped_machines():
         m = load_machine(name)
-        g = m.gpu
-        gpu = "none" if g is None else (f"{g.count}× {g.memory_gib:g} GiB {g.bandwidth_gbps:g} GB/s "
-                                        f"{g.tflops:g} TFLOPS, PCIe {g.pcie_gbps:g} GB/s")
+        gpu = " + ".join(f"{n}× {g.memory_gib:g} GiB {g.bandwidth_gbps:g} GB/s {g.tflops:g} TFLOPS, PCIe "
+                         f"{g.pcie_gbps:g} GB/s" for g, n in _runs(m.gpus)) or "none"
         c = m.cpu
         cpu = f"{c.p_cores}P" + (f"+{c.e_cores}E" if c.e_cores else "") + f" cores, {m.cpu_threads} threads"
         ram = f"{m.ram.gib:g} GiB {m.ram.channels}×{m.ram.mts:g} MT/s ({m.ram.gbps:.0f} GB/s)"

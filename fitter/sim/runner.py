@@ -19,7 +19,7 @@ from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, OomInfo, SpeedStats, TrialResult, WorkerError
 from fitter.memory.devices import CUDA, CpuProfile, Device
 from fitter.memory.estimator import CPU, Buffer, MemoryPlan, estimate
-from fitter.sim.physics import _context_bytes, decode_seconds, out_of_memory, prefill_seconds
+from fitter.sim.physics import context_bytes, decode_seconds, out_of_memory, prefill_seconds
 from fitter.sim.profile import CPU_PROFILES, Machine
 from fitter.units import GIB, MIB
 
@@ -51,11 +51,9 @@ class SimRunner:
         self._runs: dict[str, int] = {}  # runs of each config so far: its next run's between-run factor
 
     def devices(self) -> tuple[Device, ...]:
-        g = self.machine.gpu
-        if g is None:
-            return ()
-        total = round(g.memory_gib * GIB)
-        return tuple(Device(f"CUDA{i}", CUDA, total, total - round(g.reserved_gib * GIB)) for i in range(g.count))
+        return tuple(Device(f"CUDA{i}", CUDA, round(g.memory_gib * GIB),
+                            round(g.memory_gib * GIB) - round(g.reserved_gib * GIB))
+                     for i, g in enumerate(self.machine.gpus))
 
     def cpu_profile(self) -> CpuProfile:
         return CPU_PROFILES[self.machine.cpu.isa]
@@ -85,9 +83,10 @@ class SimRunner:
         key = (model, *(getattr(config, k) for k in MODEL_LEVEL))
         reused = key == self._loaded
         self.model_loads += 0 if reused else 1
-        on_gpu = sum(b.bytes for b in plan.buffers if b.kind == "model" and b.device != CPU)
-        load_s = 0.0 if reused else sum(self.spec.shard_sizes) / (m.disk_gbps * 1e9) + (
-            on_gpu / (m.gpu.pcie_gbps * 1e9) if m.gpu else 0.0)
+        # llama.cpp uploads each device's weights in turn (llama_model_loader::load_all_data)
+        upload_s = sum(b.bytes / (m.gpu_of(b.device).pcie_gbps * 1e9) for b in plan.buffers
+                       if b.kind == "model" and b.device != CPU)
+        load_s = 0.0 if reused else sum(self.spec.shard_sizes) / (m.disk_gbps * 1e9) + upload_s
         base = Measurement("ok", "", spec=spec, flags=config.flags, load_s=round(load_s, 3), wall_s=round(load_s, 3),
                            reused_model=reused, llama_cpp=self.build())
         failed = out_of_memory(m, plan)
@@ -105,7 +104,7 @@ class SimRunner:
             self._loaded = None
             why = f"killed after {timeout:g} s (the limit): the simulated trial takes {result.wall_s:.1f} s"
             result = replace(result, outcome="timeout", reason=why, pp=None, tg=None)
-        peak = {d.name: {"bytes": plan.totals()[d.name].total + _context_bytes(m), "source": "sim"}
+        peak = {d.name: {"bytes": plan.totals()[d.name].total + context_bytes(m, d.name), "source": "sim"}
                 for d in plan.devices}
         self._take(min(result.wall_s, timeout) if timeout is not None else result.wall_s)
         return TrialResult(result, peak)
@@ -117,7 +116,7 @@ class SimRunner:
 
     def _oom(self, base: Measurement, oom: OomInfo, device: str, cap: int, allocated: list[Buffer]) -> Measurement:
         held = sum(b.bytes for b in allocated if b.device == device)
-        context = _context_bytes(self.machine)
+        context = context_bytes(self.machine, device) if device != CPU else 0
         where = "of RAM" if device == CPU else f"free on {device} less {context / MIB:.0f} MiB of CUDA context"
         reason = (f"out of memory allocating the {oom.stage} buffer: {oom.buft} refused {oom.requested_bytes} "
                   f"bytes ({(oom.requested_bytes or 0) / MIB:.2f} MiB) with {held / MIB:.2f} MiB held, of the "

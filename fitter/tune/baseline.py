@@ -13,8 +13,9 @@ from optuna.trial import FrozenTrial
 
 from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, parse_flags
-from fitter.flags.parse import flag_value, has_flag, parse_launch_flags, with_endpoint, without
+from fitter.flags.parse import flag_value, has_flag, parse_launch_flags, with_endpoint, with_endpoints, without
 from fitter.measure.llama_fit import LlamaFit, LlamaFitError, baseline_flags, run_llama_fit
+from fitter.memory.devices import Device
 from fitter.memory.estimator import estimate
 from fitter.tune.fleet import measured
 from fitter.tune.request import Candidate, TuneRequest
@@ -47,9 +48,12 @@ def on_these_devices(req: TuneRequest, flags: list[str]) -> list[str]:
     """Recorded baseline flags name the RPC endpoint of the run that measured them; when this run's devices are its
     own (fitter's emulated GPU on a fresh port, not a `--rpc` the user gave), they move to this run's endpoint."""
     old = flag_value(flags, "rpc")
-    if old and req.rpc and not has_flag(req.fixed_flags, "rpc"):
+    if not (old and req.rpc and not has_flag(req.fixed_flags, "rpc")):
+        return list(flags)
+    olds = old.split(",")
+    if len(olds) != len(req.rpc):
         return with_endpoint(flags, old, ",".join(req.rpc))
-    return list(flags)
+    return with_endpoints(flags, olds, req.rpc)  # each emulated GPU's: `-ot …=RPC0[endpoint]` names one
 
 
 def _candidate(req: TuneRequest, flags: list[str], where: str) -> Candidate:
@@ -177,23 +181,37 @@ def _llama_fit(tool: Path, req: TuneRequest, flags: list[str], targets: tuple[in
     """llama.cpp's fit on the devices the trials use (`fit_devices()`: a context manager yielding the RPC endpoints
     the fit must see)."""
     with fit_devices() as rpc:
-        return run_llama_fit(tool, req.model, flags, rpc, targets, threads=req.default_threads)
+        fitted = run_llama_fit(tool, req.model, flags, rpc, targets, threads=req.default_threads)
+    if not req.rpc and rpc:  # emulated GPUs stood in for the request's devices (a simulated machine's)
+        fitted = replace(fitted, flags=tuple(named_as_devices(list(fitted.flags), tuple(rpc), req.devices)))
+    return fitted
 
 
-def sim_fit_devices(req: TuneRequest, tool: Path | None = None) -> Any:
-    """A simulated GPU stood in for by an emulated one with the same free memory: the fit only queries memory and
-    projects (no_alloc), so a header-only model is enough. Served by the ggml beside `tool` (llama-fit-params) when
-    its build is a shared one with RPC (fitter's own tools are), else by llama-cpp-python's."""
+def sim_fit_devices(req: TuneRequest, tool: Path | None = None, machine: Any = None) -> Any:
+    """Each simulated GPU stood in for by an emulated one with the free memory llama.cpp's fit would read there (its
+    free memory less the CUDA context: cudaMemGetInfo runs in a context already made): the fit only queries memory
+    and projects (no_alloc), so a header-only model is enough. Served by the ggml beside `tool` (llama-fit-params)
+    when its build is a shared one with RPC (fitter's own tools are), else by llama-cpp-python's. The stand-ins
+    project the RPC backend's compute buffers, not CUDA's."""
     import contextlib
 
-    from fitter.measure.emulated_gpu import EmulatedGpu
+    from fitter.measure.emulated_gpu import EmulatedGpus
+    from fitter.sim.physics import context_bytes
 
     @contextlib.contextmanager
     def devices() -> Any:
-        if len(req.devices) != 1:
-            raise LlamaFitError(f"the simulated machine has {len(req.devices)} GPUs; the baseline fit emulates one")
-        free = req.devices[0].free_bytes or req.devices[0].total_bytes or 0
-        with EmulatedGpu(cap_mib=free // MIB, beside=tool) as gpu:
-            yield (gpu.endpoint,)
+        caps = tuple(((d.free_bytes or d.total_bytes or 0) - (context_bytes(machine, d.name) if machine else 0))
+                     // MIB for d in req.devices)
+        with EmulatedGpus(caps, beside=tool) as gpus:
+            yield gpus.endpoints
 
     return devices
+
+
+def named_as_devices(flags: list[str], endpoints: tuple[str, ...], devices: tuple[Device, ...]) -> list[str]:
+    """A fit answer on stand-in emulated GPUs, its `-ot …=RPC0[endpoint]` rules naming the devices they stood in for
+    (a simulated machine's CUDA0, CUDA1, …): ggml-rpc names each server's device RPC0[host:port]."""
+    out = list(flags)
+    for endpoint, device in zip(endpoints, devices, strict=True):
+        out = with_endpoint(out, f"RPC0[{endpoint}]", device.name)
+    return out

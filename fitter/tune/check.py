@@ -35,8 +35,9 @@ from typing import Any
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import ProcessFlags, parse_launch_flags, split_process_flags
 from fitter.flags.consumers import retarget
-from fitter.flags.parse import flag_value, process_flags_of, with_endpoint
+from fitter.flags.parse import flag_value, process_flags_of, with_endpoints
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
+from fitter.machine.gpu_order import gpu_map_text
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.noise import between_run_sd
 from fitter.measure.runner import RunnerFactory, ServerRunner, WorkerRunner
@@ -188,6 +189,28 @@ def fit_lines(totals: dict[str, int], devices: tuple[Device, ...], targets_mib: 
     return lines, failures, details
 
 
+def gpu_change(recorded: dict[str, Any], now: list[dict[str, Any]]) -> str | None:
+    """How this machine's GPUs (`now`: `machine.gpu_map`, CUDA0 first) differ from those a result was tuned on, or
+    None when they are the same: each CUDA device's PCI bus id and name, and its total memory within 1 % (a driver
+    may move it a little; another card of the same name moves it far more). A result written before `gpu_map`, or
+    tuned on a simulated or replayed machine, is not compared (pure)."""
+    old = recorded.get("gpu_map")
+    if not isinstance(old, list) or recorded.get("sim") or recorded.get("replay"):
+        return None
+
+    def same(a: Any, b: dict[str, Any]) -> bool:
+        if not isinstance(a, dict) or any(a.get(k) != b.get(k) for k in ("device", "pci_bus_id", "name")):
+            return False
+        x, y = a.get("memory_total"), b.get("memory_total")
+        return not (isinstance(x, int) and isinstance(y, int)) or abs(x - y) <= 0.01 * max(x, y)
+
+    if len(old) == len(now) and all(same(a, b) for a, b in zip(old, now, strict=True)):
+        return None
+    return (f"was tuned on {gpu_map_text([g for g in old if isinstance(g, dict)])}; this machine has "
+            f"{gpu_map_text(now)}: its placement and budgets are for those GPUs; tune again here, or run the check "
+            "with the CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER it was tuned with")
+
+
 def verdict_text(v: CheckVerdict) -> str:
     """The diff, then one line saying PASS or FAIL and why."""
     last = "check: PASS" if v.ok else "check: FAIL: " + "; ".join(v.failures)
@@ -240,14 +263,17 @@ def _repetitions(measurement: dict[str, Any], first: dict[str, Any]) -> int:
 def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: RunnerFactory, *,
               model: str | None = None, timeout: float | None = None, cpu: CpuProfile = CPU_AVX2,
               machine_devices: Callable[[], tuple[Device, ...]] = tuple,
-              consumer: str | None = None) -> CheckVerdict:
+              consumer: str | None = None,
+              machine_gpus: Callable[[], list[dict[str, Any]]] | None = None) -> CheckVerdict:
     """Re-measure the `policy` pick of a tuning result and compare it with its recorded confirm run.
 
     `runner_factory(emulated_gpu_mib=…, cpus=…)` returns a runner (WorkerRunner, a simulated machine's runner, a
     fake). The devices the fit is checked against are the runner's own (the emulated GPU), else the config's
     `--rpc` servers, else `machine_devices()` (this machine's GPUs, read once the runner has started).
     `model` replaces the recorded GGUF path (the same file elsewhere; its header identity must match). `consumer`
-    checks the pick as another program would run it (`--for`; default: the program it was tuned for)."""
+    checks the pick as another program would run it (`--for`; default: the program it was tuned for).
+    `machine_gpus()`: this machine's `machine.gpu_map` now; a result tuned on other GPUs is refused (`gpu_change`),
+    unless it was measured on the emulated GPU."""
     doc = load_result(result_dir)
     path = doc.source
     entry = doc.entry(policy, "check")
@@ -270,6 +296,10 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
 
     model_path, model_spec = _model(doc, model)
     emulated = bool(doc.emulated or old.get("emulated"))
+    if machine_gpus is not None and not emulated and isinstance(doc.machine.get("gpu_map"), list):
+        changed = gpu_change(doc.machine, machine_gpus())
+        if changed:
+            raise FitterError(f"{path} {changed}")
     cap = _emulated_cap(doc) if emulated else None
     targets = doc.fit_targets() or (DEFAULT_FIT_TARGET_MIB,)
 
@@ -289,7 +319,8 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
         if config.consumer != doc.consumer:
             header.append(f"for {config.consumer} (tuned for {doc.consumer}): its memory rules and what it fixes")
         if emulated:
-            header.append(f"on a fresh emulated GPU of {cap} MiB at {', '.join(runner.rpc) or '?'} (the recorded "
+            mib = "+".join(map(str, cap)) if isinstance(cap, tuple) else cap
+            header.append(f"on a fresh emulated GPU of {mib} MiB at {', '.join(runner.rpc) or '?'} (the recorded "
                           "one is gone)")
         fits: tuple[list[str], list[str], dict[str, Any]]
         plan: MemoryPlan | None
@@ -326,23 +357,25 @@ def _model(doc: ParetoDoc, override: str | None) -> tuple[str, ModelSpec]:
     return model, spec
 
 
-def _emulated_cap(doc: ParetoDoc) -> int:
+def _emulated_cap(doc: ParetoDoc) -> int | tuple[int, ...]:
+    """The recorded emulated GPU's cap, or each of several's (a list)."""
     cap = doc.machine.get("emulated_gpu_mib")
-    if not isinstance(cap, int) or cap < 1:
+    caps: list[Any] = cap if isinstance(cap, list) and cap else [cap]
+    if not all(type(c) is int and c >= 1 for c in caps):
         raise FitterError(f"{doc.source}: measured on the emulated GPU but machine.emulated_gpu_mib is {cap!r}: "
                           "cannot start one of the same cap")
-    return cap
+    return cap if isinstance(cap, int) else tuple(caps)
 
 
 def _to_fresh_gpu(launch: list[str], rpc: tuple[str, ...], where: str) -> list[str]:
-    """The emulated GPU's old endpoint replaced by the fresh one's, wherever the flags name it."""
+    """The emulated GPUs' old endpoints replaced by the fresh ones', in order, wherever the flags name them."""
     old = [x for x in (flag_value(launch, "rpc") or "").split(",") if x]
     if not old:
         return launch
-    if len(old) > 1 or len(rpc) != 1:
-        raise FitterError(f"{where}: --rpc {','.join(old)} on the emulated GPU: expected one endpoint to replace "
-                          f"with the fresh emulated GPU's, the runner has {len(rpc)}")
-    return with_endpoint(launch, old[0], rpc[0])
+    if len(old) != len(rpc):
+        raise FitterError(f"{where}: --rpc {','.join(old)} on the emulated GPUs: expected {len(old)} endpoints to "
+                          f"replace with the fresh emulated GPUs', the runner has {len(rpc)}")
+    return with_endpoints(launch, old, rpc)
 
 
 def _vram_lines(entry: Entry, new: dict[str, Any]) -> list[str]:
@@ -376,6 +409,9 @@ def runner_factory_for(result: Path, snapshot: MachineSnapshot, model: str | Non
             raise FitterError(f"{doc.source}: the simulated machine it was tuned on: {e}") from None
         _, spec = _model(doc, model)
         return lambda **_: SimRunner(machine, spec)
+    def order() -> tuple[int, ...] | None:  # read when a runner is made: a simulated machine needs none
+        return snapshot.nvml_indices() if snapshot.gpus else None
+
     binary = (doc.llama_cpp.get("llama_server") if doc is not None else None)
     if isinstance(binary, str):  # tuned through a user's llama.cpp build (`--llama-cpp DIR`): re-measured with it
         if not Path(binary).is_file():
@@ -383,5 +419,5 @@ def runner_factory_for(result: Path, snapshot: MachineSnapshot, model: str | Non
                               "or tune again")
         return lambda emulated_gpu_mib=None, cpus=None, **_: ServerRunner(
             binary, emulated_gpu_mib, ProcessFlags(cpu_mask=hex(sum(1 << c for c in cpus)) if cpus else None),
-            nvml=bool(snapshot.gpus))
-    return partial(WorkerRunner, nvml=bool(snapshot.gpus), build=snapshot.llama_cpp or None)
+            nvml=bool(snapshot.gpus), gpu_order=order())
+    return partial(WorkerRunner, nvml=bool(snapshot.gpus), build=snapshot.llama_cpp or None, gpu_order=order())

@@ -8,8 +8,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from fitter.errors import FitterError
+from fitter.flags import LaunchConfig
+from fitter.memory.estimator import MemoryPlan
+from fitter.memory.fit_devices import DeviceSearch
+from fitter.tune import split
 from fitter.tune.request import (
-    PLACEMENT_KEYS,
     THREAD_KEYS,
     Candidate,
     TuneRequest,
@@ -18,6 +22,7 @@ from fitter.tune.request import (
     _default_distance,
     candidate,
     combos,
+    is_placement_key,
 )
 from fitter.tune.screen import Screen, cpu_bytes_per_token, device_totals, screen
 from fitter.tune.space import is_valid_combination
@@ -30,11 +35,13 @@ class Screener:
     def __init__(self, req: TuneRequest) -> None:
         self.req = req
         self._cache: dict[object, Screen] = {}
+        self._spreads: dict[object, dict[str, Any] | None] = {}  # a multi-device search per context and split
         self.budgets = req.budgets
 
     def learn_margin(self, device: str, margin: int) -> None:
         self.budgets = self.budgets.with_margin(device, margin)
         self._cache.clear()
+        self._spreads.clear()
 
     def __call__(self, cand: Candidate) -> Screen:
         key: object = cand.config if cand.error is None else cand.key
@@ -51,14 +58,56 @@ class Screener:
 
     def placement(self, params: dict[str, Any]) -> dict[str, Any] | None:
         """`params` completed with the placement that reads the fewest bytes from RAM and still fits: the smallest
-        `-ncmoe` or the largest `-ngl` in the space (memory is monotone in both, so bisection). None: nothing fits."""
+        `-ncmoe` or the largest `-ngl` in the space (memory is monotone in both, so bisection); on several devices
+        fitter fit's split (fitter.tune.split). None: nothing fits."""
         dists = self.req.distributions
+        if split.MODE in dists:
+            return self.spread(params)
         for key, smallest_first in (("n-cpu-moe", True), ("n-gpu-layers", False)):
             if key in dists:
                 values = sorted(_choices(dists[key]), reverse=not smallest_first)
                 return self._first_fitting(params, key, values)
         cand = candidate(self.req, self._with_threads(params))
         return params if self(cand).feasible else None
+
+    def spread(self, params: dict[str, Any], counts: tuple[int, ...] | None = None) -> dict[str, Any] | None:
+        """On several devices: fitter fit's whole-layer layout (the split in proportion to the budgets and improved
+        a layer at a time; `counts`: this split, kept), each device keeping the experts of as many of its layers as
+        fit (fitter.memory.fit_devices)."""
+        context = {k: v for k, v in params.items() if not split.is_split_key(k)}
+        key = (tuple(sorted(context.items())), counts)
+        if key not in self._spreads:
+            self._spreads[key] = self._spread(context, counts)
+        return self._spreads[key]
+
+    def _spread(self, context: dict[str, Any], counts: tuple[int, ...] | None) -> dict[str, Any] | None:
+        req, budgets = self.req, self.budgets
+        base = candidate(req, self._with_threads(context))
+        if base.error is not None:
+            return None
+
+        def judge(config: LaunchConfig) -> MemoryPlan | None:
+            s = screen(req.spec, config, req.devices, req.cpu, budgets)
+            return s.plan if s.feasible else None
+
+        room = {name: b - budgets.margins.get(name, 0) for name, b in budgets.devices.items()}
+        search = DeviceSearch(req.spec, req.devices, room, judge, base.config, req.cpu)
+        found = search.whole_layers(base.config.n_gpu_layers, None if counts is None else
+                                    tuple(float(c) for c in counts))
+        if found is None:
+            return None
+        layout = found[0]
+        ranges = search.ranges(base.config.n_gpu_layers, layout.counts)
+        to_cpu = tuple(len(r) - k for r, k in zip(ranges, layout.keep, strict=True))
+        placed = {**context, **split.Split(tuple(int(c) for c in layout.counts), to_cpu).params()}
+        return placed if self(candidate(req, placed)).feasible else None
+
+    def one_device(self, params: dict[str, Any], main: int) -> dict[str, Any] | None:
+        """The whole model on device `main` (-sm none -mg main) with its fewest experts on the CPU, or None."""
+        context = {k: v for k, v in params.items() if not split.is_split_key(k)}
+        key = split.experts_key(main)
+        return self._first_fitting({**context, split.MODE: "none", split.MAIN: main, split.ORDER: "last"}, key,
+                                   list(range(self.req.spec.n_layer + 1)))
 
     def _first_fitting(self, params: dict[str, Any], key: str, values: list[int]) -> dict[str, Any] | None:
         def fits(i: int) -> bool:
@@ -120,6 +169,9 @@ def _lightest(req: TuneRequest, screener: Screener, placed: list[dict[str, Any]]
     best: tuple[int, dict[str, Any]] | None = None
     for params in placed:
         light = dict(params)
+        for i in range(len(req.devices)):
+            if split.experts_key(i) in light:
+                light[split.experts_key(i)] = req.spec.n_layer
         if "n-cpu-moe" in req.distributions:
             light["n-cpu-moe"] = max(_choices(req.distributions["n-cpu-moe"]))
         if "n-gpu-layers" in req.distributions:
@@ -135,14 +187,15 @@ def _lightest(req: TuneRequest, screener: Screener, placed: list[dict[str, Any]]
 def neighbours(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Configs one context-level or thread choice away from `params`, each at its own best placement, most
     promising first (fewest CPU bytes per token, then closest to llama-server's defaults)."""
-    found = []
+    found = [(cpu_bytes_per_token(plan), _default_distance(placed), placed)
+             for placed, plan in _split_moves(req, screener, params)]
     for key, dist in req.distributions.items():
-        if key in PLACEMENT_KEYS:
+        if is_placement_key(key):
             continue
         for value in _choices(dist):
             if value == params.get(key):
                 continue
-            base = {k: v for k, v in params.items() if k not in PLACEMENT_KEYS}
+            base = {k: v for k, v in params.items() if not is_placement_key(k)}
             base[key] = value
             if key == "batch-size" and "ubatch-size" in base and base["ubatch-size"] > value:
                 continue
@@ -151,7 +204,7 @@ def neighbours(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> 
             if key in THREAD_KEYS:
                 placed = {**params, key: value}
             else:
-                placed_or_none = screener.placement(base)
+                placed_or_none = _placed_alike(screener, base, params)
                 if placed_or_none is None:
                     continue
                 placed = {**placed_or_none, **{k: params[k] for k in THREAD_KEYS if k in params and k != key}}
@@ -162,3 +215,46 @@ def neighbours(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> 
         yield placed
 
 
+
+
+def _placed_alike(screener: Screener, context: dict[str, Any], params: dict[str, Any]) -> dict[str, Any] | None:
+    """`context` at its best placement of the same shape as `params`': on several devices the same split (or the
+    same one device), each device keeping the experts that fit; else the best placement."""
+    req = screener.req
+    if split.MODE not in req.distributions:
+        return screener.placement(context)
+    try:
+        current = split.read_split(params, len(req.devices), req.spec.n_layer)
+    except FitterError:
+        return screener.placement(context)
+    if current.main is not None:
+        return screener.one_device(context, current.main)
+    return screener.spread(context, current.counts)
+
+
+def _split_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> \
+        Iterator[tuple[dict[str, Any], MemoryPlan]]:
+    """On several devices, the placement's own neighbours, each feasible: a few layers moved from one device to the
+    next or the one before (each then keeping the experts that fit), the other expert order, the whole model on one
+    device. Which is faster is the GPUs' speeds' to say: these are measured, not judged by bytes alone."""
+    if split.MODE not in req.distributions:
+        return
+    n_devices, n_layer = len(req.devices), req.spec.n_layer
+    try:
+        current = split.read_split(params, n_devices, n_layer)
+    except FitterError:
+        return
+    moves: list[dict[str, Any] | None] = [{**params, split.ORDER: "first" if current.order == "last" else "last"}]
+    if current.main is None and current.counts is not None:
+        step = max(1, (n_layer + 1) // 8)
+        for i in range(n_devices):
+            for j in (i - 1, i + 1):  # to a device beside it in the split: N devices, 2(N-1) moves
+                if 0 <= j < n_devices and current.counts[i] >= step:
+                    counts = tuple(c - step * (k == i) + step * (k == j) for k, c in enumerate(current.counts))
+                    moves.append(screener.spread(params, counts))
+    moves += [screener.one_device(params, g) for g in range(n_devices) if g != current.main]
+    for move in moves:
+        if move is not None:
+            s = screener(candidate(req, move))
+            if s.feasible and s.plan is not None:
+                yield move, s.plan

@@ -83,7 +83,7 @@ def record_landscape(o: TuneOptions, snapshot: MachineSnapshot | None, rounds: i
     for note in target.notes:
         log(f"fitter: {note}")
     targets = fit_targets(o, target)
-    check_target_count(len(target.planned_devices), targets)
+    check_target_count([d.name for d in target.planned_devices], targets)
     if target.sim is None and (problem := llama_cpp_python_problem()) is not None:
         raise FitterError(f"fitter grid measures with llama.cpp: install llama-cpp-python (python -m "
                           f"fitter.measure.tools --llama-cpp-python); here {problem}")
@@ -115,7 +115,7 @@ def record_landscape(o: TuneOptions, snapshot: MachineSnapshot | None, rounds: i
             land = replace(land, points=tuple(points))
         base = land.baseline
         if base is None:
-            fit_devices: Any = sim_fit_devices(req, tool) if target.sim is not None else (
+            fit_devices: Any = sim_fit_devices(req, tool, target.sim) if target.sim is not None else (
                 lambda: contextlib.nullcontext(req.rpc))
             fitted, why, message = baseline_candidate(req, tool, targets, fit_devices, unavailable)
             if fitted is None:

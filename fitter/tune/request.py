@@ -19,9 +19,14 @@ from fitter.measure.types import BenchSpec
 from fitter.memory.devices import CpuProfile, Device
 from fitter.tune.screen import Budgets
 from fitter.tune.space import is_valid_combination, params_to_flags
+from fitter.tune.split import apply_split, is_split_key, read_split
 
 OBJECTIVES: dict[str, str] = {"tg": "maximize", "pp": "maximize", "vram": "minimize"}
-PLACEMENT_KEYS = ("n-cpu-moe", "n-gpu-layers")
+PLACEMENT_KEYS = ("n-cpu-moe", "n-gpu-layers")  # with the per-device keys of fitter.tune.split
+
+
+def is_placement_key(key: str) -> bool:
+    return key in PLACEMENT_KEYS or is_split_key(key)
 THREAD_KEYS = ("threads", "threads-batch")
 # llama-server's own defaults, the tie-breaker when the physics prior cannot tell two combos apart
 EMULATED_ENDPOINT = "<emulated GPU>"  # fitter's own emulated GPU in a config's key (Candidate.key)
@@ -94,7 +99,8 @@ class Candidate:
 def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
     """The config and bench spec a param dict stands for: the searched flags applied to the user's config (as if
     they followed it on the command line), threads to the bench spec (-t/-tb)."""
-    searched = {k: v for k, v in params.items() if k not in THREAD_KEYS}
+    searched = {k: v for k, v in params.items() if k not in THREAD_KEYS and not is_split_key(k)}
+    spread = {k: v for k, v in params.items() if is_split_key(k)}
     flags = [*req.fixed_flags, *params_to_flags(searched)]
     extra: dict[str, Any] = {}
     if req.spec.n_expert and "n-gpu-layers" not in params and not has_flag(req.fixed_flags, "n_gpu_layers"):
@@ -105,21 +111,29 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
         endpoint = ",".join(req.rpc)
         flags += ["--rpc", endpoint]
         extra["rpc"] = req.rpc
+    config, error = LaunchConfig(), None
+    try:
+        config = with_params(replace(req.base, **extra), searched)
+        if spread:  # on several devices: -ts or -sm none -mg, and each device's expert rules (fitter.tune.split)
+            config, placed = apply_split(req.spec, req.devices, config,
+                                         read_split(spread, len(req.devices), req.spec.n_layer))
+            flags += placed
+    except LaunchConfigError as e:  # llama.cpp would refuse it: screened out like a config that does not fit
+        error = str(e)
     launch = tuple(flags)
     threads = int(params.get("threads", req.default_threads))
     threads_batch = int(params.get("threads-batch", req.bench.threads_batch or threads))
     flags += ["-t", str(threads), "-tb", str(threads_batch)]
     spec = replace(req.bench, threads=threads, threads_batch=threads_batch)
-    try:
-        config = replace(with_params(replace(req.base, **extra), searched), flags=launch)
-    except LaunchConfigError as e:  # llama.cpp would refuse it: screened out like a config that does not fit
-        return Candidate(dict(params), LaunchConfig(), spec, tuple(flags), error=str(e), endpoint=endpoint)
+    if error is not None:
+        return Candidate(dict(params), LaunchConfig(), spec, tuple(flags), error=error, endpoint=endpoint)
+    config = replace(config, flags=launch)
     return Candidate(dict(params), config, spec, tuple(flags), endpoint=endpoint)
 
 
 def combos(req: TuneRequest) -> list[dict[str, Any]]:
     """Every combination of the context-level choices (batch sizes, KV types, flash attention) llama.cpp accepts."""
-    keys = [k for k in req.distributions if k not in PLACEMENT_KEYS and k not in THREAD_KEYS]
+    keys = [k for k in req.distributions if not is_placement_key(k) and k not in THREAD_KEYS]
     choices = [_choices(req.distributions[k]) for k in keys]
     out = []
     for values in itertools.product(*choices):

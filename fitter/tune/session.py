@@ -32,7 +32,7 @@ import optuna
 
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, ProcessFlags, placement_flags
-from fitter.flags.parse import flag_groups
+from fitter.flags.parse import flag_groups, has_flag
 from fitter.flags.vocabulary import fixing
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot
@@ -41,6 +41,7 @@ from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, check_target_count, device_budgets
 from fitter.memory.devices import Device
 from fitter.memory.fit import fit
+from fitter.tune import split
 from fitter.tune.baseline import replay_baseline, run_baseline, sim_fit_devices, study_baseline
 from fitter.tune.confirm import DEFAULT_ROUNDS, confirm, result_doc
 from fitter.tune.faults import result_writes, study_writes
@@ -50,7 +51,7 @@ from fitter.tune.render import dry_run_text
 from fitter.tune.request import OBJECTIVES, TuneRequest, candidate, combos
 from fitter.tune.result import RESULT_FILE, ParetoDoc, load_result, write_result
 from fitter.tune.screen import Budgets
-from fitter.tune.space import default_space_name, load_space, params_to_flags, resolve, shipped_space
+from fitter.tune.space import default_space_name, load_space, resolve, shipped_space
 from fitter.tune.storage import StudyKey, ensure_writable, journal_path, open_study, result_dir, storage_url, study_name
 from fitter.tune.study import StudyCallback, Tuner
 from fitter.tune.targets import Target, local_target, replay_target, sim_target
@@ -82,7 +83,7 @@ class TuneOptions:
     storage: str | None = None
     study_name: str | None = None  # the study's name in a shared storage (default: fitter-<model file stem>)
     results: Path = Path("results")
-    emulated_gpu_mib: int | None = None
+    emulated_gpu_mib: int | tuple[int, ...] | None = None  # several: one emulated GPU per value
     emulated_cuda: bool = False  # `--emulated-gpu cuda:MiB`: the CUDA-shaped emulated GPU
     llama_fit_params: str | None = None
     llama_cpp: str | None = None  # `--llama-cpp DIR`: trials through that build's llama-server, its fit the baseline
@@ -137,6 +138,10 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
         source = space.source
     given = {name for name, _ in flag_groups(o.base.flags)}  # `--n-gpu-layers=20` too
     distributions = {k: d for k, d in distributions.items() if not given & set(fixing(k))}
+    if target.distributions is None and len(devices) > 1 and not any(has_flag(o.base.flags, f)
+                                                                        for f in split.FIXING_FLAGS):
+        # several GPUs: per-device placement instead of -ncmoe's first layers (fitter.tune.split)
+        distributions = split.split_dims(distributions, len(devices), o.spec.n_layer)
     if o.process.threads is not None:
         distributions.pop("threads", None)
     if o.process.threads_batch is not None:
@@ -173,13 +178,17 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
         params = screener._with_threads(c)
         if "n-cpu-moe" in req.distributions:
             params["n-cpu-moe"] = req.spec.n_layer
+        if split.MODE in req.distributions:  # every expert on the CPU, llama.cpp's own split
+            params.update({split.experts_key(i): req.spec.n_layer for i in range(len(req.devices))})
         if "n-gpu-layers" in req.distributions:
             params["n-gpu-layers"] = 0
-        s = screener(candidate(req, params))
+        cand = candidate(req, params)
+        s = screener(cand)
         if s.error is None and s.constraints:
             worst = max(s.constraints.items(), key=lambda kv: kv[1])
             if lightest is None or worst[1] < lightest[0]:
-                lightest = (worst[1], f"{worst[0]} by {worst[1]:.1f} MiB with {' '.join(params_to_flags(params))}")
+                searched = " ".join(cand.flags[len(req.fixed_flags):])
+                lightest = (worst[1], f"{worst[0]} by {worst[1]:.1f} MiB with {searched}")
     detail = f" the lightest configuration is over budget on {lightest[1]};" if lightest else ""
     if req.devices:
         result = fit(req.spec, req.base, req.devices, targets, cpu=req.cpu)
@@ -209,6 +218,10 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         users = find_build(o.llama_cpp)  # a wrong folder stops here, before any study is opened
         if o.backend in ("sim", "replay"):
             raise FitterError(f"--llama-cpp DIR measures with that build: drop --backend {o.backend}")
+        if snapshot is not None and snapshot.gpus:  # which GPU is CUDA0, as the build itself lists them
+            from fitter.measure.llama_build import list_devices
+
+            snapshot = snapshot.with_listing(list_devices(users))
     fit_params = o.llama_fit_params or (str(users.llama_fit_params) if users and users.llama_fit_params else None)
     tool = find_llama_fit_params(fit_params)  # a wrong path stops here, before any study is opened
     target = tune_target(o, snapshot)
@@ -217,7 +230,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     for note in target.notes:
         log(f"fitter: {note}")
     targets = fit_targets(o, target)
-    check_target_count(len(target.planned_devices), targets)
+    check_target_count([d.name for d in target.planned_devices], targets)
     planned = plan_request(o, target, target.planned_devices, target.planned_rpc, log)
     check_something_fits(planned, targets)
     if dry_run:
@@ -258,7 +271,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5,
                       claims=claims, worker=worker, log=log)
         tuner.stop = stop or tuner.stop
-        fit_devices: Any = sim_fit_devices(req, tool) if target.sim is not None else (
+        fit_devices: Any = sim_fit_devices(req, tool, target.sim) if target.sim is not None else (
             lambda: contextlib.nullcontext(req.rpc))
         if target.replay is not None:
             recorded = target.replay.baseline
@@ -357,7 +370,8 @@ def record_overheads(study: optuna.Study, snapshot: MachineSnapshot, log: Callab
 
     measured = [(m, f"fitter tune trial {t.number}") for t in study.get_trials(deepcopy=False)
                 if isinstance(m := t.user_attrs.get("measurement"), dict) and m.get("outcome") == "ok"]
-    problem = record_measurements(measured, snapshot.gpus, snapshot.record()["fingerprint"], snapshot.nvidia.driver)
+    gpus = tuple(c.gpu for c in snapshot.gpu_order())  # CUDA0 first, as the measurements name them
+    problem = record_measurements(measured, gpus, snapshot.record()["fingerprint"], snapshot.nvidia.driver)
     if problem:
         log(f"fitter: warning: {problem}")
 

@@ -35,11 +35,13 @@ def slug(text: str) -> str:
     return safe_name(text)
 
 
-def machine_dir_name(machine: dict[str, Any], emulated_mib: int | None) -> str:
-    """GPUs (or cpu-only / an emulated cap) plus the fingerprint, so two machines never share a folder."""
+def machine_dir_name(machine: dict[str, Any], emulated_mib: int | tuple[int, ...] | None) -> str:
+    """GPUs (or cpu-only / an emulated cap, or caps: 96+48) plus the fingerprint, so two machines never share a
+    folder."""
     if emulated_mib is not None:
         kind = "cuda-" if machine.get("emulated_gpu_kind") == "cuda" else ""
-        gpus = f"emulated-{kind}{emulated_mib}MiB"
+        caps = "+".join(map(str, emulated_mib)) if isinstance(emulated_mib, tuple) else emulated_mib
+        gpus = f"emulated-{kind}{caps}MiB"
     elif machine.get("gpus"):
         gpus = "+".join(slug(g) for g in machine["gpus"])
     else:

@@ -19,7 +19,7 @@ from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
 from fitter.measure.emulated_gpu import emulated_device
-from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner
+from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner, emulated_caps
 from fitter.memory.devices import CpuProfile, Device, rpc_devices
 from fitter.tune.storage import machine_dir_name
 from fitter.units import GIB, MIB
@@ -30,6 +30,12 @@ DEMO_EMULATED_GPU_MIB = 96
 DEMO_FIT_TARGET_MIB = 16
 HOST_RESERVE = 512 * MIB  # RAM left to the OS and fitter itself when judging host memory
 PLACEHOLDER_ENDPOINT = "127.0.0.1:50052"  # an emulated GPU's name before its server has chosen a port
+
+
+def placeholder_endpoints(n: int) -> tuple[str, ...]:
+    """The names of n emulated GPUs before their servers have chosen ports."""
+    host, port = PLACEHOLDER_ENDPOINT.rsplit(":", 1)
+    return tuple(f"{host}:{int(port) + i}" for i in range(n))
 
 
 @dataclass
@@ -46,7 +52,7 @@ class Target:
     host_budget: int
     cpu_profile: CpuProfile
     has_gpu: bool
-    emulated_mib: int | None = None
+    emulated_mib: int | tuple[int, ...] | None = None  # several: one emulated GPU per value
     default_fit_target: tuple[int, ...] | None = None
     sim: Any = None  # the simulated Machine
     notes: tuple[str, ...] = ()  # what the target decided on its own (the demo's emulated GPU, a reserved core)
@@ -56,12 +62,13 @@ class Target:
     space_source: str | None = None
 
 
-def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: ProcessFlags, emulated_mib: int | None,
+def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: ProcessFlags,
+                 emulated_mib: int | tuple[int, ...] | None,
                  demo: bool, fit_targets: tuple[int, ...] | None, emulated_cuda: bool = False,
                  llama_cpp: str | None = None) -> Target:
     """This machine: its NVIDIA GPUs (free memory from the snapshot), the config's `--rpc` servers, or an emulated
     GPU (`--emulated-gpu [cuda:]MiB`, or by itself for the demo model on a machine without a GPU)."""
-    cpu, gpus = snapshot.cpu, snapshot.gpus
+    cpu, gpus = snapshot.cpu, tuple(c.gpu for c in snapshot.gpu_order())  # those llama.cpp sees (CUDA_VISIBLE_DEVICES)
     notes: list[str] = []
     default_fit_target = None
     no_emulator = None
@@ -80,11 +87,13 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         shown = ",".join(map(str, fit_targets or default_fit_target))
         notes.append(f"no GPU found: tuning the demo model on fitter's emulated GPU ({emulated_mib} MiB, fit target "
                      f"{shown} MiB; its speed is CPU speed)")
-    # the emulated GPU's RPC server computes on the CPU too: its core is not the trials' to use
-    reserved = 1 if emulated_mib is not None and cpu.physical_cores > 1 else 0
+    # each emulated GPU's RPC server computes on the CPU too: its core is not the trials' to use
+    servers = len(emulated_caps(emulated_mib))
+    reserved = min(servers, cpu.physical_cores - 1) if servers else 0
     if reserved and process.threads is None:
-        notes.append(f"one core left to the emulated GPU's server: trials use up to {cpu.physical_cores - reserved} "
-                     "threads")
+        whose = "the emulated GPU's server" if servers == 1 else f"the {servers} emulated GPUs' servers"
+        cores = "one core" if reserved == 1 else f"{reserved} cores"
+        notes.append(f"{cores} left to {whose}: trials use up to {cpu.physical_cores - reserved} threads")
     machine = snapshot.record()
     own = rpc_devices(list(base.rpc)) if base.rpc else snapshot.devices()
 
@@ -92,15 +101,19 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         """With the worker started, the GPUs' free memory is read again: what the worker holds is not the trials'."""
         return runner.devices() or (own if base.rpc or not gpus else gpus_now(snapshot) or own)
 
+    placeholders: tuple[str, ...] = ()
     if emulated_mib is not None:
-        machine["emulated_gpu_mib"] = emulated_mib
+        caps = emulated_caps(emulated_mib)
+        machine["emulated_gpu_mib"] = emulated_mib if isinstance(emulated_mib, int) else list(emulated_mib)
         if emulated_cuda:
             machine["emulated_gpu_kind"] = "cuda"  # `fitter check` starts the same kind
-        cap = emulated_mib * MIB
-        planned: tuple[Device, ...] = (emulated_device(f"RPC0[{PLACEHOLDER_ENDPOINT}]", cap, emulated_cuda),)
+        placeholders = placeholder_endpoints(len(caps))
+        planned: tuple[Device, ...] = tuple(emulated_device(f"RPC0[{e}]", cap * MIB, emulated_cuda)
+                                            for e, cap in zip(placeholders, caps, strict=True))
     else:
         planned = own
     cpus, nvml, build = process.cpus, bool(gpus), snapshot.llama_cpp or None
+    order = tuple(g.index for g in gpus) if gpus else None  # NVML's index of CUDA0, CUDA1, … for the peak sampler
 
     def make_runner() -> TrialRunner:
         if llama_cpp is not None:  # the user's build: its llama-server runs every trial
@@ -108,14 +121,15 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
 
             if emulated_cuda:
                 raise FitterError(CUDA_SHAPED_NEEDS_WORKER)
-            return ServerRunner(str(find_build(llama_cpp).llama_server), emulated_mib, process, nvml=nvml)
+            return ServerRunner(str(find_build(llama_cpp).llama_server), emulated_mib, process, nvml=nvml,
+                                gpu_order=order)
         return WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=nvml, build=build,
-                            emulated_cuda=emulated_cuda)
+                            emulated_cuda=emulated_cuda, gpu_order=order)
 
     return Target(
         make_runner=make_runner,
         devices=started, planned_devices=planned,
-        planned_rpc=(PLACEHOLDER_ENDPOINT,) if emulated_mib is not None else (),
+        planned_rpc=placeholders,
         machine=machine, machine_dir=machine_dir_name(machine, emulated_mib),
         physical_cores=cpu.physical_cores - reserved, performance_cores=max(1, cpu.performance_cores - reserved),
         default_threads=max(1, cpu.recommended_threads - reserved),
@@ -124,7 +138,8 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         default_fit_target=default_fit_target, notes=tuple(notes))
 
 
-def sim_target(machine_name: str | None, emulated_mib: int | None, spec: ModelSpec, seed: int) -> Target:
+def sim_target(machine_name: str | None, emulated_mib: int | tuple[int, ...] | None, spec: ModelSpec,
+               seed: int) -> Target:
     """A simulated machine (fitter.sim): its GPUs, cores and RAM stand in for this machine's."""
     from fitter.sim import SimRunner, load_machine
 
@@ -136,8 +151,8 @@ def sim_target(machine_name: str | None, emulated_mib: int | None, spec: ModelSp
     fingerprint = hashlib.sha256(Path(m.path).read_bytes() if m.path else m.name.encode()).hexdigest()[:16]
     machine = {"sim": m.name, "description": m.description, "profile": m.path, "fingerprint": fingerprint,
                "physical_cores": m.cpu.p_cores + m.cpu.e_cores, "performance_cores": m.cpu.p_cores,
-               "ram_bytes": int(m.ram.gib * GIB), "gpus": [f"sim GPU {m.gpu.memory_gib:g} GiB"] * m.gpu.count
-               if m.gpu else []}
+               "ram_bytes": int(m.ram.gib * GIB),
+               "gpus": [f"sim GPU {g.name + ' ' if g.name else ''}{g.memory_gib:g} GiB" for g in m.gpus]}
     probe_runner = SimRunner(m, spec, seed=seed)
     return Target(
         make_runner=lambda: SimRunner(m, spec, seed=seed), devices=lambda r: r.devices(),
@@ -145,7 +160,7 @@ def sim_target(machine_name: str | None, emulated_mib: int | None, spec: ModelSp
         machine_dir=f"sim-{m.name}-{fingerprint[:8]}", physical_cores=m.cpu.p_cores + m.cpu.e_cores,
         performance_cores=m.cpu.p_cores, default_threads=m.cpu.p_cores,
         host_budget=int(m.ram.gib * GIB) - HOST_RESERVE, cpu_profile=probe_runner.cpu_profile(),
-        has_gpu=m.gpu is not None, sim=m)
+        has_gpu=bool(m.gpus), sim=m)
 
 
 def replay_target(path: str | None, seed: int) -> Target:

@@ -345,6 +345,27 @@ def test_emulated_gpu_rpc_is_left_out_with_a_warning() -> None:
     assert exported == {**entry, "flags": _flags(*CONFIGS[3]), "warning": warning}
 
 
+def test_several_emulated_gpus_stand_for_cuda0_cuda1_in_their_order() -> None:
+    result = _result()
+    result["emulated"] = True
+    entry = result["pareto"][0]
+    rule = r"blk\.2\.ffn_(gate|gate_up|down).*=RPC0[127.0.0.1:40845]"
+    entry["flags"] = [*entry["flags"][:-4], "-ts", "6,1", "-ot", rule, "--rpc", "127.0.0.1:57881,127.0.0.1:40845",
+                      *entry["flags"][-4:]]
+    warning = ("measured on fitter's emulated GPUs (capped llama.cpp RPC devices on the tuning machine, CPU speed); "
+               "its --rpc 127.0.0.1:57881,127.0.0.1:40845 is left out; -ot names RPC0[127.0.0.1:40845] as CUDA1: "
+               "check the placement fits your GPUs with `fitter fit`")
+    server = render(result, "max-decode", "server", SOURCE).splitlines()
+    assert server[0] == f"# {warning}"
+    argv = shlex.split(server[1])
+    rules = argv[argv.index("-ot") + 1].split(",")
+    assert rules[-1] == r"blk\.2\.ffn_(gate|gate_up|down).*=CUDA1"
+    assert argv[argv.index("-ts") + 1] == "6,1" and "--rpc" not in argv
+    python = json.loads(render(result, "max-decode", "python", SOURCE))
+    assert python["kwargs"]["tensor_split"] == [6.0, 1.0]
+    assert python["tensor_overrides"][-1] == {"pattern": r"blk\.2\.ffn_(gate|gate_up|down).*", "buft": "CUDA1"}
+
+
 # -- errors ------------------------------------------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ def test_the_tables_derived_from_the_one_table() -> None:
     assert fixing("n-cpu-moe") == ("-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe")
     assert fixing("ubatch-size") == ("-ub", "--ubatch-size")
     assert short_flag("cache-type-k") == "-ctk" and short_flag("threads-batch") == "-tb"
-    assert {"-b", "-ub", "-ctk", "-ctv", "-fa", "-ngl", "-ncmoe", "-ot", "-t", "-tb"} == SEARCHED
+    assert {"-b", "-ub", "-ctk", "-ctv", "-fa", "-ngl", "-ncmoe", "-ot", "-t", "-tb", "-ts", "-sm", "-mg"} == SEARCHED
     assert {"--kv-unified", "--no-kv-unified", "-nkvo", "--swa-full", "-cmoe", "--no-mmap"} <= BARE
     names = [n for f in FLAGS for n in f.names]
     assert len(names) == len(set(names))  # one row per spelling

@@ -42,7 +42,7 @@ class FakeNvml:
 def test_peak_counts_only_our_children_and_keeps_the_maximum() -> None:
     nvml = FakeNvml({0: [[Proc(11, 300 * MIB), Proc(99, 5000 * MIB)], [Proc(11, 900 * MIB)], [Proc(11, 400 * MIB)]],
                      1: [[Proc(12, None)], [Proc(12, 70 * MIB), Proc(11, 30 * MIB)]]})
-    sampler = NvmlPeakSampler(nvml, pids=lambda: {11, 12}, interval_s=3600)
+    sampler = NvmlPeakSampler(nvml, pids=lambda: {11, 12}, interval_s=3600, order=(0, 1))  # CUDA0 is NVML's 0
     with sampler:  # one reading on entry
         sampler.sample()
         sampler.sample()

@@ -97,6 +97,6 @@ def test_the_emulated_gpu_option_takes_a_cuda_prefix(capsys: pytest.CaptureFixtu
 
 
 def test_a_list_of_emulated_gpus_is_refused_where_one_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["tune", "--emulated-gpu", "96,48"]) == 2
-    assert ("--emulated-gpu 96,48: fitter tune runs on one emulated GPU for now (fit and bench take several)"
+    assert main(["grid", "--emulated-gpu", "96,48"]) == 2
+    assert ("--emulated-gpu 96,48: fitter grid runs on one emulated GPU for now (fit, bench and tune take several)"
             in capsys.readouterr().err)

@@ -19,10 +19,12 @@ def test_one_target_for_every_device_or_one_each() -> None:
 
 
 @pytest.mark.parametrize(("targets", "devices", "message"), [
-    ((1, 2, 3), GPUS, "--fit-target 1,2,3: 3 values for 2 GPUs; give one value for every GPU or exactly one per GPU"),
-    ((1, 2), GPUS[:1], "--fit-target 1,2: 2 values for 1 GPU; give one value for every GPU or exactly one per GPU"),
-    ((1, 2), (*GPUS, GPUS[0]), "--fit-target 1,2: 2 values for 3 GPUs; give one value for every GPU or exactly one "
-                               "per GPU"),
+    ((1, 2, 3), GPUS, "--fit-target 1,2,3: 3 values for 2 GPUs (CUDA0, CUDA1); give one value for every GPU or "
+                      "exactly one per GPU"),
+    ((1, 2), GPUS[:1], "--fit-target 1,2: 2 values for 1 GPU (CUDA0); give one value for every GPU or exactly one "
+                       "per GPU"),
+    ((1, 2), (*GPUS, GPUS[0]), "--fit-target 1,2: 2 values for 3 GPUs (CUDA0, CUDA1, CUDA0); give one value for "
+                               "every GPU or exactly one per GPU"),
 ])
 def test_a_target_list_of_another_length_names_both_counts(targets: tuple[int, ...], devices: tuple[Device, ...],
                                                           message: str) -> None:

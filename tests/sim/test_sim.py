@@ -327,6 +327,9 @@ mts = 4800
     (("[ram]\ngib = 32\n", "[ram]\n"), "[ram] is missing gib"),
     (("[cpu]", "[cpus]"), "unknown key 'cpus'"),
     (("tflops = 10", "tflops = "), "cannot read the machine profile"),
+    (("[gpu]\nmemory_gib = 8\nbandwidth_gbps = 300\ntflops = 10\npcie_gbps = 12\n", "gpu = []\n"),
+     "gpu = []: must be a table [gpu] or tables [[gpu]]"),
+    (("[gpu]", "[[gpu]]\nmemory_gib = 4\n[[gpu]]"), "[gpu #1] is missing bandwidth_gbps"),
 ])
 def test_bad_profiles_name_file_key_and_value(tmp_path: Path, change: tuple[str, str], message: str) -> None:
     path = tmp_path / "bad.toml"
@@ -349,6 +352,51 @@ def test_missing_table_and_unknown_machine(tmp_path: Path) -> None:
     path.write_text(GOOD)
     m = load_machine(path)
     assert m.gpu is not None and m.gpu.count == 1 and m.cpu.smt == 1 and m.ram.efficiency == 0.65
+
+
+# --- two or more GPUs -------------------------------------------------------------------------------------------------
+
+
+def test_gpu_tables_in_cuda_order_each_kind_with_its_count() -> None:
+    m = load_machine("gpu-4090-2x3060")
+    assert [(g.name, g.memory_gib, g.bandwidth_gbps) for g in m.gpus] == [
+        ("RTX 4090", 24, 900), ("RTX 3060", 12, 310), ("RTX 3060", 12, 310)]
+    r = SimRunner(m, spec("gpt-oss-120b"))
+    assert [(d.name, d.total_bytes, d.free_bytes) for d in r.devices()] == [
+        ("CUDA0", 24 * GIB, 24 * GIB - GIB // 2), ("CUDA1", 12 * GIB, 12 * GIB - round(0.1 * GIB)),
+        ("CUDA2", 12 * GIB, 12 * GIB - round(0.1 * GIB))]
+    assert m.peer_gbps("CUDA1", "CUDA2") == 6  # no peer link: through the host at the slower PCIe
+    assert load_machine("gpu-2x3090").peer_gbps("CUDA0", "CUDA1") == 45
+    assert "1× 24 GiB 900 GB/s 80 TFLOPS, PCIe 24 GB/s + 2× 12 GiB 310 GB/s" in machines_table()
+
+
+def test_a_model_on_the_faster_gpu_alone_decodes_faster_by_about_their_bandwidths() -> None:
+    flags = ["-c", "8192", "-fa", "on", "-ngl", "all", "-sm", "none", "-mg"]
+    fast, slow = (noise_free("gpu-3090-3060", "gpt-oss-20b", [*flags, g], BenchSpec(threads=16))[1] for g in "01")
+    assert 1.8 < fast / slow < 800 / 310  # bandwidth-bound, less the per-op costs both pay
+
+
+def test_each_hop_between_gpus_costs_the_activation_copy_over_their_link() -> None:
+    # the same split on two equal 3090s, bridged (45 GB/s) or through the host (12 GB/s): prefill hops 2048 tokens
+    flags = ["-c", "8192", "-fa", "on", "-ngl", "all", "-ts", "12,13", "-ub", "2048", "-b", "2048"]
+    r = runner("gpu-2x3090", "gpt-oss-20b")
+    plan = r.plan(parse_launch_flags(flags))
+    bridged = speeds(r.machine, plan, BenchSpec(threads=8, n_prompt=2048))[0]
+    no_bridge = replace(r.machine, gpus=tuple(replace(g, peer_gbps=0.0) for g in r.machine.gpus))
+    through_host = speeds(no_bridge, plan, BenchSpec(threads=8, n_prompt=2048))[0]
+    hop = 2048 * r.spec.n_embd * 4.0
+    expected = 2048 / (2048 / bridged + hop / 12e9 - hop / 45e9)
+    assert through_host == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_pipelined_batch_overlaps_its_ubatches_across_the_gpus() -> None:
+    flags = ["-c", "8192", "-fa", "on", "-ngl", "all", "-ub", "512", "-b", "2048"]
+    r = runner("gpu-2x3090", "gpt-oss-20b")
+    plan = r.plan(parse_launch_flags(flags))
+    assert plan.pipelined
+    bench = BenchSpec(threads=8, n_prompt=2048)
+    serial = speeds(r.machine, replace(plan, pipelined=False), bench)[0]
+    assert 1.5 < speeds(r.machine, plan, bench)[0] / serial < 2  # two stages: at most twice, less the fill
 
 
 # --- profiles where fitter's prior is wrong (issue 14, 4b) -----------------------------------------------------------

@@ -23,6 +23,7 @@ from fitter.memory.devices import RPC, Device
 from fitter.tune.check import (
     CheckVerdict,
     compare,
+    gpu_change,
     parse_tolerance,
     recorded_spec,
     regression_threshold,
@@ -461,8 +462,8 @@ def test_a_recorded_fit_target_list_must_match_the_gpus(tmp_path: Path) -> None:
     (folder / "pareto.json").write_text(json.dumps(doc))
     with pytest.raises(FitterError) as e:
         run_check(folder, "balanced", 0.05, Factory(FakeRunner()))
-    assert str(e.value) == (f"{folder / 'pareto.json'}: fit_target_mib 4,8: 2 values for 1 GPU; give one value for "
-                            "every GPU or exactly one per GPU")
+    assert str(e.value) == (f"{folder / 'pareto.json'}: fit_target_mib 4,8: 2 values for 1 GPU "
+                            "(RPC0[127.0.0.1:40001]); give one value for every GPU or exactly one per GPU")
 
 
 def test_check_prints_the_models_warnings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -486,3 +487,75 @@ def test_the_threshold_comes_from_the_noise_between_the_recorded_confirm_rounds(
     assert v.lines[1] == "noise: between runs, the spread of the recorded config's 4 interleaved confirm rounds " \
                          "(± below)"
     assert not compare({**bench((500.0, 10.0), (100.0, 1.0))}, bench((500.0, 10.0), (85.0, 1.0)), 0.05).ok
+
+
+# -- the GPUs it was tuned on ----------------------------------------------------------------------------------
+
+TUNED_GPUS = [{"device": "CUDA0", "pci_bus_id": "0000:01:00.0", "name": "NVIDIA GeForce RTX 3090",
+               "memory_total": 24576 * MIB},
+              {"device": "CUDA1", "pci_bus_id": "0000:02:00.0", "name": "NVIDIA GeForce RTX 3060",
+               "memory_total": 12288 * MIB}]
+
+
+def with_gpu_map(folder: Path, gpus: list[dict[str, Any]]) -> Path:
+    """The result as tuned on these GPUs (`machine.gpu_map`, CUDA0 first)."""
+    path = folder / "pareto.json"
+    doc = json.loads(path.read_text())
+    doc["machine"]["gpu_map"] = gpus
+    path.write_text(json.dumps(doc))
+    return folder
+
+
+def test_a_result_tuned_on_other_gpus_is_refused_naming_what_changed(tmp_path: Path) -> None:
+    folder = with_gpu_map(write_result(tmp_path, emulated=False), TUNED_GPUS)
+    swapped = [{**TUNED_GPUS[1], "device": "CUDA0"}, {**TUNED_GPUS[0], "device": "CUDA1"}]  # CUDA_DEVICE_ORDER unset
+    factory = Factory(FakeRunner())
+    with pytest.raises(FitterError) as e:
+        run_check(folder, "balanced", 0.05, factory, machine_devices=tuple, machine_gpus=lambda: swapped)
+    assert str(e.value) == (
+        f"{folder / 'pareto.json'} was tuned on CUDA0=NVIDIA GeForce RTX 3090 (0000:01:00.0, 24576 MiB), "
+        "CUDA1=NVIDIA GeForce RTX 3060 (0000:02:00.0, 12288 MiB); this machine has CUDA0=NVIDIA GeForce RTX 3060 "
+        "(0000:02:00.0, 12288 MiB), CUDA1=NVIDIA GeForce RTX 3090 (0000:01:00.0, 24576 MiB): its placement and "
+        "budgets are for those GPUs; tune again here, or run the check with the CUDA_VISIBLE_DEVICES and "
+        "CUDA_DEVICE_ORDER it was tuned with")
+    assert factory.calls == []  # refused before anything started
+    with pytest.raises(FitterError, match="; this machine has no GPU: "):
+        run_check(folder, "balanced", 0.05, factory, machine_devices=tuple, machine_gpus=list)
+
+
+def test_the_same_gpus_pass_the_gpu_check(tmp_path: Path) -> None:
+    folder = with_gpu_map(write_result(tmp_path, emulated=False), TUNED_GPUS)
+    driver_moved = [{**TUNED_GPUS[0], "memory_total": 24576 * MIB - 64 * MIB}, TUNED_GPUS[1]]  # within 1 %
+    v = run_check(folder, "balanced", 0.05, Factory(FakeRunner()), machine_devices=tuple,
+                  machine_gpus=lambda: driver_moved)
+    assert v.ok
+
+
+def test_a_result_on_the_emulated_gpu_or_without_a_gpu_map_is_not_compared(tmp_path: Path) -> None:
+    emulated = with_gpu_map(write_result(tmp_path), TUNED_GPUS)
+    assert run_check(emulated, "balanced", 0.05, Factory(FakeRunner()), machine_gpus=list).ok
+    (tmp_path / "older").mkdir()
+    older = write_result(tmp_path / "older", emulated=False)  # written before machine.gpu_map
+    assert run_check(older, "balanced", 0.05, Factory(FakeRunner()), machine_devices=tuple,
+                     machine_gpus=lambda: pytest.fail("an old result has no gpu_map")).ok
+
+
+def test_fitter_check_compares_the_gpus_of_this_machine(tmp_path: Path) -> None:
+    folder = with_gpu_map(write_result(tmp_path, emulated=False), TUNED_GPUS)
+    factory = Factory(FakeRunner())
+    with pytest.raises(FitterError) as e:
+        cmd_check(check_ns(folder), [], runner_factory=factory)  # this machine has no such pair of GPUs
+    assert str(e.value).startswith(f"{folder / 'pareto.json'} was tuned on CUDA0=NVIDIA GeForce RTX 3090 "
+                                   "(0000:01:00.0, 24576 MiB), CUDA1=NVIDIA GeForce RTX 3060 (0000:02:00.0, "
+                                   "12288 MiB); this machine has ")
+    assert factory.calls == []
+
+
+def test_gpu_change_compares_bus_id_name_and_memory() -> None:
+    assert gpu_change({"gpu_map": TUNED_GPUS}, [dict(g) for g in TUNED_GPUS]) is None
+    assert gpu_change({"sim": "rtx4090-x1", "gpu_map": TUNED_GPUS}, []) is None  # a simulated machine
+    eight = [TUNED_GPUS[0], {**TUNED_GPUS[1], "memory_total": 8192 * MIB}]  # the 8 GB RTX 3060 in its slot
+    assert (gpu_change({"gpu_map": TUNED_GPUS}, eight) or "").endswith(
+        "this machine has CUDA0=NVIDIA GeForce RTX 3090 (0000:01:00.0, 24576 MiB), CUDA1=NVIDIA GeForce RTX 3060 "
+        "(0000:02:00.0, 8192 MiB): its placement and budgets are for those GPUs; tune again here, or run the check "
+        "with the CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER it was tuned with")

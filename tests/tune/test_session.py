@@ -86,6 +86,36 @@ def test_tune_on_the_demo_model_writes_a_confirmed_pareto_front_and_resumes(tmp_
     assert len(keys) == len(set(keys)) == 7
 
 
+@pytest.mark.llama
+@pytest.mark.slow
+@pytest.mark.tools("llama-fit-params")
+def test_tune_on_two_emulated_gpus_searches_each_devices_placement_and_checks_on_fresh_ones(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    proc = tune("--emulated-gpu", "64,32", "--fit-target", "4", "--trials", "4", "--results", str(results),
+                "-c", "4096", *FAST, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    folder = _result_dir(results)
+    assert folder.parent.name.startswith("emulated-64+32MiB-")
+    doc = json.loads((folder / "pareto.json").read_text())
+    assert doc["machine"]["emulated_gpu_mib"] == [64, 32]
+    assert doc["baseline"]["measurement"]["outcome"] == "ok"
+    rows = list(csv.DictReader((folder / "trials.csv").open()))
+    searched = [r for r in rows if r["launched"] == "True" and r["phase"] != "baseline"]
+    assert searched and all("-ts" in r["flags"] or "-sm none" in r["flags"] for r in searched)
+    budgets = doc["budgets"]["devices"]
+    assert sorted(budgets.values()) == [(32 - 4) * 2**20, (64 - 4) * 2**20]
+    # the exports name the i-th emulated GPU CUDA<i> and drop its --rpc
+    server = subprocess.run([sys.executable, "-m", "fitter.cli", "export", str(folder), "--policy", "max-decode"],
+                            capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in server.splitlines() if ln.startswith("llama-server"))
+    assert "--rpc" not in line and "RPC0[" not in line
+    # fitter check starts two fresh emulated GPUs of the recorded caps and moves the endpoints to them
+    check = subprocess.run([sys.executable, "-m", "fitter.cli", "check", str(folder), "--policy", "max-decode",
+                            "--tolerance", "90%"], capture_output=True, text=True, cwd=tmp_path)
+    assert "on a fresh emulated GPU of 64+32 MiB at 127.0.0.1:" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_dry_run_shows_the_space_and_plan_and_launches_nothing(tmp_path: Path) -> None:
     proc = tune("--dry-run", "-c", "4096", "--results", str(tmp_path / "r"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -262,8 +292,8 @@ def test_a_fit_target_list_must_match_the_gpus(tmp_path: Path) -> None:
     profile = tmp_path / "three.toml"
     profile.write_text((MACHINES_DIR / "gpu-8gb.toml").read_text().replace("[gpu]", "[gpu]\ncount = 3"))
     model = model_file("gpt-oss-20b", sparse=True)
-    for targets, message in (((512, 1024), "--fit-target 512,1024: 2 values for 3 GPUs"),
-                             ((1, 2, 3, 4), "--fit-target 1,2,3,4: 4 values for 3 GPUs")):
+    for targets, message in (((512, 1024), r"--fit-target 512,1024: 2 values for 3 GPUs \(CUDA0, CUDA1, CUDA2\)"),
+                             ((1, 2, 3, 4), r"--fit-target 1,2,3,4: 4 values for 3 GPUs \(CUDA0, CUDA1, CUDA2\)")):
         with pytest.raises(FitterError, match=message):
             run_tune(_options(model, backend="sim", machine=str(profile), fit_targets=targets, results=tmp_path),
                      None, dry_run=True)

@@ -1,0 +1,151 @@
+"""The tune's placement on two or more GPUs: which layers each GPU holds and, per GPU, which of its layers send
+their experts to the CPU.
+
+On one GPU the placement is `-ncmoe N` (the experts of the first N layers on the CPU). On several it cannot be: those
+first layers all sit on the first GPU, which empties while the others overflow (llama.cpp #15263, #15136). So on N
+devices `n-cpu-moe` becomes these keys, each a llama.cpp flag per device, written as llama.cpp's own flags:
+
+- ``tensor-split[i]`` (i < N-1): layers on device i, `-ts` as layer counts (as llama.cpp's `--fit` writes it); the
+  last device takes the rest of the model's layers and its output layer (`-ngl all`);
+- ``n-cpu-moe[i]``: how many of device i's layers keep their experts on the CPU (ik_llama.cpp's per-GPU `-ncmoe`),
+  as one `-ot blk\\.(L1|L2|…)\\.ffn_…_exps=CPU` rule;
+- ``expert-order``: which of a device's layers those are: its ``last`` (llama.cpp `--fit`'s order) or ``first``
+  (`-ncmoe`'s);
+- ``split-mode`` ``layer`` (the layers across the devices) or ``none`` with ``main-gpu`` (the whole model on that
+  one GPU, src/llama.cpp `llama_model_load_from_file_impl`; under `-sm layer` llama.cpp reads no `-mg`).
+
+The fewest bytes from RAM are found the way `fitter fit` finds them (fitter.memory.fit_devices); the speed of each
+GPU is measured: moving layers from a slow GPU to a fast one, or the model onto one GPU, are the neighbours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+
+from fitter.errors import LaunchConfigError
+from fitter.flags import LaunchConfig, TensorOverride
+from fitter.flags.overrides import FFN_EXPS_REGEX, override_flags
+from fitter.gguf.model_spec import ModelSpec, Role
+from fitter.memory.devices import Device
+from fitter.memory.estimator import layer_devices, model_devices
+
+ORDER = "expert-order"
+MODE = "split-mode"
+MAIN = "main-gpu"
+EXPERT_ORDERS = ("last", "first")
+SPLIT_MODES = ("layer", "none")
+# the flags that fix the placement on several devices: the user's own split, rules, or expert counts
+FIXING_FLAGS = ("tensor_split", "overrides", "split_mode", "main_gpu", "n_gpu_layers")
+
+
+def split_key(i: int) -> str:
+    return f"tensor-split[{i}]"
+
+
+def experts_key(i: int) -> str:
+    return f"n-cpu-moe[{i}]"
+
+
+def is_split_key(key: str) -> bool:
+    return key.startswith(("tensor-split[", "n-cpu-moe[")) or key in (ORDER, MODE, MAIN)
+
+
+def split_dims(distributions: Mapping[str, BaseDistribution], n_devices: int, n_layer: int) -> \
+        dict[str, BaseDistribution]:
+    """The space on `n_devices` devices: `n-cpu-moe` (one GPU's placement) replaced by the keys above, in its place."""
+    out: dict[str, BaseDistribution] = {}
+    for key, d in distributions.items():
+        if key != "n-cpu-moe" or n_devices < 2:
+            out[key] = d
+            continue
+        for i in range(n_devices - 1):
+            out[split_key(i)] = IntDistribution(0, n_layer + 1)
+        for i in range(n_devices):
+            out[experts_key(i)] = IntDistribution(0, n_layer)
+        out[ORDER] = CategoricalDistribution(EXPERT_ORDERS)
+        out[MODE] = CategoricalDistribution(SPLIT_MODES)
+        out[MAIN] = IntDistribution(0, n_devices - 1)
+    return out
+
+
+@dataclass(frozen=True)
+class Split:
+    """A placement on several devices, as the params say it."""
+
+    counts: tuple[int, ...] | None  # layers per device (-ts); None: llama.cpp's own split (by free memory)
+    to_cpu: tuple[int, ...]  # per device: how many of its expert layers keep their experts on the CPU
+    order: str = "last"
+    main: int | None = None  # -sm none -mg main: every layer on that device
+
+    def params(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.main is not None:
+            out[MODE], out[MAIN] = "none", self.main
+            out[experts_key(self.main)] = self.to_cpu[self.main]
+        else:
+            out[MODE] = "layer"
+            if self.counts is not None:
+                out.update({split_key(i): c for i, c in enumerate(self.counts[:-1])})
+            out.update({experts_key(i): n for i, n in enumerate(self.to_cpu)})
+        out[ORDER] = self.order
+        return out
+
+
+def read_split(params: Mapping[str, Any], n_devices: int, n_layer: int) -> Split:
+    """The split the params stand for (keys absent: llama.cpp's default split, no experts on the CPU)."""
+    order = str(params.get(ORDER, "last"))
+    to_cpu = tuple(int(params.get(experts_key(i), 0)) for i in range(n_devices))
+    if params.get(MODE, "layer") == "none":
+        return Split(None, to_cpu, order, int(params.get(MAIN, 0)))
+    if not any(split_key(i) in params for i in range(n_devices - 1)):
+        return Split(None, to_cpu, order)
+    given = [int(params.get(split_key(i), 0)) for i in range(n_devices - 1)]
+    rest = n_layer + 1 - sum(given)
+    if rest < 0:
+        raise LaunchConfigError(
+            f"{', '.join(f'{split_key(i)}={v}' for i, v in enumerate(given))}: {sum(given)} layers, more than the "
+            f"model's {n_layer} layers and its output layer")
+    return Split((*given, rest), to_cpu, order)
+
+
+def apply_split(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig, split: Split) -> \
+        tuple[LaunchConfig, list[str]]:
+    """`config` (every layer offloaded) placed as `split` says, and the llama.cpp flags that say it."""
+    flags: list[str] = []
+    if split.main is not None:
+        config = replace(config, split_mode="none", main_gpu=split.main)
+        flags += ["-sm", "none", "-mg", str(split.main)]
+    elif split.counts is not None:
+        config = replace(config, tensor_split=tuple(float(c) for c in split.counts))
+        flags += ["-ts", ",".join(map(str, split.counts))]
+    layers = sorted(experts_to_cpu(spec, devices, config, split))
+    if layers:  # one rule for them all (std::regex alternation), not a rule per layer: a line a person can read
+        rule = TensorOverride(rf"blk\.({'|'.join(map(str, layers))}){FFN_EXPS_REGEX}", "CPU")
+        config = replace(config, overrides=(*config.overrides, rule))
+        flags += override_flags((rule,))
+    return config, flags
+
+
+def expert_ranges(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig) -> list[list[int]]:
+    """Each device's layers that have experts, in order, as llama.cpp assigns layers (load_tensors)."""
+    layer_dev = layer_devices(spec, config, model_devices(config, devices))  # -sm none: -mg's device only
+    index = {d.name: i for i, d in enumerate(devices)}
+    out: list[list[int]] = [[] for _ in devices]
+    for il in sorted({t.layer for t in spec.tensors if t.role is Role.EXPERT and t.layer is not None}):
+        dev = layer_dev[il]
+        if dev is not None:
+            out[index[dev.name]].append(il)
+    return out
+
+
+def experts_to_cpu(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig, split: Split) -> list[int]:
+    """The layers whose experts the split sends to the CPU: per device its first or last n expert layers."""
+    out: list[int] = []
+    for layers, n in zip(expert_ranges(spec, devices, config), split.to_cpu, strict=True):
+        n = min(n, len(layers))
+        out += layers[:n] if split.order == "first" else layers[len(layers) - n:]
+    return out
