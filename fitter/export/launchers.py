@@ -85,10 +85,6 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
         # several emulated GPUs stand for CUDA0, CUDA1, … in their order: a rule naming one names that GPU
         named = {f"RPC0[{endpoint}]": f"CUDA{i}" for i, endpoint in enumerate(config.rpc)}
         rules = tuple(replace(r, buft=named.get(r.buft, r.buft)) for r in config.overrides)
-        for rule in rules:
-            if any(endpoint in rule.buft for endpoint in config.rpc):
-                raise FitterError(f"{where}: -ot {rule.pattern}={rule.buft} names the emulated GPU, which an "
-                                  "export leaves out; nothing to place it on")
         dropped = f"; its --rpc {','.join(config.rpc)} is left out" if config.rpc else ""
         renamed = sorted({f"{r.buft} as {named[r.buft]}" for r in config.overrides if r.buft in named})
         dropped += f"; -ot names {', '.join(renamed)}" if renamed else ""

@@ -270,8 +270,9 @@ def with_endpoints(flags: Sequence[str], old: Sequence[str], new: Sequence[str])
     """`with_endpoint` for several emulated GPUs at once, the i-th old endpoint to the i-th new one (through names no
     endpoint has, so one moved to another's old port is not moved twice)."""
     out = list(flags)
-    for i, endpoint in enumerate(old):
-        out = with_endpoint(out, endpoint, f"\0{i}\0")
+    for i, endpoint in enumerate(old):  # a whole port only: 127.0.0.1:4084 is not the start of 127.0.0.1:40845
+        pattern = re.compile(re.escape(endpoint) + r"(?!\d)")
+        out = [pattern.sub(f"\0{i}\0", f) for f in out]
     for i, endpoint in enumerate(new):
         out = with_endpoint(out, f"\0{i}\0", endpoint)
     return out

@@ -52,7 +52,7 @@ import itertools
 from fitter.flags import KV_CACHE_TYPES
 from fitter.gguf.model_spec import Role
 from fitter.measure.types import BenchSpec, OomInfo
-from fitter.memory.estimator import CPU, KINDS, Buffer, MemoryPlan, row_bytes
+from fitter.memory.estimator import CPU, KINDS, Buffer, MemoryPlan, model_devices, row_bytes
 from fitter.sim.profile import Cpu, Machine
 from fitter.units import GIB, MIB
 
@@ -112,7 +112,8 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
     """One ubatch's seconds on each device (the module's equation, its terms charged to the device that spends
     them: a hand-off to the device it hands off to, op offload's copies to the GPU that runs them)."""
     spec, config = plan.model, plan.config
-    gpus = [d.name for d in plan.devices]
+    # the scheduler's GPUs are the model's devices: under -sm none only -mg's (the plan lists every device given)
+    gpus = [d.name for d in model_devices(config, plan.devices)]
     offload = bool(gpus) and not config.no_op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH
     k_share = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
     used = 1 - (1 - k_share) ** n_tokens

@@ -5,7 +5,7 @@ first, prefill first, least VRAM) and the one-parameter neighbours of a trial.""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fitter.errors import FitterError
@@ -24,7 +24,7 @@ from fitter.tune.request import (
     combos,
     is_placement_key,
 )
-from fitter.tune.screen import Screen, cpu_bytes_per_token, device_totals, screen
+from fitter.tune.screen import Budgets, Screen, cpu_bytes_per_token, device_totals, screen
 from fitter.tune.space import is_valid_combination
 
 
@@ -70,37 +70,63 @@ class Screener:
         cand = candidate(self.req, self._with_threads(params))
         return params if self(cand).feasible else None
 
-    def spread(self, params: dict[str, Any], counts: tuple[int, ...] | None = None) -> dict[str, Any] | None:
+    def spread(self, params: dict[str, Any], counts: tuple[int, ...] | None = None,
+               order: str = "last") -> dict[str, Any] | None:
         """On several devices: fitter fit's whole-layer layout (the split in proportion to the budgets and improved
         a layer at a time; `counts`: this split, kept), each device keeping the experts of as many of its layers as
-        fit (fitter.memory.fit_devices)."""
+        fit (fitter.memory.fit_devices); `order`: which of a device's layers give theirs to the CPU (the search
+        counts them as its last; the first ones, when they do not fit, fall back to the last)."""
         context = {k: v for k, v in params.items() if not split.is_split_key(k)}
-        key = (tuple(sorted(context.items())), counts)
+        memory = tuple(sorted((k, v) for k, v in context.items() if k not in THREAD_KEYS))  # threads: no memory
+        key = (memory, counts)
         if key not in self._spreads:
             self._spreads[key] = self._spread(context, counts)
-        return self._spreads[key]
+        found = self._spreads[key]
+        if found is None:
+            return None
+        for how in dict.fromkeys((order, "last")):
+            placed = {**context, **found, split.ORDER: how}
+            if self(candidate(self.req, placed)).feasible:
+                return placed
+        return None
 
     def _spread(self, context: dict[str, Any], counts: tuple[int, ...] | None) -> dict[str, Any] | None:
+        """The split's params, searched by the estimator; where the build's own projection (the drift guard) says
+        more than fitter's estimate on a device, searched again with that much less room there (twice at most)."""
         req, budgets = self.req, self.budgets
         base = candidate(req, self._with_threads(context))
         if base.error is not None:
             return None
 
-        def judge(config: LaunchConfig) -> MemoryPlan | None:
-            s = screen(req.spec, config, req.devices, req.cpu, budgets)
-            return s.plan if s.feasible else None
-
         room = {name: b - budgets.margins.get(name, 0) for name, b in budgets.devices.items()}
-        search = DeviceSearch(req.spec, req.devices, room, judge, base.config, req.cpu)
-        found = search.whole_layers(base.config.n_gpu_layers, None if counts is None else
-                                    tuple(float(c) for c in counts))
-        if found is None:
-            return None
-        layout = found[0]
-        ranges = search.ranges(base.config.n_gpu_layers, layout.counts)
-        to_cpu = tuple(len(r) - k for r, k in zip(ranges, layout.keep, strict=True))
-        placed = {**context, **split.Split(tuple(int(c) for c in layout.counts), to_cpu).params()}
-        return placed if self(candidate(req, placed)).feasible else None
+        ngl = base.config.n_gpu_layers
+        for _ in range(3):
+            within = replace(budgets, devices=dict(room), margins={})
+
+            def judge(config: LaunchConfig, within: Budgets = within) -> MemoryPlan | None:
+                s = screen(req.spec, config, req.devices, req.cpu, within)
+                return s.plan if s.feasible else None
+
+            search = DeviceSearch(req.spec, req.devices, room, judge, base.config, req.cpu)
+            found = search.whole_layers(ngl, None if counts is None else tuple(float(c) for c in counts))
+            if found is None:
+                return None
+            layout = found[0]
+            ranges = search.ranges(ngl, layout.counts)
+            to_cpu = tuple(len(r) - k for r, k in zip(ranges, layout.keep, strict=True))
+            placed = split.Split(tuple(int(c) for c in layout.counts), to_cpu).params()
+            s = self(candidate(req, {**context, **placed}))
+            if s.feasible:
+                return placed
+            if s.projection is None or s.plan is None:
+                return None
+            ours = device_totals(s.plan)
+            more = {name: sum(s.projection[name].values()) - ours.get(name, 0) for name in room
+                    if name in s.projection}
+            if all(v <= 0 for v in more.values()):
+                return None
+            room = {name: r - max(0, more.get(name, 0)) for name, r in room.items()}
+        return None
 
     def one_device(self, params: dict[str, Any], main: int) -> dict[str, Any] | None:
         """The whole model on device `main` (-sm none -mg main) with its fewest experts on the CPU, or None."""
@@ -229,7 +255,7 @@ def _placed_alike(screener: Screener, context: dict[str, Any], params: dict[str,
         return screener.placement(context)
     if current.main is not None:
         return screener.one_device(context, current.main)
-    return screener.spread(context, current.counts)
+    return screener.spread(context, current.counts, current.order)
 
 
 def _split_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> \
@@ -251,7 +277,7 @@ def _split_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -
             for j in (i - 1, i + 1):  # to a device beside it in the split: N devices, 2(N-1) moves
                 if 0 <= j < n_devices and current.counts[i] >= step:
                     counts = tuple(c - step * (k == i) + step * (k == j) for k, c in enumerate(current.counts))
-                    moves.append(screener.spread(params, counts))
+                    moves.append(screener.spread(params, counts, current.order))
     moves += [screener.one_device(params, g) for g in range(n_devices) if g != current.main]
     for move in moves:
         if move is not None:

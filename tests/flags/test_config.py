@@ -88,3 +88,11 @@ def test_a_value_starting_with_a_dash_reads_back() -> None:
     c = parse_launch_flags(["--override-tensor=-x=CPU"])
     assert c.overrides == (TensorOverride("-x", "CPU"),)
     assert parse_launch_flags(pin(c)).overrides == parse_launch_flags(["-ot", "-x=CPU"]).overrides == c.overrides
+
+
+def test_several_endpoints_move_pairwise_and_whole_ports_only() -> None:
+    from fitter.flags.parse import with_endpoints
+
+    flags = ["--rpc", "127.0.0.1:4084,127.0.0.1:40845", "-ot", "x=RPC0[127.0.0.1:40845]"]
+    moved = with_endpoints(flags, ["127.0.0.1:4084", "127.0.0.1:40845"], ["127.0.0.1:40845", "127.0.0.1:50002"])
+    assert moved == ["--rpc", "127.0.0.1:40845,127.0.0.1:50002", "-ot", "x=RPC0[127.0.0.1:50002]"]

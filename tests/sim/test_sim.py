@@ -16,7 +16,7 @@ from fitter.measure.runner import TrialRunner
 from fitter.measure.types import BenchSpec, TrialResult, WorkerError
 from fitter.memory.devices import CPU_AVX2, CUDA, Device
 from fitter.sim import MACHINES_DIR, Machine, SimRunner, load_machine, machines_table, shipped_machines, speeds
-from fitter.sim.physics import thread_capacity
+from fitter.sim.physics import thread_capacity, ubatch_stages
 from fitter.units import GIB, MIB
 from tests.models import model_file
 
@@ -374,6 +374,15 @@ def test_a_model_on_the_faster_gpu_alone_decodes_faster_by_about_their_bandwidth
     flags = ["-c", "8192", "-fa", "on", "-ngl", "all", "-sm", "none", "-mg"]
     fast, slow = (noise_free("gpu-3090-3060", "gpt-oss-20b", [*flags, g], BenchSpec(threads=16))[1] for g in "01")
     assert 1.8 < fast / slow < 800 / 310  # bandwidth-bound, less the per-op costs both pay
+
+
+def test_op_offload_runs_on_the_one_gpu_split_mode_none_keeps() -> None:
+    # -sm none -mg 1: the scheduler has CUDA1 and the CPU only, so CPU-resident experts are offloaded to CUDA1
+    flags = ["-c", "8192", "-fa", "on", "-ngl", "all", "-sm", "none", "-mg", "1", "-ot",
+             r"blk\.(20|21|22|23)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"]
+    r = runner("gpu-3090-3060", "gpt-oss-20b")
+    stages = ubatch_stages(r.machine, r.plan(parse_launch_flags(flags)), 512, 1024, 16)
+    assert set(stages) == {"CPU", "CUDA1"} and stages["CUDA1"] > 0
 
 
 def test_each_hop_between_gpus_costs_the_activation_copy_over_their_link() -> None:

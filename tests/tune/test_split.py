@@ -9,8 +9,9 @@ import pytest
 from optuna.distributions import CategoricalDistribution, IntDistribution
 
 from fitter.errors import LaunchConfigError
+from fitter.flags import LaunchConfig
 from fitter.gguf.model_spec import ModelSpec, Role, load_model_spec
-from fitter.memory.estimator import CPU
+from fitter.memory.estimator import CPU, estimate
 from fitter.sim import load_machine
 from fitter.tune import split
 from fitter.tune.grid import sim_request
@@ -102,6 +103,36 @@ def test_the_first_placement_fills_every_gpu_and_reads_fewer_bytes_than_gpu0_fir
     assert g.plan is not None
     placed_bytes, gpu0_bytes = (sum(v for k, v in device_totals(p).items() if k != CPU) for p in (s.plan, g.plan))
     assert placed_bytes > gpu0_bytes + 8 * 2**30  # ~8 GiB more of the model on the GPUs
+
+
+def test_with_a_build_that_projects_more_the_split_leaves_that_room_and_is_searched_again() -> None:
+    shape = load_model_spec(str(model_file("gpt-oss-120b", sparse=True)))
+    base = sim_request(load_machine("gpu-3090-3060"), shape, shape.path)
+    req = replace(base, distributions=split.split_dims(base.distributions, 2, shape.n_layer))
+    extra = 1024 * 2**20  # the build projects 1 GiB more compute on every GPU than fitter's estimate
+
+    def projector(config: LaunchConfig) -> dict[str, dict[str, int]]:
+        plan = estimate(shape, config, req.devices)
+        totals = plan.totals()
+        return {d.name: {"model": totals[d.name].model, "kv": totals[d.name].kv,
+                         "compute": totals[d.name].compute + extra} for d in req.devices}
+
+    guarded = replace(req, projector=projector)
+    combo = {**combos(req)[0], "threads": 16}
+    placed = Screener(guarded).placement(combo)
+    assert placed is not None and Screener(guarded)(candidate(guarded, placed)).feasible
+    plain = Screener(req).placement(combo)
+    assert plain is not None
+    assert placed["n-cpu-moe[0]"] + placed["n-cpu-moe[1]"] > plain["n-cpu-moe[0]"] + plain["n-cpu-moe[1]"]
+
+
+def test_a_split_searched_once_serves_every_thread_count() -> None:
+    req = request()
+    screener = Screener(req)
+    combo = combos(req)[0]
+    a, b = (screener.placement({**combo, "threads": t}) for t in (8, 16))
+    assert a is not None and b is not None and len(screener._spreads) == 1
+    assert {k: v for k, v in a.items() if k != "threads"} == {k: v for k, v in b.items() if k != "threads"}
 
 
 def test_the_placements_neighbours_move_layers_flip_the_order_and_try_each_gpu_alone() -> None:

@@ -56,12 +56,13 @@ def test_the_cuda_shaped_emulated_gpu_is_planned_with_cudas_rules_and_named_apar
 
 
 def test_several_emulated_gpus_are_planned_one_per_cap_with_their_own_placeholder() -> None:
-    snapshot = dataclasses.replace(take_snapshot(), gpus=())
+    snapshot = take_snapshot()
+    snapshot = dataclasses.replace(snapshot, gpus=(), cpu=dataclasses.replace(snapshot.cpu, physical_cores=8))
     target = local_target(snapshot, parse_launch_flags(["-c", "2048"]), ProcessFlags(), (96, 48), False, None)
     assert [(d.name, d.profile, d.free_bytes) for d in target.planned_devices] == [
         ("RPC0[127.0.0.1:50052]", RPC, 96 * 2**20), ("RPC0[127.0.0.1:50053]", RPC, 48 * 2**20)]
     assert target.planned_rpc == ("127.0.0.1:50052", "127.0.0.1:50053")
     assert target.machine["emulated_gpu_mib"] == [96, 48]
     assert target.machine_dir.startswith("emulated-96+48MiB-")
-    reserved = min(2, snapshot.cpu.physical_cores - 1)
-    assert target.physical_cores == snapshot.cpu.physical_cores - reserved
+    assert target.physical_cores == 6  # a core for each emulated GPU's server
+    assert "2 cores left to the 2 emulated GPUs' servers: trials use up to 6 threads" in target.notes
