@@ -2,9 +2,11 @@
 
 llama.cpp 0c1e570 offers it as `llama-fit-params --fit-print on` (tools/fit-params/fit-params.cpp → common/fit.cpp
 `common_fit_print`): the model is loaded with `no_alloc`, a context is built, and each device's memory is printed
-in whole MiB (floored) as `NAME MODEL CONTEXT COMPUTE`, the host last as `Host …`; CONTEXT is the KV cache plus the
-output buffer. It is the build's answer for the backend it was built with, so it holds where fitter's rules were
-never matched: another commit, or a backend without goldens (Vulkan, ROCm, Metal).
+in whole MiB (floored) as `NAME MODEL CONTEXT COMPUTE`, the host last as `Host …`; CONTEXT is the memory's
+buffers alone, the KV cache (src/llama-context.cpp `llama_context::memory_breakdown`: the model's, the memory's and
+the scheduler's buffers; the output buffer is in none of them). It is the build's answer for the backend it was
+built with, so it holds where fitter's rules were never matched: another commit, or a backend without goldens
+(Vulkan, ROCm, Metal).
 
 The tool reads flags as its own example (fitter.measure.llama_fit.fit_flags translates llama-server's), so it
 projects the config as the program `llama-fit-params` runs it (fitter.flags.consumers): `-np` streams that are
@@ -31,7 +33,7 @@ from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.estimator import CPU, estimate
 from fitter.units import MIB
 
-KINDS = ("model", "kv", "compute")  # the tool's model, context (KV + output), compute
+KINDS = ("model", "kv", "compute")  # the tool's model, context (the KV cache), compute
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,11 @@ def project(tool: str | Path, model: str | Path, flags: Sequence[str], timeout: 
 
 def tool_estimate(spec: ModelSpec, flags: Sequence[str], devices: tuple[Device, ...],
                   cpu: CpuProfile) -> dict[str, dict[str, int]]:
-    """fitter's estimate of the config as the tool reads it, in the tool's kinds (context = KV + output)."""
+    """fitter's estimate of the config as the tool reads it, in the tool's kinds (context: the KV cache only, as
+    llama.cpp's breakdown counts it; fitter's output buffer is left out)."""
     launch, _ = split_process_flags(list(flags), "the flags")
     plan = estimate(spec, parse_launch_flags(fit_flags(launch), "llama-fit-params"), devices, cpu)
-    return {name: {"model": t.model, "kv": t.kv + t.output, "compute": t.compute}
+    return {name: {"model": t.model, "kv": t.kv, "compute": t.compute}
             for name, t in plan.totals().items()}
 
 

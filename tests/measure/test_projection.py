@@ -48,3 +48,16 @@ def test_the_pinned_build_projects_what_fitter_estimates(llama_tools: dict[str, 
             if name == "CPU" and kind == "model" and "-nr" not in flags:
                 continue  # the dry run allocates no CPU_REPACK buffer and leaves those weights out
             assert 0 <= ours[name][kind] - built < MIB, (name, kind, ours[name][kind] / MIB, built / MIB)
+
+
+@pytest.mark.llama
+@pytest.mark.tools("llama-fit-params")
+def test_the_builds_context_is_the_kv_cache_without_the_output_buffer() -> None:
+    # gpt-oss-20b's output buffer for llama-fit-params' full ubatch of logits is 201088 × 512 × 4 B ≈ 393 MiB: counted
+    # in the context, fitter's figure would be that much above the build's
+    model = model_file("gpt-oss-20b", sparse=True)
+    spec = load_model_spec(str(model))
+    flags = ["-c", "4096", "-nr"]
+    theirs = project(BUILT_TOOLS / "llama-fit-params", model, flags).devices
+    ours = tool_estimate(spec, flags, (), CPU_AVX2)
+    assert 0 <= ours["CPU"]["kv"] - theirs["CPU"]["kv"] < MIB, (ours["CPU"]["kv"] / MIB, theirs["CPU"]["kv"] / MIB)
