@@ -17,6 +17,7 @@ from typing import Any
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.gguf.model_spec import ModelSpec
+from fitter.machine.gpu_order import GpuOrderError
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
 from fitter.measure.emulated_gpu import emulated_device
 from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner, emulated_caps
@@ -68,7 +69,13 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
                  llama_cpp: str | None = None) -> Target:
     """This machine: its NVIDIA GPUs (free memory from the snapshot), the config's `--rpc` servers, or an emulated
     GPU (`--emulated-gpu [cuda:]MiB`, or by itself for the demo model on a machine without a GPU)."""
-    cpu, gpus = snapshot.cpu, tuple(c.gpu for c in snapshot.gpu_order())  # those llama.cpp sees (CUDA_VISIBLE_DEVICES)
+    cpu = snapshot.cpu
+    try:
+        gpus = tuple(c.gpu for c in snapshot.gpu_order())  # those llama.cpp sees (CUDA_VISIBLE_DEVICES)
+    except GpuOrderError:
+        if emulated_mib is None and not base.rpc:
+            raise
+        gpus = ()  # CUDA's order of these GPUs is unknown, and the trials run on emulated GPUs or --rpc: left alone
     notes: list[str] = []
     default_fit_target = None
     no_emulator = None
@@ -95,7 +102,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         cores = "one core" if reserved == 1 else f"{reserved} cores"
         notes.append(f"{cores} left to {whose}: trials use up to {cpu.physical_cores - reserved} threads")
     machine = snapshot.record()
-    own = rpc_devices(list(base.rpc)) if base.rpc else snapshot.devices()
+    own = rpc_devices(list(base.rpc)) if base.rpc else snapshot.devices() if gpus else ()
 
     def started(runner: TrialRunner) -> tuple[Device, ...]:
         """With the worker started, the GPUs' free memory is read again: what the worker holds is not the trials'."""

@@ -283,3 +283,17 @@ def test_gpu_map_is_the_records_shape() -> None:
     assert gpu_map(cuda_order(nvml_gpus(RTX_3060), {})) == [
         {"device": "CUDA0", "pci_bus_id": "0000:02:00.0", "name": "NVIDIA GeForce RTX 3060",
          "memory_total": 12288 * MIB}]
+
+
+def test_an_emulated_gpu_tune_runs_beside_gpus_whose_cuda_order_is_unknown() -> None:
+    from fitter.flags import ProcessFlags, parse_launch_flags
+    from fitter.tune.targets import local_target
+
+    mixed = snapshot(FakeNvml([RTX_3060, RTX_3090]))
+    base = parse_launch_flags(["-c", "2048"])
+    target = local_target(mixed, base, ProcessFlags(), (96, 48), False, None)
+    assert [d.name for d in target.planned_devices] == ["RPC0[127.0.0.1:50052]", "RPC0[127.0.0.1:50053]"]
+    assert target.machine["gpu_order_unknown"] == MIXED_REFUSAL
+    with pytest.raises(GpuOrderError) as e:  # on those GPUs themselves: refused, naming them
+        local_target(mixed, base, ProcessFlags(), None, False, None)
+    assert str(e.value) == MIXED_REFUSAL
