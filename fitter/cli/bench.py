@@ -55,12 +55,11 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
 
 
 def _listed(snapshot: MachineSnapshot, ns: argparse.Namespace) -> MachineSnapshot:
-    """The snapshot with the user's build's own device list, when a build measures and this machine has GPUs: it
-    confirms (or gives) which GPU llama.cpp calls CUDA0 (fitter.machine.gpu_order)."""
-    from fitter.measure.llama_build import binary_devices, find_build
+    """The snapshot with the device list of the user's binary that measures, if any (fitter.machine.gpu_order)."""
+    from fitter.measure.llama_build import find_build, listed_by
 
     binary = ns.llama_server or ns.llama_bench or (find_build(ns.llama_cpp).llama_server if ns.llama_cpp else None)
-    return snapshot.with_listing(binary_devices(binary)) if binary and snapshot.gpus else snapshot
+    return listed_by(snapshot, binary)
 
 
 def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:

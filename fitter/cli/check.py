@@ -42,7 +42,7 @@ def _listed(snapshot: MachineSnapshot, result: Path) -> MachineSnapshot:
     """The snapshot with the device list of the llama-server the result was tuned with, when it is still there and
     this machine has GPUs: which GPU it calls CUDA0, as the tune read it (fitter.machine.gpu_order)."""
     from fitter.errors import FitterError
-    from fitter.measure.llama_build import binary_devices
+    from fitter.measure.llama_build import listed_by
     from fitter.tune.result import load_result
 
     if not snapshot.gpus:
@@ -51,9 +51,7 @@ def _listed(snapshot: MachineSnapshot, result: Path) -> MachineSnapshot:
         binary = load_result(result).llama_cpp.get("llama_server")
     except FitterError:
         return snapshot  # run_check reports the unreadable result
-    if not isinstance(binary, str) or not Path(binary).is_file():
-        return snapshot
-    return snapshot.with_listing(binary_devices(binary))
+    return listed_by(snapshot, binary if isinstance(binary, str) and Path(binary).is_file() else None)
 
 
 def register(sub: Any) -> None:

@@ -21,8 +21,10 @@ from typing import Any
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import LaunchConfig, parse_launch_flags, pin, split_process_flags
 from fitter.flags.config import SPLIT_MODES
+from fitter.flags.overrides import with_bufts
 from fitter.flags.parse import flag_groups, process_flags_of
 from fitter.flags.vocabulary import BY_NAME
+from fitter.memory.devices import emulated_gpu_names
 from fitter.tune.result import POLICIES, Entry, ParetoDoc
 
 FORMATS = ("server", "preset-ini", "llama-swap", "python", "json")
@@ -83,8 +85,7 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
     warning = None
     if emulated:
         # several emulated GPUs stand for CUDA0, CUDA1, … in their order: a rule naming one names that GPU
-        named = {f"RPC0[{endpoint}]": f"CUDA{i}" for i, endpoint in enumerate(config.rpc)}
-        rules = tuple(replace(r, buft=named.get(r.buft, r.buft)) for r in config.overrides)
+        named = emulated_gpu_names(config.rpc)
         dropped = f"; its --rpc {','.join(config.rpc)} is left out" if config.rpc else ""
         renamed = sorted({f"{r.buft} as {named[r.buft]}" for r in config.overrides if r.buft in named})
         dropped += f"; -ot names {', '.join(renamed)}" if renamed else ""
@@ -92,7 +93,7 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
         what = "GPUs (capped llama.cpp RPC devices" if several else "GPU (a capped llama.cpp RPC device"
         warning = (f"measured on fitter's emulated {what} on the tuning machine, CPU speed){dropped}: check the "
                    f"placement fits your GPU{'s' if several else ''} with `fitter fit`")
-        config = replace(config, rpc=(), overrides=rules)
+        config = replace(config, rpc=(), overrides=with_bufts(config.overrides, named))
     if config.flash_attn == "auto":
         raise FitterError(f"{where}: -fa auto is resolved by llama-server per device at launch; an export pins "
                           "-fa on or off: tune with flash-attn on/off")

@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 
 from fitter.flags import LaunchConfig
 from fitter.flags.consumers import retarget
+from fitter.flags.overrides import with_bufts
 from fitter.flags.parse import flag_value
 from fitter.gguf.model_spec import ModelSpec
-from fitter.memory.devices import CPU_AVX2, CUDA, CpuProfile, Device, rpc_devices
+from fitter.memory.devices import CPU_AVX2, CUDA, CpuProfile, Device, emulated_gpu_names, rpc_devices
 from fitter.memory.estimator import estimate
 from fitter.tune.result import Entry, ParetoDoc
 from fitter.units import MIB
@@ -80,11 +81,11 @@ def recorded_budgets(doc: ParetoDoc) -> dict[str, int]:
 def _on_measured_devices(config: LaunchConfig, entry: Entry) -> LaunchConfig:
     """A pick whose rules an export renamed from the i-th emulated GPU to CUDA<i> (fitter.export.launchers), with
     the emulated GPUs' names again, as it was measured: the i-th endpoint of the trial's --rpc."""
-    endpoints = (flag_value(list(entry.flags or []), "rpc") or "").split(",")
-    named = {f"CUDA{i}": f"RPC0[{e}]" for i, e in enumerate(endpoints) if e}
-    if not named or config.rpc:
+    endpoints = [e for e in (flag_value(list(entry.flags or []), "rpc") or "").split(",") if e]
+    if not endpoints or config.rpc:
         return config
-    return replace(config, overrides=tuple(replace(r, buft=named.get(r.buft, r.buft)) for r in config.overrides))
+    as_measured = {cuda: rpc for rpc, cuda in emulated_gpu_names(endpoints).items()}
+    return replace(config, overrides=with_bufts(config.overrides, as_measured))
 
 
 def replan(doc: ParetoDoc, entry: Entry, config: LaunchConfig, target: str, spec: ModelSpec,

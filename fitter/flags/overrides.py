@@ -8,6 +8,8 @@ matches a tensor wins (common/arg.cpp, src/llama-model-loader.cpp). Pure functio
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import replace
 
 from fitter.flags.config import TensorOverride
 
@@ -49,6 +51,12 @@ def split_ncmoe(overrides: tuple[TensorOverride, ...]) -> tuple[int, list[Tensor
             break
         n += 1
     return n, list(overrides[n:])
+
+
+def with_bufts(overrides: tuple[TensorOverride, ...], names: Mapping[str, str]) -> tuple[TensorOverride, ...]:
+    """The rules with each buffer type `names` lists renamed (an emulated GPU's RPC0[…] as the CUDA<i> it stands
+    for, and back)."""
+    return tuple(replace(r, buft=names.get(r.buft, r.buft)) for r in overrides)
 
 
 def override_flags(overrides: tuple[TensorOverride, ...], separator: str = ",") -> list[str]:

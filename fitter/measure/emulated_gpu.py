@@ -52,7 +52,7 @@ from fitter.measure.capdev import (
     shim_library,
 )
 from fitter.measure.capi import CUDA_RPC_ENV
-from fitter.memory.devices import CUDA, RPC, Device
+from fitter.memory.devices import CUDA, RPC, Device, rpc_device_name
 from fitter.units import MIB
 
 __all__ = ["EmulatedGpu", "EmulatedGpuError", "EmulatedGpuStats", "EmulatedGpus", "emulated_gpu_problem"]
@@ -134,7 +134,7 @@ class EmulatedGpu:
         The 0 is the device's index on this server (it serves one), so it stays 0 whatever other RPC servers
         the client registers; the client's device list calls it `RPC<n>` with a client-wide counter.
         """
-        return f"RPC0[{self.endpoint}]"
+        return rpc_device_name(self.endpoint)
 
     def device(self) -> Device:
         """This device as the estimator sees it (`emulated_device`)."""

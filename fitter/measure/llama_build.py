@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.errors import FitterError
+from fitter.machine.snapshot import MachineSnapshot
 from fitter.memory.devices import CUDA, RPC, Device, DeviceProfile
 from fitter.units import MIB
 
@@ -85,6 +86,14 @@ def binary_devices(binary: str | Path, timeout: float = 60.0) -> tuple[ListedDev
     """The devices one llama.cpp binary lists (`llama-server` or `llama-bench --list-devices`, common/arg.cpp)."""
     path = Path(binary)
     return list_devices(LlamaCppBuild(path.parent, path, None, None), timeout=timeout)
+
+
+def listed_by(snapshot: MachineSnapshot, binary: str | Path | None) -> MachineSnapshot:
+    """`snapshot` with `binary`'s own device list, when a binary measures and the machine has GPUs: it confirms (or
+    gives) which GPU llama.cpp calls CUDA0 (fitter.machine.gpu_order)."""
+    if binary is None or not snapshot.gpus:
+        return snapshot
+    return snapshot.with_listing(binary_devices(binary))
 
 
 def build_devices(listed: tuple[ListedDevice, ...]) -> tuple[tuple[Device, ...], list[str]]:

@@ -9,6 +9,7 @@ in common.cuh) and own a pinned host buffer type `CUDA_Host`; an RPC device forw
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fitter.errors import LaunchConfigError
@@ -84,6 +85,17 @@ def parse_devices(spec: str) -> tuple[Device, ...]:
     raise LaunchConfigError(f"--devices {spec!r}: expected none, cuda:MiB[,MiB...] or rpc:HOST:PORT[,...]")
 
 
+def rpc_device_name(endpoint: str) -> str:
+    """The device of the RPC server at `endpoint`, as ggml-rpc.cpp names a server's devices `RPC<index on that
+    server>[HOST:PORT]`: each server fitter meets serves one, so `RPC0[…]` whatever its place in `--rpc`."""
+    return f"RPC0[{endpoint}]"
+
+
+def emulated_gpu_names(endpoints: Sequence[str]) -> dict[str, str]:
+    """Emulated GPUs (their RPC device names, in `--rpc` order) → the CUDA<i> devices they stand for."""
+    return {rpc_device_name(e): f"CUDA{i}" for i, e in enumerate(endpoints)}
+
+
 def rpc_devices(endpoints: list[str], flag: str = "--rpc") -> tuple[Device, ...]:
     """One device per RPC server, named as ggml-rpc.cpp names a server's devices, `RPC<index on that
     server>[HOST:PORT]`: each server's (only) device is `RPC0[…]` whatever its place in the list."""
@@ -91,7 +103,7 @@ def rpc_devices(endpoints: list[str], flag: str = "--rpc") -> tuple[Device, ...]
     for endpoint in endpoints:
         if not re.fullmatch(r"[\w.\-\[\]:]+:\d+", endpoint):
             raise LaunchConfigError(f"{flag} {endpoint!r}: expected HOST:PORT")
-        devices.append(Device(f"RPC0[{endpoint}]", RPC))
+        devices.append(Device(rpc_device_name(endpoint), RPC))
     if len({d.name for d in devices}) < len(devices):
         raise LaunchConfigError(f"{flag} {','.join(endpoints)}: an RPC server is named twice")
     return tuple(devices)

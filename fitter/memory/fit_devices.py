@@ -32,7 +32,7 @@ from fitter.flags import LaunchConfig, TensorOverride
 from fitter.flags.overrides import EXPERT_KINDS, layer_experts_rule
 from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.devices import CpuProfile, Device
-from fitter.memory.estimator import MemoryPlan, estimate, layer_devices, place
+from fitter.memory.estimator import MemoryPlan, estimate, layer_devices, model_devices, place
 
 # A plan when the config fits every device's budget, else None (fitter.memory.fit._Search.fits).
 Judge = Callable[[LaunchConfig], MemoryPlan | None]
@@ -81,7 +81,7 @@ class DeviceSearch:
                  base: LaunchConfig, cpu: CpuProfile) -> None:
         self.spec, self.devices, self.budgets, self.judge, self.base = spec, devices, budgets, judge, base
         self.cpu = cpu
-        self.expert_layers = sorted({t.layer for t in spec.tensors if t.role is Role.EXPERT and t.layer is not None})
+        self.expert_layers = expert_layers(spec)
         self._judged: dict[tuple[int, Layout], Found | None] = {}
         self._compute: dict[tuple[int, tuple[float, ...]], dict[str, int]] = {}  # last full estimate's compute
         self._ranges: dict[tuple[int, tuple[float, ...]], list[list[int]]] = {}  # every judgment writes rules
@@ -98,14 +98,7 @@ class DeviceSearch:
 
     def _assign(self, ngl: int, counts: tuple[float, ...]) -> list[list[int]]:
         config = replace(self.base, n_gpu_layers=ngl, tensor_split=tuple(float(c) for c in counts), overrides=())
-        layer_dev = layer_devices(self.spec, config, self.devices)
-        index = {d.name: i for i, d in enumerate(self.devices)}
-        out: list[list[int]] = [[] for _ in self.devices]
-        for il in self.expert_layers:
-            dev = layer_dev[il]
-            if dev is not None:
-                out[index[dev.name]].append(il)
-        return out
+        return expert_ranges(self.spec, self.devices, config, self.expert_layers)
 
     def config(self, ngl: int, layout: Layout) -> LaunchConfig:
         rules: list[TensorOverride] = []
@@ -333,6 +326,25 @@ class DeviceSearch:
         variant = replace(layout, spill=spill, partial=partial)
         found = self.judged(ngl, variant)
         return None if found is None else (variant, found)
+
+
+def expert_layers(spec: ModelSpec) -> list[int]:
+    """The layers that have expert tensors, in order."""
+    return sorted({t.layer for t in spec.tensors if t.role is Role.EXPERT and t.layer is not None})
+
+
+def expert_ranges(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig,
+                  layers: list[int] | None = None) -> list[list[int]]:
+    """Each device's layers that have experts (`layers`, else the spec's), in order, as llama.cpp assigns layers
+    (load_tensors); under -sm none only -mg's device holds any."""
+    layer_dev = layer_devices(spec, config, model_devices(config, devices))
+    index = {d.name: i for i, d in enumerate(devices)}
+    out: list[list[int]] = [[] for _ in devices]
+    for il in expert_layers(spec) if layers is None else layers:
+        dev = layer_dev[il]
+        if dev is not None:
+            out[index[dev.name]].append(il)
+    return out
 
 
 def _estimate(search: DeviceSearch, ngl: int, layout: Layout) -> MemoryPlan:

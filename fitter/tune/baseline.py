@@ -15,7 +15,7 @@ from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, parse_flags
 from fitter.flags.parse import flag_value, has_flag, parse_launch_flags, with_endpoint, with_endpoints, without
 from fitter.measure.llama_fit import LlamaFit, LlamaFitError, baseline_flags, run_llama_fit
-from fitter.memory.devices import Device
+from fitter.memory.devices import Device, rpc_device_name
 from fitter.memory.estimator import estimate
 from fitter.tune.fleet import measured
 from fitter.tune.request import Candidate, TuneRequest
@@ -213,5 +213,5 @@ def named_as_devices(flags: list[str], endpoints: tuple[str, ...], devices: tupl
     (a simulated machine's CUDA0, CUDA1, …): ggml-rpc names each server's device RPC0[host:port]."""
     out = list(flags)
     for endpoint, device in zip(endpoints, devices, strict=True):
-        out = with_endpoint(out, f"RPC0[{endpoint}]", device.name)
+        out = with_endpoint(out, rpc_device_name(endpoint), device.name)
     return out

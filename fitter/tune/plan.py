@@ -241,17 +241,22 @@ def neighbours(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> 
         yield placed
 
 
+def _current_split(req: TuneRequest, params: dict[str, Any]) -> split.Split | None:
+    """The split `params` stand for when the space has one (several devices), else None; None too for a split llama.cpp
+    would refuse."""
+    if split.MODE not in req.distributions:
+        return None
+    try:
+        return split.read_split(params, len(req.devices), req.spec.n_layer)
+    except FitterError:
+        return None
 
 
 def _placed_alike(screener: Screener, context: dict[str, Any], params: dict[str, Any]) -> dict[str, Any] | None:
     """`context` at its best placement of the same shape as `params`': on several devices the same split (or the
     same one device), each device keeping the experts that fit; else the best placement."""
-    req = screener.req
-    if split.MODE not in req.distributions:
-        return screener.placement(context)
-    try:
-        current = split.read_split(params, len(req.devices), req.spec.n_layer)
-    except FitterError:
+    current = _current_split(screener.req, params)
+    if current is None:
         return screener.placement(context)
     if current.main is not None:
         return screener.one_device(context, current.main)
@@ -263,13 +268,10 @@ def _split_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -
     """On several devices, the placement's own neighbours, each feasible: a few layers moved from one device to the
     next or the one before (each then keeping the experts that fit), the other expert order, the whole model on one
     device. Which is faster is the GPUs' speeds' to say: these are measured, not judged by bytes alone."""
-    if split.MODE not in req.distributions:
+    current = _current_split(req, params)
+    if current is None:
         return
     n_devices, n_layer = len(req.devices), req.spec.n_layer
-    try:
-        current = split.read_split(params, n_devices, n_layer)
-    except FitterError:
-        return
     moves: list[dict[str, Any] | None] = [{**params, split.ORDER: "first" if current.order == "last" else "last"}]
     if current.main is None and current.counts is not None:
         step = max(1, (n_layer + 1) // 8)

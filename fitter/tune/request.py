@@ -22,16 +22,16 @@ from fitter.tune.space import is_valid_combination, params_to_flags
 from fitter.tune.split import apply_split, is_split_key, read_split
 
 OBJECTIVES: dict[str, str] = {"tg": "maximize", "pp": "maximize", "vram": "minimize"}
-PLACEMENT_KEYS = ("n-cpu-moe", "n-gpu-layers")  # with the per-device keys of fitter.tune.split
-
-
-def is_placement_key(key: str) -> bool:
-    return key in PLACEMENT_KEYS or is_split_key(key)
+PLACEMENT_KEYS = ("n-cpu-moe", "n-gpu-layers")  # with the per-device keys of fitter.tune.split (is_placement_key)
 THREAD_KEYS = ("threads", "threads-batch")
 # llama-server's own defaults, the tie-breaker when the physics prior cannot tell two combos apart
 EMULATED_ENDPOINT = "<emulated GPU>"  # fitter's own emulated GPU in a config's key (Candidate.key)
 SERVER_DEFAULTS: dict[str, Any] = {"batch-size": 2048, "ubatch-size": 512, "cache-type-k": "f16",
                                    "cache-type-v": "f16", "flash-attn": "auto"}
+
+
+def is_placement_key(key: str) -> bool:
+    return key in PLACEMENT_KEYS or is_split_key(key)
 
 
 class TuneError(FitterError):

@@ -218,10 +218,10 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         users = find_build(o.llama_cpp)  # a wrong folder stops here, before any study is opened
         if o.backend in ("sim", "replay"):
             raise FitterError(f"--llama-cpp DIR measures with that build: drop --backend {o.backend}")
-        if snapshot is not None and snapshot.gpus:  # which GPU is CUDA0, as the build itself lists them
-            from fitter.measure.llama_build import list_devices
+        if snapshot is not None:  # which GPU is CUDA0, as the build itself lists them
+            from fitter.measure.llama_build import listed_by
 
-            snapshot = snapshot.with_listing(list_devices(users))
+            snapshot = listed_by(snapshot, users.llama_server)
     fit_params = o.llama_fit_params or (str(users.llama_fit_params) if users and users.llama_fit_params else None)
     tool = find_llama_fit_params(fit_params)  # a wrong path stops here, before any study is opened
     target = tune_target(o, snapshot)

@@ -29,9 +29,9 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, TensorOverride
 from fitter.flags.overrides import FFN_EXPS_REGEX, override_flags
-from fitter.gguf.model_spec import ModelSpec, Role
+from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.devices import Device
-from fitter.memory.estimator import layer_devices, model_devices
+from fitter.memory.fit_devices import expert_ranges
 
 ORDER = "expert-order"
 MODE = "split-mode"
@@ -128,18 +128,6 @@ def apply_split(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConf
         config = replace(config, overrides=(*config.overrides, rule))
         flags += override_flags((rule,))
     return config, flags
-
-
-def expert_ranges(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig) -> list[list[int]]:
-    """Each device's layers that have experts, in order, as llama.cpp assigns layers (load_tensors)."""
-    layer_dev = layer_devices(spec, config, model_devices(config, devices))  # -sm none: -mg's device only
-    index = {d.name: i for i, d in enumerate(devices)}
-    out: list[list[int]] = [[] for _ in devices]
-    for il in sorted({t.layer for t in spec.tensors if t.role is Role.EXPERT and t.layer is not None}):
-        dev = layer_dev[il]
-        if dev is not None:
-            out[index[dev.name]].append(il)
-    return out
 
 
 def experts_to_cpu(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig, split: Split) -> list[int]:

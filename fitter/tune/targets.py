@@ -21,7 +21,7 @@ from fitter.machine.gpu_order import GpuOrderError
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
 from fitter.measure.emulated_gpu import emulated_device
 from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner, emulated_caps
-from fitter.memory.devices import CpuProfile, Device, rpc_devices
+from fitter.memory.devices import CpuProfile, Device, rpc_device_name, rpc_devices
 from fitter.tune.storage import machine_dir_name
 from fitter.units import GIB, MIB
 
@@ -115,7 +115,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         if emulated_cuda:
             machine["emulated_gpu_kind"] = "cuda"  # `fitter check` starts the same kind
         placeholders = placeholder_endpoints(len(caps))
-        planned: tuple[Device, ...] = tuple(emulated_device(f"RPC0[{e}]", cap * MIB, emulated_cuda)
+        planned: tuple[Device, ...] = tuple(emulated_device(rpc_device_name(e), cap * MIB, emulated_cuda)
                                             for e, cap in zip(placeholders, caps, strict=True))
     else:
         planned = own
