@@ -165,7 +165,10 @@ def open_study(url: str, key: StudyKey, directions: list[Any], sampler: optuna.s
                                ) from None
     existing = study.user_attrs
     if not existing.get("model_identity"):
-        for k, v in {**key.attrs(), **settings}.items():
+        # one attribute per write, so "model_identity" goes last: a worker that joins while these are written sees
+        # the study as new until every key is there (it was refused for "another machine fingerprint (None…)")
+        attrs = {**settings, **key.attrs()}
+        for k, v in sorted(attrs.items(), key=lambda kv: kv[0] == "model_identity"):
             study.set_user_attr(k, v)
         existing = study.user_attrs  # two workers creating it together: the one whose attributes stayed decides
     for attr in KEY_ATTRS:

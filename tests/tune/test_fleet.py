@@ -170,6 +170,27 @@ def test_an_in_memory_study_has_claims_of_its_own() -> None:
     assert Worker("gpu-07", 4242).name == "gpu-07:4242"
 
 
+def test_a_worker_joining_while_the_study_is_written_is_not_refused(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # the creator writes one attribute at a time; a second worker opening the study between two of those writes
+    # found a model identity and no machine fingerprint yet and was refused ("another machine fingerprint (None, …")
+    from fitter.tune.storage import StudyKey, open_study
+
+    url, key = f"sqlite:///{tmp_path / 's.db'}", StudyKey("id", "fp", "build")
+    joiner: list[optuna.Study] = []
+    write, writes = optuna.Study.set_user_attr, [0]
+
+    def write_then_let_another_join(self: optuna.Study, k: str, v: Any) -> None:
+        write(self, k, v)
+        writes[0] += 1
+        if writes[0] == 1:  # after the creator's first write (the joiner's own writes come after it)
+            joiner.append(open_study(url, key, ["maximize"], optuna.samplers.RandomSampler(), {"objectives": ["tg"]}))
+
+    monkeypatch.setattr(optuna.Study, "set_user_attr", write_then_let_another_join)
+    creator = open_study(url, key, ["maximize"], optuna.samplers.RandomSampler(), {"objectives": ["tg"]})
+    assert creator.user_attrs == joiner[0].user_attrs == {**key.attrs(), "objectives": ["tg"]}
+
+
 # -- fleets of real `fitter tune` processes -------------------------------------------------------------------------
 
 
