@@ -16,10 +16,8 @@ from typing import Any
 
 from fitter.errors import GGUFError
 from fitter.gguf._constants import MODEL_TENSOR, TENSOR_NAMES
+from fitter.gguf.archs import ARCHS, Arch, Memory, SwaWhen
 from fitter.gguf.header import GGUFHeader, SkippedArray, TensorInfo
-
-# Architectures whose keys, SWA pattern and graph fitter has matched against llama.cpp's source.
-KNOWN_ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2")
 
 
 class Role(StrEnum):
@@ -113,7 +111,13 @@ class ModelSpec:
     expert_gating: int  # llama_expert_gating_func_type: 0 none (arch default), 1 softmax, 2 sigmoid, 3 softmax_weight
     expert_weights_norm: bool
     expert_weights_scale: float
-    tensors: tuple[TensorSpec, ...]
+    tensors: tuple[TensorSpec, ...]  # the tensors llama.cpp creates (a skipped NextN block's are in `skipped`)
+    memory: Memory = Memory.KV
+    n_layer_nextn: int = 0  # NextN/MTP blocks at the end (nextn_predict_layers): never in the trunk's memory
+    recurrent_layers: tuple[bool, ...] = ()  # per layer: recurrent state instead of a KV cache; empty = none
+    n_embd_r: int = 0  # llama_hparams::n_embd_r / n_embd_s: a recurrent layer's conv and SSM state per sequence
+    n_embd_s: int = 0
+    skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
     # What every command prints about this model ("fitter: warning: …"), e.g. an architecture fitter has not matched
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -137,6 +141,24 @@ class ModelSpec:
 
     def n_embd_v_gqa(self, il: int) -> int:
         return self.head_dim_v * self.n_head_kv[il]
+
+    @property
+    def n_layer_trunk(self) -> int:
+        """llama_hparams::n_layer(): the layers the model's graph runs, NextN blocks left out."""
+        return self.n_layer - self.n_layer_nextn
+
+    def kv_layer(self, il: int) -> bool:
+        """Whether layer il has a KV cache: a trunk layer that is not recurrent (llama_model::create_memory's
+        filters), in a model with a KV cache at all."""
+        if self.memory in (Memory.NONE, Memory.RECURRENT):
+            return False
+        return il < self.n_layer_trunk and not (self.recurrent_layers and self.recurrent_layers[il])
+
+    def rs_layer(self, il: int) -> bool:
+        """Whether layer il keeps recurrent state (llama_memory_recurrent)."""
+        if self.memory is Memory.RECURRENT:
+            return il < self.n_layer_trunk
+        return self.memory is Memory.HYBRID and il < self.n_layer_trunk and bool(self.recurrent_layers[il])
 
 
 def tensor_role(name: str) -> tuple[int | None, Role]:
@@ -196,22 +218,51 @@ def _n_vocab(header: GGUFHeader, keys: _Keys) -> int:
     return keys.integer("vocab_size", embd.ne[1] if embd is not None and len(embd.ne) > 1 else 0)
 
 
-def _swa_layers(keys: _Keys, arch: str, n_layer: int, n_swa: int) -> tuple[bool, ...]:
-    """Which layers use the sliding window (llama_model_base::load_swa_pattern, llama_hparams::set_swa_pattern)."""
-    if n_swa == 0:
-        return (False,) * n_layer
+def _swa(keys: _Keys, rules: Arch | None, n_layer: int) -> tuple[int, tuple[bool, ...]]:
+    """The window and which layers use it, as the architecture's load_arch_hparams sets them: its row's
+    load_swa_pattern (llama_model_base::load_swa_pattern, llama_hparams::set_swa_pattern), none without a row."""
+    swa = rules.swa if rules else None
+    found = keys._raw("attention.sliding_window")
+    n_swa = keys.integer("attention.sliding_window", 0)
+    none = (0, (False,) * n_layer)
+    if swa is None or (swa.when is SwaWhen.KEY and n_swa <= 0):
+        return none
+    if swa.when is SwaWhen.UNLESS_ZERO and found is not None and n_swa == 0:
+        return none
+    if swa.forced or (found is None and swa.n_swa):
+        n_swa = swa.n_swa
     raw = keys._raw("attention.sliding_window_pattern")
     if isinstance(raw, list):
         if len(raw) != n_layer:
             raise GGUFError(f"{keys.path}: sliding_window_pattern has {len(raw)} entries, expected {n_layer}")
-        return tuple(bool(v) for v in raw)
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        n_pattern = raw
-    elif arch == "gpt-oss":
-        n_pattern = 2  # load_swa_pattern(ml, 2): even layers slide (src/models/openai-moe.cpp)
+        layers = tuple(bool(v) for v in raw)
+    elif swa.when is SwaWhen.ARRAY:
+        raise GGUFError(f"{keys.path}: required key '{keys.arch}.attention.sliding_window_pattern' (an array, one "
+                        f"value per layer) is missing")
     else:
-        return (False,) * n_layer
-    return tuple(n_pattern == 0 or (il % n_pattern < n_pattern - 1) for il in range(n_layer))
+        n_pattern = raw if isinstance(raw, int) and not isinstance(raw, bool) else swa.pattern
+        if swa.dense_first:
+            layers = tuple(n_pattern == 0 or il % n_pattern != 0 for il in range(n_layer))
+        else:
+            layers = tuple(n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(n_layer))
+    return (n_swa, layers) if n_swa > 0 else none
+
+
+def _recurrent_layers(keys: _Keys, rules: Arch | None, n_layer: int, n_trunk: int) -> tuple[bool, ...]:
+    """`attention.recurrent_layers` (get_key_or_arr: a scalar for every layer), else the row's interval."""
+    if rules is None or rules.memory is not Memory.HYBRID or rules.recurrent is None:
+        return ()
+    if keys._raw("attention.recurrent_layers") is not None:
+        return tuple(bool(v) for v in keys.per_layer("attention.recurrent_layers", n_layer, ()))
+    interval = keys.integer("full_attention_interval", rules.recurrent.interval)
+    return tuple(il < n_trunk and (il + 1) % interval != 0 for il in range(n_layer))
+
+
+def _state_widths(keys: _Keys) -> tuple[int, int]:
+    """llama_hparams::n_embd_r and n_embd_s for Mamba-style and gated-DeltaNet layers (the SSM keys)."""
+    d_conv, d_inner = keys.integer("ssm.conv_kernel", 0), keys.integer("ssm.inner_size", 0)
+    d_state, n_group = keys.integer("ssm.state_size", 0), keys.integer("ssm.group_count", 0)
+    return max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state), d_state * d_inner
 
 
 def model_spec(header: GGUFHeader) -> ModelSpec:
@@ -220,9 +271,11 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
     if not isinstance(arch, str):
         raise GGUFError(f"{header.path}: required key 'general.architecture' is missing or not a string")
     notes: list[str] = []
-    if arch not in KNOWN_ARCHS:
-        notes.append(f"{header.path}: architecture {arch!r} is not one fitter has matched against llama.cpp "
-                     f"(known: {', '.join(KNOWN_ARCHS)}); roles come from tensor names and compute buffers are rough")
+    rules = ARCHS.get(arch)
+    if rules is None:
+        notes.append(f"{header.path}: architecture {arch!r} has no memory rules in fitter (fitter.gguf.archs): its "
+                     "KV cache is estimated as a plain cache over every layer, with no sliding window, recurrent "
+                     "state or NextN block, and its compute buffers by fitter's phase model")
     keys = _Keys(header, arch)
     n_layer = keys.integer("block_count")
     if not 0 < n_layer <= 512:  # LLAMA_MAX_LAYERS (src/llama-hparams.h)
@@ -237,9 +290,21 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
     n_expert_used = keys.integer("expert_used_count", 0)
     _check_experts(header, arch, n_expert, n_expert_used)
     n_ff = keys.per_layer("feed_forward_length", n_layer, (0,) * n_layer)
-    n_swa = keys.integer("attention.sliding_window", 0)
-    is_mla = keys._raw("attention.key_length_mla") is not None and keys._raw("attention.value_length_mla") is not None
+    n_swa, swa_layers = _swa(keys, rules, n_layer)
+    n_nextn = keys.integer("nextn_predict_layers", 0)
+    if not 0 <= n_nextn <= n_layer:  # llama_model_base::load_hparams's assert
+        raise GGUFError(f"{header.path}: '{arch}.nextn_predict_layers' must be in 0..{n_layer} (block_count), "
+                        f"got {n_nextn}")
+    # llama_hparams::is_mla: both MLA head sizes non-zero (llama.cpp's own saver writes every key, zeros included)
+    is_mla = keys.integer("attention.key_length_mla", 0) > 0 and keys.integer("attention.value_length_mla", 0) > 0
     tensors = tuple(_tensor_spec(t) for t in header.tensors)
+    skipped: tuple[TensorSpec, ...] = ()
+    if rules is not None and rules.skips_nextn and n_nextn:
+        # the NextN blocks' tensors are created with TENSOR_SKIP unless MTP drafting loads them (ml.load_mtp):
+        # "model has unused tensor … -- ignoring" (llama_model_loader::create_tensor)
+        skipped = tuple(t for t in tensors if t.layer is not None and t.layer >= n_layer - n_nextn)
+        tensors = tuple(t for t in tensors if t.layer is None or t.layer < n_layer - n_nextn)
+    r_width, s_width = _state_widths(keys)
     past = next((t for t in tensors if t.layer is not None and t.layer >= n_layer), None)
     if past is not None:  # llama.cpp loads blocks 0..n_layer-1 only, and refuses a file with tensors it did not load
         raise GGUFError(f"{header.path}: tensor {past.name!r} is in block {past.layer}, but '{arch}.block_count' is "
@@ -264,7 +329,7 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         n_ff_shexp=keys.integer("expert_shared_feed_forward_length", 0),
         n_layer_dense_lead=keys.integer("leading_dense_block_count", 0),
         n_swa=n_swa,
-        swa_layers=_swa_layers(keys, arch, n_layer, n_swa),
+        swa_layers=swa_layers,
         is_mla=is_mla,
         head_dim_k_mla=keys.integer("attention.key_length_mla", 0),
         head_dim_v_mla=keys.integer("attention.value_length_mla", 0),
@@ -277,6 +342,12 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         expert_weights_norm=bool(keys._raw("expert_weights_norm") or False),
         expert_weights_scale=float(keys._raw("expert_weights_scale") or 0.0),
         tensors=tensors,
+        memory=rules.memory if rules else Memory.KV,
+        n_layer_nextn=n_nextn,
+        recurrent_layers=_recurrent_layers(keys, rules, n_layer, n_layer - n_nextn),
+        n_embd_r=r_width,
+        n_embd_s=s_width,
+        skipped=skipped,
         warnings=tuple(notes),
     )
 

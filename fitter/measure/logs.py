@@ -1,6 +1,6 @@
 """Parse the buffer sizes llama.cpp logs while it loads a model and builds a context.
 
-The four INFO lines, as llama.cpp 0c1e570 formats them (sizes are `%8.2f` MiB, names `%12s`/`%10s` padded, so
+The five INFO lines, as llama.cpp 0c1e570 formats them (sizes are `%8.2f` MiB, names `%12s`/`%10s` padded, so
 long names such as `RPC0[127.0.0.1:50052]` overflow the padding and short ones are right-aligned):
 
 - src/llama-model.cpp `load_tensors`:
@@ -8,6 +8,8 @@ long names such as `RPC0[127.0.0.1:50052]` overflow the padding and short ones a
   `CUDA0`, `CUDA_Host`, `RPC0[host:port]`); one line per buffer, e.g. one `CPU_Mapped` per mapped shard.
 - src/llama-kv-cache.cpp `llama_kv_cache` (the constructor): `"%s: %10s KV buffer size = %8.2f MiB\\n"`, one line
   per device buffer and per cache: an iSWA model (gpt-oss) builds two caches, so it logs two groups.
+- src/llama-memory-recurrent.cpp `llama_memory_recurrent`: `"%s: %10s RS buffer size = %8.2f MiB\n"`, the
+  recurrent state of Mamba-style and hybrid models (qwen3next), counted with the KV cache.
 - src/llama-context.cpp `sched_reserve`: `"%s: %10s compute buffer size = %8.2f MiB\\n"` with the *buffer type*
   name, printed only for sizes above 1 byte.
 - src/llama-context.cpp `llama_context`: `"%s: %10s  output buffer size = %8.2f MiB\\n"` (two spaces).
@@ -28,14 +30,15 @@ from fitter.units import MIB
 _SOURCES = {
     "load_tensors": ("model", "model"),
     "llama_kv_cache": ("KV", "kv"),
+    "llama_memory_recurrent": ("RS", "kv"),  # recurrent state: "context" in llama.cpp's memory breakdown too
     "sched_reserve": ("compute", "compute"),
     "llama_context": ("output", "output"),
 }
 KINDS = ("model", "kv", "compute", "output")
 
 _LINE_RE = re.compile(
-    r"(?<!\w)(?P<func>load_tensors|llama_kv_cache|sched_reserve|llama_context):\s+"
-    r"(?P<name>\S+)\s+(?P<word>model|KV|compute|output) buffer size =\s*(?P<mib>-?\d+(?:\.\d+)?) MiB",
+    r"(?<!\w)(?P<func>load_tensors|llama_kv_cache|llama_memory_recurrent|sched_reserve|llama_context):\s+"
+    r"(?P<name>\S+)\s+(?P<word>model|KV|RS|compute|output) buffer size =\s*(?P<mib>-?\d+(?:\.\d+)?) MiB",
     re.MULTILINE,
 )
 

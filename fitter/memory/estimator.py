@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from fitter.errors import LaunchConfigError
 from fitter.flags import KV_CACHE_TYPES, ContextParams, LaunchConfig, TensorOverride, resolve_context
 from fitter.gguf._constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from fitter.gguf.archs import ARCHS
 from fitter.gguf.model_spec import ModelSpec, Role, TensorSpec
 from fitter.memory.compute import auto_flash_attn_mismatch, backend_map, compute_bytes_by_device
 from fitter.memory.devices import CPU_ALIGNMENT, CPU_AVX2, CpuProfile, Device
@@ -301,7 +302,7 @@ def model_buffers(placements: list[Placement], config: LaunchConfig, devices: tu
 def kv_cache_sizes(spec: ModelSpec, ctx: ContextParams) -> tuple[int, int]:
     """Cells of the full-attention cache and of the sliding-window cache (0 when the model has no SWA layers)."""
     size_base = ctx.n_ctx_seq
-    if not any(spec.swa_layers):
+    if not any(spec.swa_layers[il] for il in range(spec.n_layer) if spec.kv_layer(il)):
         return size_base, 0
     # llama_kv_cache_iswa: the SWA cache holds the window per sequence plus one ubatch, padded to 256.
     unified = ctx.n_stream == 1
@@ -321,6 +322,8 @@ def kv_buffers(
     caches: dict[tuple[bool, str], int] = defaultdict(int)
     devs: dict[str, Device | None] = {}
     for il in range(spec.n_layer):
+        if not spec.kv_layer(il):  # create_memory's layer filter: recurrent layers, NextN blocks
+            continue
         is_swa = spec.swa_layers[il]
         cells = size_swa if is_swa else size_base
         dev = None if config.no_kv_offload else layer_dev[il]
@@ -339,7 +342,27 @@ def kv_buffers(
     for (_, name), size in sorted(caches.items()):
         dev = devs[name]
         buffers.append(Buffer(name, "kv", dev.name if dev else CPU, size))
-    return buffers
+    return buffers + rs_buffers(spec, config, ctx, layer_dev)
+
+
+def rs_buffers(
+    spec: ModelSpec, config: LaunchConfig, ctx: ContextParams, layer_dev: tuple[Device | None, ...]
+) -> list[Buffer]:
+    """Recurrent state (src/llama-memory-recurrent.cpp, the constructor): per recurrent layer an F32 conv row
+    (n_embd_r) and SSM row (n_embd_s) for each of max(1, n_seq_max) sequences, on the layer's device unless -nkvo;
+    one buffer per buffer type in name order, after the attention layers' KV cache (llama_memory_hybrid). Neither
+    -c nor -ctk changes it. Counted as the KV kind: llama.cpp's memory breakdown puts both in "context"."""
+    rows = max(1, ctx.n_seq_max)  # n_rs_seq (rollback snapshots) is 0 without speculative decoding
+    sizes: dict[str, int] = defaultdict(int)
+    for il in range(spec.n_layer):
+        if not spec.rs_layer(il):
+            continue
+        dev = None if config.no_kv_offload else layer_dev[il]
+        name = dev.name if dev is not None else CPU
+        for width in (spec.n_embd_r, spec.n_embd_s):
+            ne = (width, rows)
+            sizes[name] += alloc_size(dev, "F32", ne, row_bytes("F32", width) * rows)
+    return [Buffer(name, "kv", name, size) for name, size in sorted(sizes.items())]  # the CPU's name is "CPU"
 
 
 def compute_buffers(
@@ -431,8 +454,19 @@ def place(
 ) -> Placed:
     """The first part of `estimate`: everything but the compute graph's replay."""
     ctx = resolve_context(config, spec.n_ctx_train)
+    rules = ARCHS.get(spec.arch)
+    forced_off = rules is not None and not rules.flash_attn and config.flash_attn != "off"
+    if forced_off:  # src/llama-context.cpp llama_init_from_model, before the quantized-V check
+        if KV_CACHE_TYPES[config.cache_type_v][0] > 1:
+            raise LaunchConfigError(
+                f"-ctv {config.cache_type_v}: llama.cpp forces flash attention off for {spec.arch}, and a quantized V "
+                "cache requires it; use -ctv f16")
+        ctx = replace(ctx, flash_attn=False, auto_fa=False, v_trans=True)
     check_cache_types(spec, config, ctx)
     warnings = list(ctx.warnings)
+    if forced_off:
+        warnings.append(f"-fa {config.flash_attn}: flash attention is not compatible with {spec.arch}, so llama.cpp "
+                        "forces it off")
     if devices and config.n_gpu_layers == -1 and config.fit:
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
     devices = model_devices(config, devices)

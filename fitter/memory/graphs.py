@@ -368,14 +368,22 @@ class Builder:
         self.gf.expand(weights)
         cur = g.reshape(x, spec.n_embd, 1, T)
         ids = selected
-        up = g.mul_mat_id(self.weight(pre + "ffn_up_exps.weight"), cur, ids)
-        up_b = self.w(pre + "ffn_up_exps.bias")
-        if up_b is not None:
-            up = g.dup_op("ADD_ID", up, up_b, ids)
-        gate = g.mul_mat_id(self.weight(pre + "ffn_gate_exps.weight"), cur, ids)
-        gate_b = self.w(pre + "ffn_gate_exps.bias")
-        if gate_b is not None:
-            gate = g.dup_op("ADD_ID", gate, gate_b, ids)
+        merged = self.w(pre + "ffn_gate_up_exps.weight")
+        if merged is not None:  # the merged path: one mul_mat_id, then gate and up as views of it
+            gate_up = g.mul_mat_id(merged, cur, ids)
+            n_ff = gate_up.ne[0] // 2
+            gate = g.view(gate_up, (n_ff, gate_up.ne[1], gate_up.ne[2]), (gate_up.nb[1], gate_up.nb[2]))
+            up = g.view(gate_up, (n_ff, gate_up.ne[1], gate_up.ne[2]), (gate_up.nb[1], gate_up.nb[2]),
+                        n_ff * gate_up.nb[0])
+        else:
+            up = g.mul_mat_id(self.weight(pre + "ffn_up_exps.weight"), cur, ids)
+            up_b = self.w(pre + "ffn_up_exps.bias")
+            if up_b is not None:
+                up = g.dup_op("ADD_ID", up, up_b, ids)
+            gate = g.mul_mat_id(self.weight(pre + "ffn_gate_exps.weight"), cur, ids)
+            gate_b = self.w(pre + "ffn_gate_exps.bias")
+            if gate_b is not None:
+                gate = g.dup_op("ADD_ID", gate, gate_b, ids)
         act = g.glu("GLU", gate, up)
         experts = g.mul_mat_id(self.weight(pre + "ffn_down_exps.weight"), act, ids)
         down_b = self.w(pre + "ffn_down_exps.bias")

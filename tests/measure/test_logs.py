@@ -134,10 +134,17 @@ def test_lines_that_only_look_similar_are_not_buffers() -> None:
     text = (
         "llama_kv_cache_iswa: creating     SWA KV cache, size = 1024 cells\n"
         "llama_kv_cache: size =   36.00 MiB (  1024 cells,  18 layers,  4/1 seqs)\n"
-        "llama_memory_recurrent:        CPU RS buffer size =     3.00 MiB\n"
+        "llama_memory_recurrent:        CPU KV buffer size =     3.00 MiB\n"  # the recurrent memory writes RS
         "llama_context:        CPU compute buffer size =     1.00 MiB\n"  # wrong function for the kind
         "print_info: file size   = 0.45 MiB (6.05 BPW)\n"
     )
     assert parse_buffer_lines(text) == []
     assert parse_buffer_lines("") == []
     assert sum_by([]) == {}
+
+
+def test_recurrent_state_counts_with_the_kv_cache_in_log_order() -> None:
+    # a hybrid model (qwen3next): the attention layers' KV cache, then the recurrent layers' state
+    text = ("llama_kv_cache:        CPU KV buffer size =     0.25 MiB\n"
+            "llama_memory_recurrent:        CPU RS buffer size =     1.61 MiB\n")
+    assert parse_buffer_lines(text) == [LoggedBuffer("CPU", "kv", 0.25), LoggedBuffer("CPU", "kv", 1.61)]

@@ -470,7 +470,7 @@ def test_check_prints_the_models_warnings(tmp_path: Path, capsys: pytest.Capture
     model = unknown_arch_model(tmp_path)
     folder = write_result(tmp_path, model=model)
     assert cmd_check(check_ns(folder), [], runner_factory=Factory(FakeRunner())) == 0
-    assert (f"fitter: warning: {model}: architecture 'llamb' is not one fitter has matched against llama.cpp"
+    assert (f"fitter: warning: {model}: architecture 'llamb' has no memory rules in fitter"
             in capsys.readouterr().err)
 
 

@@ -302,7 +302,7 @@ def test_a_fit_target_list_must_match_the_gpus(tmp_path: Path) -> None:
 
 def test_every_command_prints_the_models_warnings(tmp_path: Path) -> None:
     model = unknown_arch_model(tmp_path)
-    warning = f"fitter: warning: {model}: architecture 'llamb' is not one fitter has matched against llama.cpp"
+    warning = f"fitter: warning: {model}: architecture 'llamb' has no memory rules in fitter"
     dry = tune(str(model), "--backend", "sim", "--machine", "cpu-16c", "--dry-run", "-c", "512", cwd=tmp_path)
     assert dry.returncode == 0 and warning in dry.stderr, dry.stderr
     bench = subprocess.run([sys.executable, "-m", "fitter.cli", "bench", str(model), "--backend", "sim", "--machine",
