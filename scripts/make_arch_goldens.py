@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
 
 from fitter.flags import parse_launch_flags
+from fitter.gguf.archs import ARCHS, Memory, SwaWhen
 from fitter.measure.loader import load_and_capture
 from fitter.measure.tools import LLAMA_CPP_COMMIT, fetch_source, tools_dir
 
@@ -42,6 +44,34 @@ CONFIGS = (
     ("np2-q8", ["-c", "256", "-ngl", "0", "-np", "2", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]),
     ("ub64-nofa", ["-c", "256", "-ngl", "0", "-ub", "64", "-b", "128", "-fa", "off"]),
 )
+# the variants' context runs past the window (32 in the test models), so the sliding-window cache is smaller
+VARIANT_CONFIGS = (*CONFIGS, ("c1024", ["-c", "1024", "-ngl", "0", "-np", "1"]))
+
+
+def variants(arch: str) -> list[tuple[str, list[str], dict[str, int]]]:
+    """Copies of an architecture's test model that exercise the rules its file does not: the saver writes every
+    key, so the defaults llama.cpp falls back to (a sliding-window period, the recurrent layers' interval) are only
+    seen with keys taken out or set. (suffix, keys dropped, keys set)"""
+    rules, out = ARCHS.get(arch), []
+    if rules is None:
+        return []
+    if rules.swa is not None and rules.swa.when is not SwaWhen.ARRAY:
+        out.append(("swa-default", [f"{arch}.attention.sliding_window_pattern"], {}))
+    if rules.memory is Memory.HYBRID:
+        out.append(("interval2", [f"{arch}.attention.recurrent_layers"], {f"{arch}.full_attention_interval": 2}))
+    # no NextN variant: a test model's last block is no NextN block (its tensors differ), so llama.cpp refuses it
+    return out
+
+
+def write_variant(src: Path, dst: Path, drop: list[str], values: dict[str, int]) -> None:
+    """gguf's own gguf_new_metadata copy, with keys dropped or set (u32, as llama.cpp's keys are)."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), arch=architecture(src), endianess=reader.endianess)
+    new = {k: MetadataDetails(gguf.GGUFValueType.UINT32, v) for k, v in values.items()}
+    # gguf's writer refuses empty arrays (the saver writes classifier.output_labels = []); llama.cpp reads none
+    empty = [f.name for f in reader.fields.values() if f.types and f.types[0] == gguf.GGUFValueType.ARRAY
+             and not f.data]
+    copy_with_new_metadata(reader, writer, new, [*drop, *empty])
 
 
 def build_saver(work: Path) -> Path:
@@ -86,9 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir()
         cmd = [str(exe), "-o", str(out)] + (["-a", args.arch] if args.arch else [])
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        jobs = [(m, i, f) for m in sorted(out.glob("*.gguf")) for i, f in CONFIGS]
+        for m in sorted(out.glob("*.gguf")):
+            for suffix, drop, values in variants(architecture(m)):
+                dst = out / f"{m.stem}+{suffix}.gguf"
+                write_variant(m, dst, drop, values)
+                jobs += [(dst, i, f) for i, f in VARIANT_CONFIGS]
         models = sorted(out.glob("*.gguf"))
         with ThreadPoolExecutor(args.jobs) as pool:
-            cases = list(pool.map(lambda a: capture(*a), [(m, i, f) for m in models for i, f in CONFIGS]))
+            cases = list(pool.map(lambda a: capture(*a), jobs))
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w:xz") as tar:
             for m in models:
