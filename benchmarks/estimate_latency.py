@@ -1,14 +1,15 @@
-"""Wall time of whole `fitter estimate` and `fitter fit` processes on a gpt-oss-120b-shaped 3-shard model, beside a
-bare `fitter --version` (the interpreter and fitter's imports alone), so a figure can be read as a ratio to start-up.
+"""Wall time of whole `fitter estimate` and `fitter fit` processes on a gpt-oss-120b-shaped 3-shard model (or
+`--shape deepseek-v3`: 61 MLA layers, 256 experts, the largest shape fitter rebuilds), beside a bare
+`fitter --version` (the interpreter and fitter's imports alone), so a figure can be read as a ratio to start-up.
 
-Targets (issue 14): `fitter fit --devices cuda:24576 -c 32768` ≤ 1.5 s, `fitter estimate` on it ≤ 0.25 s.
+Targets (issues 14 and 22): `fitter fit --devices cuda:24576 -c 32768` ≤ 1.5 s, `fitter estimate` on it ≤ 0.25 s.
 Prints figures; it is not a test. The model is header-only (sparse files), written to a temp dir first. Runs are
 interleaved (each round runs every command once), so drift on a shared machine hits them all alike; the CPU time
 (user + sys of the process) is printed beside the wall time, as it barely moves when other work shares the cores.
 The commands run with bytecode caching on, as an installed fitter does (pip compiles it at install): a
 PYTHONDONTWRITEBYTECODE=1 in the environment (set on the machines fitter is developed on) would recompile fitter's
 modules in every process, ~0.07 s of CPU each; `--no-bytecode` measures that case.
-    python benchmarks/estimate_latency.py [--runs 5] [--no-bytecode]
+    python benchmarks/estimate_latency.py [--runs 5] [--no-bytecode] [--shape deepseek-v3]
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ TARGETS_S = {"estimate": 0.25, "fit": 1.5}
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--shape", default="gpt-oss-120b", choices=("gpt-oss-120b", "deepseek-v3", "deepseek-v3-nextn"))
     ap.add_argument("--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE as the environment has it")
     args = ap.parse_args()
     env = dict(os.environ)
     if not args.no_bytecode:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
     with tempfile.TemporaryDirectory() as tmp:
-        shards = write_model(SHAPES["gpt-oss-120b"], Path(tmp) / "gpt-oss-120b.gguf", sparse=True, n_shards=3)
+        shards = write_model(SHAPES[args.shape], Path(tmp) / f"{args.shape}.gguf", sparse=True, n_shards=3)
         fitter = [sys.executable, "-m", "fitter.cli"]
         model = str(shards[0])
         commands = {
@@ -59,7 +61,7 @@ def main() -> None:
                 times[label].append(time.perf_counter() - t0)
                 cpu[label].append(_children_cpu() - c0)
     base = statistics.median(times["fitter --version"])
-    print(f"gpt-oss-120b shape, 3 shards, -c 32768, {args.runs} interleaved runs each (whole process; wall, then CPU):")
+    print(f"{args.shape} shape, 3 shards, -c 32768, {args.runs} interleaved runs each (whole process; wall, then CPU):")
     for label, ts in times.items():
         med = statistics.median(ts)
         kind = label.split(",")[0]

@@ -78,7 +78,9 @@ def _add_metadata(w: gguf.GGUFWriter, s: ModelShape) -> None:
         w.add_file_type(int(_FILE_TYPES[main_type]))
     w.add_context_length(s.n_ctx_train)
     w.add_embedding_length(s.n_embd)
-    w.add_block_count(s.n_layer)
+    w.add_block_count(s.n_layer + s.n_nextn)
+    if s.n_nextn:
+        w.add_nextn_predict_layers(s.n_nextn)
     if s.arch == "llama" and s.is_moe:
         w.add_feed_forward_length(s.n_ff_exp)
     elif s.n_ff:

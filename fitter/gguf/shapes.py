@@ -78,6 +78,8 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    # NextN/MTP blocks after the trunk (deepseek2 only): block_count counts them, nextn_predict_layers says how many
+    n_nextn: int = 0
     n_vocab: int = 512
     n_ctx_train: int = 4096
     sliding_window: int = 0
@@ -115,6 +117,8 @@ class ModelShape:
         specs = [TensorSpec("token_embd.weight", (self.n_embd, self.n_vocab), wt)]
         for il in range(self.n_layer):
             specs += self._block_tensors(il)
+        for il in range(self.n_layer, self.n_layer + self.n_nextn):
+            specs += self._block_tensors(il) + self._nextn_tensors(il)
         specs.append(TensorSpec("output_norm.weight", (self.n_embd,), "F32", "norm"))
         specs.append(TensorSpec("output.weight", (self.n_embd, self.n_vocab), wt))
         return specs
@@ -159,6 +163,17 @@ class ModelShape:
         else:
             out += self._moe_tensors(p)
         return out
+
+    def _nextn_tensors(self, il: int) -> list[TensorSpec]:
+        """A NextN block's own tensors beside a full layer's (src/models/deepseek2.cpp load_arch_tensors)."""
+        p, e, wt = f"blk.{il}.", self.n_embd, self.weight_type
+        return [
+            TensorSpec(p + "nextn.eh_proj.weight", (2 * e, e), wt),
+            TensorSpec(p + "nextn.enorm.weight", (e,), "F32", "norm"),
+            TensorSpec(p + "nextn.hnorm.weight", (e,), "F32", "norm"),
+            TensorSpec(p + "nextn.shared_head_head.weight", (e, self.n_vocab), wt),
+            TensorSpec(p + "nextn.shared_head_norm.weight", (e,), "F32", "norm"),
+        ]
 
     def _mla_tensors(self, p: str) -> list[TensorSpec]:
         e, wt, h = self.n_embd, self.weight_type, self.n_head
@@ -274,6 +289,8 @@ class ModelShape:
         if self.arch != "qwen2moe" and self.n_ff_shexp:
             raise self._fail("n_ff_shexp", "is qwen2moe-only (deepseek2 uses n_ff_exp * n_expert_shared)",
                              self.n_ff_shexp)
+        if self.n_nextn and self.arch != "deepseek2":
+            raise self._fail("n_nextn", "is deepseek2-only", self.n_nextn)
         if self.arch == "deepseek2":
             self._validate_mla()
             return
@@ -375,6 +392,21 @@ SHAPES: dict[str, ModelShape] = {
             name="qwen3-14b", arch="qwen3", n_layer=40, n_embd=5120, n_head=40, n_head_kv=8, head_dim=128,
             n_ff=17408, n_vocab=151936, n_ctx_train=40960, rope_freq_base=1e6, rms_eps=1e-6,
             weight_type="Q8_0", expert_type="Q8_0",
+        ),
+        # DeepSeek-V3 / R1 (671 B; 61 layers, the first 3 dense, 256 routed experts and one shared): the largest
+        # public shape of the architectures fitter rebuilds: Q4_K experts, Q8_0 elsewhere (attn_k_b rows are 128).
+        ModelShape(
+            name="deepseek-v3", arch="deepseek2", n_layer=61, n_embd=7168, n_head=128, n_head_kv=1, n_ff=18432,
+            n_expert=256, n_expert_used=8, n_ff_exp=2048, n_expert_shared=1, n_leading_dense=3,
+            q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+            n_vocab=129280, n_ctx_train=163840, rms_eps=1e-6, weight_type="Q8_0", expert_type="Q4_K",
+        ),
+        # the same with its NextN block (block 61), as convert_hf_to_gguf keeps it: llama.cpp skips it unless MTP
+        ModelShape(
+            name="deepseek-v3-nextn", arch="deepseek2", n_layer=61, n_embd=7168, n_head=128, n_head_kv=1,
+            n_ff=18432, n_expert=256, n_expert_used=8, n_ff_exp=2048, n_expert_shared=1, n_leading_dense=3,
+            q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+            n_nextn=1, n_vocab=129280, n_ctx_train=163840, rms_eps=1e-6, weight_type="Q8_0", expert_type="Q4_K",
         ),
         ModelShape(
             name="mixtral-8x7b", arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,

@@ -30,7 +30,7 @@ from fitter.gguf.model_spec import ModelSpec
 from fitter.measure import process
 from fitter.measure.llama_fit import fit_env, fit_flags
 from fitter.memory.devices import CpuProfile, Device
-from fitter.memory.estimator import CPU, estimate
+from fitter.memory.estimator import CPU, alloc_size, estimate
 from fitter.units import MIB
 
 KINDS = ("model", "kv", "compute")  # the tool's model, context (the KV cache), compute
@@ -81,9 +81,18 @@ def tool_estimate(spec: ModelSpec, flags: Sequence[str], devices: tuple[Device, 
     """fitter's estimate of the config as the tool reads it, in the tool's kinds (context: the KV cache only, as
     llama.cpp's breakdown counts it; fitter's output buffer is left out)."""
     launch, _ = split_process_flags(list(flags), "the flags")
-    plan = estimate(spec, parse_launch_flags(fit_flags(launch), "llama-fit-params"), devices, cpu)
-    return {name: {"model": t.model, "kv": t.kv, "compute": t.compute}
-            for name, t in plan.totals().items()}
+    config = parse_launch_flags(fit_flags(launch), "llama-fit-params")
+    plan = estimate(spec, config, devices, cpu)
+    out = {name: {"model": t.model, "kv": t.kv, "compute": t.compute} for name, t in plan.totals().items()}
+    if config.mmap:
+        # The dry run maps nothing: its host model is the CPU tensors' aligned sizes (llama_model::memory_breakdown,
+        # no_alloc: ggml_backend_alloc_ctx_tensors_from_buft_size), where a real load's CPU_Mapped buffer is the
+        # byte range spanning them, tensors on the GPUs and a skipped NextN block between them included
+        mapped = sum(b.bytes for b in plan.buffers if b.buft == "CPU_Mapped")
+        tensors = sum(alloc_size(None, p.tensor.type, p.tensor.ne, p.tensor.n_bytes) for p in plan.placements
+                      if p.buft == CPU)
+        out[CPU]["model"] += tensors - mapped
+    return out
 
 
 def compare(ours: dict[str, dict[str, int]], theirs: dict[str, dict[str, int]]) -> list[str]:

@@ -180,7 +180,7 @@ def _phase_bytes_by_device(
     base_inputs = T * I32 + T * I32 + g.n_outputs * I32  # tokens, positions, output ids
     out: dict[str, int] = {}
     for name in dict.fromkeys(names):
-        layers = [il for il in range(spec.n_layer) if names[il] == name]
+        layers = [il for il in range(spec.n_layer_trunk) if names[il] == name]
         kinds = {spec.swa_layers[il] for il in layers}
         inputs = _input_bytes(spec, ctx, g, kinds) + (base_inputs if name == "CPU" or layers else 0)
         peak = 0

@@ -24,7 +24,7 @@ from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.devices import CPU_AVX2, CpuProfile, Device
 from fitter.memory.estimator import MemoryPlan, complete, estimate, place
-from fitter.memory.fit_devices import DeviceSearch, better
+from fitter.memory.fit_devices import DeviceSearch, better, expert_layers
 from fitter.units import MIB
 
 
@@ -111,9 +111,13 @@ def _place_across(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryP
     return best
 
 
-def _cpu_layers(n_layer: int, n: int, from_top: bool) -> list[int]:
-    """The n layers whose experts go to the CPU: the first n (-ncmoe) or the last n (llama.cpp's --fit)."""
-    return list(range(n_layer - n, n_layer)) if from_top else list(range(n))
+def _cpu_layers(layers: list[int], n: int, from_top: bool) -> list[int]:
+    """The layers whose experts go to the CPU for n of the model's expert layers (`layers`): the last n (llama.cpp's
+    --fit), or every layer up to the n-th expert layer, as -ncmoe counts them (-ncmoe 3 moves nothing on DeepSeek-V3,
+    whose first 3 layers are dense; a skipped NextN block has no experts to move)."""
+    if from_top:
+        return layers[len(layers) - n:]
+    return list(range(layers[n - 1] + 1)) if n else []
 
 
 def _better(a: tuple[LaunchConfig, MemoryPlan] | None, b: tuple[LaunchConfig, MemoryPlan]) -> bool:
@@ -128,6 +132,7 @@ def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan
     CPU never needs more device memory); -ngl is only lowered below the first value where every expert on the CPU
     fits by two more steps, where whole layers' KV traded for experts can still pay."""
     n_layer = s.spec.n_layer
+    with_experts = expert_layers(s.spec)
     fixed = base.n_gpu_layers != -1
     ngl_values = [base.n_gpu_layers] if fixed else list(range(n_layer + 1, -1, -1))
     best: tuple[LaunchConfig, MemoryPlan] | None = None
@@ -136,7 +141,7 @@ def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan
         if first_fitting_ngl is not None and ngl < first_fitting_ngl - 2:
             break
         layered = replace(base, n_gpu_layers=-2 if ngl == n_layer + 1 and not fixed else ngl)
-        all_cpu = replace(layered, overrides=experts_rules(list(range(n_layer))))
+        all_cpu = replace(layered, overrides=experts_rules(_cpu_layers(with_experts, len(with_experts), False)))
         plan_all_cpu = s.fits(all_cpu)
         if plan_all_cpu is None:
             continue
@@ -144,11 +149,11 @@ def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan
         if _better(best, (all_cpu, plan_all_cpu)):
             best = (all_cpu, plan_all_cpu)
         for from_top in (False, True):
-            lo, hi = 0, n_layer  # the smallest count of CPU expert layers that fits lies in [lo, hi]
-            found: dict[int, tuple[LaunchConfig, MemoryPlan]] = {n_layer: (all_cpu, plan_all_cpu)}
+            lo, hi = 0, len(with_experts)  # the smallest count of CPU expert layers that fits lies in [lo, hi]
+            found: dict[int, tuple[LaunchConfig, MemoryPlan]] = {hi: (all_cpu, plan_all_cpu)}
             while lo < hi:
                 mid = (lo + hi) // 2
-                config = replace(layered, overrides=experts_rules(_cpu_layers(n_layer, mid, from_top)))
+                config = replace(layered, overrides=experts_rules(_cpu_layers(with_experts, mid, from_top)))
                 plan = s.fits(config)
                 if plan is not None:
                     hi, found[mid] = mid, (config, plan)
@@ -160,7 +165,7 @@ def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan
             if n == 0:
                 continue
             # the boundary layer: whichever of its expert tensors still fit go back to the device
-            cpu_layers = _cpu_layers(n_layer, n, from_top)
+            cpu_layers = _cpu_layers(with_experts, n, from_top)
             boundary = cpu_layers[0] if from_top else cpu_layers[-1]
             rest = [i for i in cpu_layers if i != boundary]
             for stay in [*((a, b) for i, a in enumerate(EXPERT_KINDS) for b in EXPERT_KINDS[i + 1:]),

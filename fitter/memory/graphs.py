@@ -440,8 +440,8 @@ def build(b: Builder) -> None:
     b.inputs()
     arch = spec.arch
     inp = b.embd
-    last = spec.n_layer - 1
-    for il in range(spec.n_layer):
+    last = spec.n_layer_trunk - 1  # a NextN block is not in the trunk's graph
+    for il in range(spec.n_layer_trunk):
         pre = f"blk.{il}."
         inp_sa = inp
         cur = b.norm(inp, pre + "attn_norm.weight")

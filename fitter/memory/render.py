@@ -6,6 +6,7 @@ from typing import Any
 
 from fitter.memory.estimator import MemoryPlan
 from fitter.memory.fit import FitResult
+from fitter.memory.fit_devices import expert_layers
 from fitter.units import MIB
 
 
@@ -127,7 +128,8 @@ def fit_json(
         "devices": devices,
         "host": {"model": totals["CPU"].model, "kv": totals["CPU"].kv, "compute": totals["CPU"].compute,
                  "output": totals["CPU"].output, "total": totals["CPU"].total},
-        "layers": {"expert_layers_on_device": result.expert_layers_on_device, "n_layer": result.plan.model.n_layer},
+        "layers": {"expert_layers_on_device": result.expert_layers_on_device, "n_layer": result.plan.model.n_layer,
+                   "n_expert_layers": len(expert_layers(result.plan.model))},
         "shortfall": result.shortfall,
         "suggestions": list(result.suggestions),
         "warnings": list(result.plan.warnings),
@@ -156,8 +158,8 @@ def fit_table(result: FitResult, command: str, emulated: bool, verify: dict[str,
     lines += overhead_lines(plan.devices)
     lines.append("")
     if result.fits:
-        lines.append(f"fits: experts of {result.expert_layers_on_device}/{plan.model.n_layer} layers on the GPU, "
-                     f"context {plan.context.n_ctx}")
+        lines.append(f"fits: experts of {result.expert_layers_on_device}/{len(expert_layers(plan.model))} expert "
+                     f"layers on the GPU, context {plan.context.n_ctx}")
         lines.append(command)
     else:
         assert result.shortfall is not None

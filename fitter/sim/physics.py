@@ -136,7 +136,7 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
             dev, pcie = gpus[0], pcie + size
         layer = spec.n_layer if t.layer is None else t.layer
         work.append(((layer, _STEP.get(t.role, 0)), dev, 2.0 * n_el * rows, size))
-    for il in range(spec.n_layer):
+    for il in range(spec.n_layer_trunk):
         work.append(((il, 1), *_attention(m, plan, il, n_tokens, n_kv)))
     work.sort(key=lambda w: w[0])
     stages = dict.fromkeys([CPU, *gpus], 0.0)

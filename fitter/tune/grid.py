@@ -16,6 +16,7 @@ from typing import Any
 from fitter.flags import parse_launch_flags
 from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import device_budgets
+from fitter.memory.fit_devices import expert_layers
 from fitter.sim import SimRunner, out_of_memory, speeds
 from fitter.tune.plan import Screener
 from fitter.tune.request import TuneRequest, _choices, candidate
@@ -96,7 +97,8 @@ def sim_request(machine: Any, spec: Any, model: str, fixed_flags: tuple[str, ...
     devices = runner.devices()
     space = shipped_space(default_space_name(spec.n_expert, bool(devices)))
     cores = machine.cpu.p_cores + machine.cpu.e_cores
-    dists = resolve(space, n_layer=spec.n_layer, physical_cores=cores, performance_cores=machine.cpu.p_cores)
+    dists = resolve(space, n_layer=spec.n_layer, physical_cores=cores, performance_cores=machine.cpu.p_cores,
+                    expert_layers=expert_layers(spec))
     budgets = {name: b or 0 for name, b in device_budgets(devices, (fit_target_mib,)).items()}
     host = int(machine.ram.gib * GIB) - HOST_RESERVE
     objectives = objectives if devices else tuple(o for o in objectives if o != "vram")

@@ -41,6 +41,7 @@ from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, check_target_count, device_budgets
 from fitter.memory.devices import Device
 from fitter.memory.fit import fit
+from fitter.memory.fit_devices import expert_layers
 from fitter.tune import split
 from fitter.tune.baseline import replay_baseline, run_baseline, sim_fit_devices, study_baseline
 from fitter.tune.confirm import DEFAULT_ROUNDS, confirm, result_doc
@@ -134,7 +135,7 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
     else:
         space = load_space(o.space) if o.space else shipped_space(default_space_name(o.spec.n_expert, target.has_gpu))
         distributions = resolve(space, n_layer=o.spec.n_layer, physical_cores=target.physical_cores,
-                                performance_cores=target.performance_cores)
+                                performance_cores=target.performance_cores, expert_layers=expert_layers(o.spec))
         source = space.source
     given = {name for name, _ in flag_groups(o.base.flags)}  # `--n-gpu-layers=20` too
     distributions = {k: d for k, d in distributions.items() if not given & set(fixing(k))}

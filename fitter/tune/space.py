@@ -13,7 +13,7 @@ import json
 import re
 import sys
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -214,9 +214,12 @@ def _key_hint(key: str) -> str:
 
 
 def resolve(
-    space: SearchSpace, *, n_layer: int, physical_cores: int, performance_cores: int
+    space: SearchSpace, *, n_layer: int, physical_cores: int, performance_cores: int,
+    expert_layers: Sequence[int] = (),
 ) -> dict[str, BaseDistribution]:
-    """Concrete optuna distributions for one model and machine, one per key in space order."""
+    """Concrete optuna distributions for one model and machine, one per key in space order. `n-cpu-moe = "auto"`
+    spans the model's expert layers (`expert_layers`, in order): from -ncmoe <first> (nothing on the CPU: the layers
+    before it are dense) to -ncmoe <last + 1> (every expert on the CPU), so no trial repeats a placement."""
     symbols = {"physical": physical_cores, "performance-cores": performance_cores}
     # -ncmoe counts repeating layers; -ngl also counts the output layer (n_layer + 1 = everything on the GPU).
     limits = {
@@ -228,7 +231,10 @@ def resolve(
         limit = limits.get(dim.key)
         if dim.auto:
             assert limit is not None, dim.key  # parse_space allows "auto" only for layer keys
-            out[dim.key] = IntDistribution(0, limit[0])
+            if dim.key == "n-cpu-moe" and expert_layers:
+                out[dim.key] = IntDistribution(expert_layers[0], expert_layers[-1] + 1)
+            else:
+                out[dim.key] = IntDistribution(0, limit[0])
             continue
         if dim.values is None:
             assert dim.low is not None and dim.high is not None

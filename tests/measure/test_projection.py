@@ -61,3 +61,29 @@ def test_the_builds_context_is_the_kv_cache_without_the_output_buffer() -> None:
     theirs = project(BUILT_TOOLS / "llama-fit-params", model, flags).devices
     ours = tool_estimate(spec, flags, (), CPU_AVX2)
     assert 0 <= ours["CPU"]["kv"] - theirs["CPU"]["kv"] < MIB, (ours["CPU"]["kv"] / MIB, theirs["CPU"]["kv"] / MIB)
+
+
+@pytest.mark.llama
+@pytest.mark.tools("llama-fit-params")
+@pytest.mark.parametrize("flags", [["-c", "4096", "-nr"],
+                                   ["-c", "8192", "-np", "2", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-nr"],
+                                   ["-c", "4096", "-ngl", "all", "-cmoe", "-nr"],
+                                   ["-c", "4096", "-ngl", "all", "-ncmoe", "3", "-nr"],
+                                   ["-c", "16384", "-ngl", "all", "-ncmoe", "40", "-nr"]])
+def test_deepseek_v3_with_its_nextn_block_as_the_build_projects_it(flags: list[str]) -> None:
+    # 61 MLA layers (3 dense, 256 experts) and a NextN block the server never loads; -ncmoe 3 moves nothing (the
+    # dense layers have no experts). Also like with like on the host: the dry run maps nothing, so its host model is
+    # the CPU tensors' sizes, not the mapped range a real load logs (which spans the skipped block: +7333 MiB)
+    from fitter.measure.emulated_gpu import EmulatedGpu
+
+    model = model_file("deepseek-v3-nextn", sparse=True)
+    spec = load_model_spec(str(model))
+    with EmulatedGpu(400_000) as gpu:
+        on_gpu = "-ngl" in flags
+        flags = [*flags, "--rpc", gpu.endpoint] if on_gpu else flags
+        theirs = project(BUILT_TOOLS / "llama-fit-params", model, flags).devices
+        ours = tool_estimate(spec, flags, rpc_devices([gpu.endpoint]) if on_gpu else (), CPU_AVX2)
+    assert ours.keys() == theirs.keys()
+    for name, kinds in theirs.items():
+        for kind, built in kinds.items():
+            assert 0 <= ours[name][kind] - built < MIB, (name, kind, ours[name][kind] / MIB, built / MIB)

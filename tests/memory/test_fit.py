@@ -113,3 +113,28 @@ def test_a_given_ngl_is_kept_and_the_answer_says_what_would_fit() -> None:
     assert result.config.n_gpu_layers == -2  # kept
     # each suggestion was checked with the estimator: the q8_0 KV cache makes -ngl all fit
     assert any(s.startswith("-ctk q8_0 -ctv q8_0 -fa on: fits") for s in result.suggestions)
+
+
+def test_expert_layers_to_the_cpu_count_only_layers_with_experts() -> None:
+    from fitter.memory.fit import _cpu_layers
+
+    layers = [3, 4, 5, 6]  # a model whose first 3 layers are dense
+    # the first n expert layers as -ncmoe writes them (the dense layers before them move nothing)
+    assert _cpu_layers(layers, 0, False) == []
+    assert _cpu_layers(layers, 1, False) == [0, 1, 2, 3]
+    assert _cpu_layers(layers, 4, False) == [0, 1, 2, 3, 4, 5, 6]
+    assert _cpu_layers(layers, 2, True) == [5, 6]  # --fit's order: the last ones
+
+
+@pytest.mark.slow  # ~6 s: a fit of 62 MLA layers
+def test_fit_on_deepseek_v3_with_its_nextn_block_counts_only_layers_with_experts() -> None:
+    from fitter.memory.render import fit_table
+
+    spec = load_model_spec(str(model_file("deepseek-v3-nextn", sparse=True)))
+    assert len(spec.skipped) == 22 and spec.n_layer_trunk == 61  # block 61 is the NextN block, never loaded
+    result = fit(spec, parse_launch_flags(["-c", "8192"]), (_device(96 * 1024),), (1024,))
+    assert result.fits and result.expert_layers_on_device == 13
+    # layers 0-2 are dense: the rules for the first 48 layers leave 13 of the 58 expert layers on the GPU
+    assert [r.pattern for r in result.config.overrides] == [
+        rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps" for i in range(48)]
+    assert "fits: experts of 13/58 expert layers on the GPU, context 8192" in fit_table(result, "", False, None)

@@ -283,3 +283,14 @@ def test_params_to_flags_rejects_unresolved_or_unknown() -> None:
 )
 def test_is_valid_combination(params: dict[str, Any], reason: str | None) -> None:
     assert is_valid_combination(params) == reason
+
+
+def test_auto_n_cpu_moe_spans_the_expert_layers_only(tmp_path: Path) -> None:
+    # DeepSeek-V3: layers 0-2 are dense, so -ncmoe 0..3 are one placement; -ncmoe 61 puts every expert on the CPU
+    space = load_space(_write(tmp_path, '[params]\nn-cpu-moe = "auto"\n'))
+    assert resolve(space, n_layer=61, physical_cores=8, performance_cores=8, expert_layers=range(3, 61)) == {
+        "n-cpu-moe": IntDistribution(3, 61)}
+    # a NextN block (block 61 of 62) has no experts the trunk loads: -ncmoe 62 would repeat 61
+    assert resolve(space, n_layer=62, physical_cores=8, performance_cores=8, expert_layers=range(3, 61)) == {
+        "n-cpu-moe": IntDistribution(3, 61)}
+    assert resolve(space, n_layer=61, physical_cores=8, performance_cores=8) == {"n-cpu-moe": IntDistribution(0, 61)}
