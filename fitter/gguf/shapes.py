@@ -13,7 +13,7 @@ import gguf
 
 from fitter.errors import FitterError
 
-ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2")
+ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2", "glm4moe")
 # Types whose blocks write_model can synthesize. Sparse (header-only) files accept any type gguf knows.
 GENERATED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "MXFP4")
 
@@ -78,7 +78,7 @@ class ModelShape:
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
-    # NextN/MTP blocks after the trunk (deepseek2 only): block_count counts them, nextn_predict_layers says how many
+    # NextN/MTP blocks after the trunk (deepseek2, glm4moe): block_count counts them, nextn_predict_layers how many
     n_nextn: int = 0
     n_vocab: int = 512
     n_ctx_train: int = 4096
@@ -139,7 +139,7 @@ class ModelShape:
                 TensorSpec(p + "attn_v.weight", (e, kv), wt),
                 TensorSpec(p + "attn_output.weight", (q, e), wt),
             ]
-            if self.arch in ("gpt-oss", "qwen2moe"):  # both carry q/k/v biases; gpt-oss also an o bias
+            if self.arch in ("gpt-oss", "qwen2moe", "glm4moe"):  # q/k/v biases; gpt-oss also an o bias
                 out += [
                     TensorSpec(p + "attn_q.bias", (q,), "F32", "bias"),
                     TensorSpec(p + "attn_k.bias", (kv,), "F32", "bias"),
@@ -155,8 +155,8 @@ class ModelShape:
                     TensorSpec(p + "attn_q_norm.weight", (self.head_dim,), "F32", "norm"),
                     TensorSpec(p + "attn_k_norm.weight", (self.head_dim,), "F32", "norm"),
                 ]
-        # gpt-oss names its pre-FFN norm post_attention_norm; the others ffn_norm.
-        norm = "post_attention_norm" if self.arch == "gpt-oss" else "ffn_norm"
+        # gpt-oss and glm4moe name their pre-FFN norm post_attention_norm; the others ffn_norm.
+        norm = "post_attention_norm" if self.arch in ("gpt-oss", "glm4moe") else "ffn_norm"
         out.append(TensorSpec(p + norm + ".weight", (e,), "F32", "norm"))
         if not self.is_moe or il < self.n_leading_dense:
             out += self._dense_ffn(p, self.n_ff)
@@ -165,7 +165,8 @@ class ModelShape:
         return out
 
     def _nextn_tensors(self, il: int) -> list[TensorSpec]:
-        """A NextN block's own tensors beside a full layer's (src/models/deepseek2.cpp load_arch_tensors)."""
+        """A NextN block's own tensors beside a full layer's (src/models/deepseek2.cpp, glm4-moe.cpp
+        load_arch_tensors)."""
         p, e, wt = f"blk.{il}.", self.n_embd, self.weight_type
         return [
             TensorSpec(p + "nextn.eh_proj.weight", (2 * e, e), wt),
@@ -211,6 +212,8 @@ class ModelShape:
         out = [TensorSpec(p + "ffn_gate_inp.weight", (e, x), "F32", "router")]
         if self.arch == "gpt-oss":
             out.append(TensorSpec(p + "ffn_gate_inp.bias", (x,), "F32", "bias"))
+        if self.arch == "glm4moe":  # the sigmoid router's selection bias (src/models/glm4-moe.cpp)
+            out.append(TensorSpec(p + "exp_probs_b.bias", (x,), "F32", "bias"))
         out += [
             TensorSpec(p + "ffn_gate_exps.weight", (e, f, x), xt),
             TensorSpec(p + "ffn_down_exps.weight", (f, e, x), xt),
@@ -226,7 +229,7 @@ class ModelShape:
         if self.arch == "qwen2moe":
             # qwen2moe gates its shared expert with a sigmoid of this vector.
             out.append(TensorSpec(p + "ffn_gate_inp_shexp.weight", (e,), "F32", "router"))
-        if self.arch in ("qwen2moe", "deepseek2"):
+        if self.arch in ("qwen2moe", "deepseek2", "glm4moe"):
             out += [
                 TensorSpec(p + "ffn_gate_shexp.weight", (e, shexp), self.weight_type),
                 TensorSpec(p + "ffn_down_shexp.weight", (shexp, e), self.weight_type),
@@ -260,7 +263,7 @@ class ModelShape:
                                  t.ne[0])
 
     def _validate_arch(self) -> None:
-        moe_archs = ("gpt-oss", "qwen3moe", "qwen2moe", "deepseek2")
+        moe_archs = ("gpt-oss", "qwen3moe", "qwen2moe", "deepseek2", "glm4moe")
         if self.arch in moe_archs and not self.is_moe:
             raise self._fail("n_expert", f"must be > 0 for arch {self.arch}", self.n_expert)
         if self.arch == "qwen3" and self.is_moe:
@@ -276,8 +279,8 @@ class ModelShape:
         if self.arch == "llama" and self.is_moe and self.n_ff not in (0, self.n_ff_exp):
             raise self._fail("n_ff", "must be 0 or n_ff_exp for Mixtral-style llama (one FFN width key)",
                              self.n_ff)
-        if self.n_leading_dense and (self.arch != "deepseek2" or self.n_leading_dense >= self.n_layer):
-            raise self._fail("n_leading_dense", "is deepseek2-only and must be < n_layer",
+        if self.n_leading_dense and (self.arch not in ("deepseek2", "glm4moe") or self.n_leading_dense >= self.n_layer):
+            raise self._fail("n_leading_dense", "is deepseek2- and glm4moe-only and must be < n_layer",
                              self.n_leading_dense)
         if self.arch == "gpt-oss" and self.sliding_window <= 0:
             raise self._fail("sliding_window", "must be > 0 for gpt-oss (llama.cpp requires the key)",
@@ -289,13 +292,13 @@ class ModelShape:
         if self.arch != "qwen2moe" and self.n_ff_shexp:
             raise self._fail("n_ff_shexp", "is qwen2moe-only (deepseek2 uses n_ff_exp * n_expert_shared)",
                              self.n_ff_shexp)
-        if self.n_nextn and self.arch != "deepseek2":
-            raise self._fail("n_nextn", "is deepseek2-only", self.n_nextn)
+        if self.n_nextn and self.arch not in ("deepseek2", "glm4moe"):
+            raise self._fail("n_nextn", "is deepseek2- and glm4moe-only", self.n_nextn)
         if self.arch == "deepseek2":
             self._validate_mla()
             return
-        if self.n_expert_shared and self.arch != "qwen2moe":
-            raise self._fail("n_expert_shared", "is only generated for qwen2moe and deepseek2",
+        if self.n_expert_shared and self.arch not in ("qwen2moe", "glm4moe"):
+            raise self._fail("n_expert_shared", "is only generated for qwen2moe, glm4moe and deepseek2",
                              self.n_expert_shared)
         if self.head_dim <= 0:
             raise self._fail("head_dim", "must be > 0", self.head_dim)
@@ -407,6 +410,14 @@ SHAPES: dict[str, ModelShape] = {
             n_ff=18432, n_expert=256, n_expert_used=8, n_ff_exp=2048, n_expert_shared=1, n_leading_dense=3,
             q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
             n_nextn=1, n_vocab=129280, n_ctx_train=163840, rms_eps=1e-6, weight_type="Q8_0", expert_type="Q4_K",
+        ),
+        # GLM-4.5-Air (106 B, 12 B active): 46 layers, the first dense, 128 experts + 1 shared, sigmoid routing,
+        # and its NextN block (block 46) as convert_hf_to_gguf keeps it; Q4_0 experts (rows of 1408), Q8_0 elsewhere
+        ModelShape(
+            name="glm-4.5-air", arch="glm4moe", n_layer=46, n_embd=4096, n_head=96, n_head_kv=8, head_dim=128,
+            n_ff=10944, n_expert=128, n_expert_used=8, n_ff_exp=1408, n_expert_shared=1, n_leading_dense=1,
+            n_nextn=1, n_vocab=151552, n_ctx_train=131072, rope_freq_base=1e6, weight_type="Q8_0",
+            expert_type="Q4_0",
         ),
         ModelShape(
             name="mixtral-8x7b", arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,

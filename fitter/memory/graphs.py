@@ -2,7 +2,8 @@
 
 Node for node this follows the graph builders of llama.cpp 0c1e570: src/models/openai-moe.cpp (gpt-oss),
 src/models/qwen3moe.cpp, src/models/qwen2moe.cpp, src/models/qwen3.cpp, src/models/llama.cpp (dense and
-Mixtral-style), src/models/deepseek2.cpp (MLA with absorption, K-only cache), and the shared pieces in
+Mixtral-style), src/models/deepseek2.cpp (MLA with absorption, K-only cache), src/models/glm4-moe.cpp (sigmoid
+routing, a shared expert, leading dense layers; its NextN block is not in the trunk's graph), and the shared pieces in
 src/llama-graph.cpp (`build_inp_embd`, `build_norm`, `build_qkv`,
 `build_attn`, `build_attn_mha`, `build_ffn`, `build_moe_ffn`) and src/llama-kv-cache.cpp (`cpy_k`, `cpy_v`,
 `get_k`, `get_v`, the K/V Hadamard rotation of quantized caches). Weight tensors only lend their shapes; the KV cache
@@ -22,7 +23,7 @@ from fitter.memory import ggml_graph as g
 from fitter.memory.ggml_graph import Graph, Tensor
 
 # Architectures whose graph is rebuilt here; others get compute estimates from fitter.memory.compute's phase model.
-GRAPH_ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "qwen3", "llama", "deepseek2")
+GRAPH_ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "qwen3", "llama", "deepseek2", "glm4moe")
 
 
 @dataclass(frozen=True)
@@ -457,15 +458,16 @@ def build(b: Builder) -> None:
             inp_sa = g.get_rows(inp_sa, b.out_ids)
         ffn_inp = g.dup_op("ADD", cur, inp_sa)
         is_moe = pre + "ffn_gate_inp.weight" in b.names
-        norm_name = pre + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight")
+        norm_name = pre + ("post_attention_norm.weight" if arch in ("gpt-oss", "glm4moe") else "ffn_norm.weight")
         cur = b.norm(ffn_inp, norm_name)
         if not is_moe:
             cur = b.ffn(cur, pre)
         elif arch == "gpt-oss":
             cur = b.moe(cur, il, SOFTMAX_WEIGHT, norm_w=False)
-        elif arch == "deepseek2":
+        elif arch in ("deepseek2", "glm4moe"):  # routed experts, then the shared expert on the same input
             normed = cur
-            cur = b.moe(cur, il, spec.expert_gating or SOFTMAX, spec.expert_weights_norm, spec.expert_weights_scale)
+            default = SIGMOID if arch == "glm4moe" else SOFTMAX  # glm4-moe.cpp: gating NONE means sigmoid
+            cur = b.moe(cur, il, spec.expert_gating or default, spec.expert_weights_norm, spec.expert_weights_scale)
             cur = g.dup_op("ADD", cur, b.ffn(normed, pre, "_shexp"))
         else:
             normed = cur

@@ -65,18 +65,21 @@ def test_the_builds_context_is_the_kv_cache_without_the_output_buffer() -> None:
 
 @pytest.mark.llama
 @pytest.mark.tools("llama-fit-params")
+@pytest.mark.parametrize("shape", ["deepseek-v3-nextn", "glm-4.5-air"])
 @pytest.mark.parametrize("flags", [["-c", "4096", "-nr"],
                                    ["-c", "8192", "-np", "2", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-nr"],
                                    ["-c", "4096", "-ngl", "all", "-cmoe", "-nr"],
                                    ["-c", "4096", "-ngl", "all", "-ncmoe", "3", "-nr"],
                                    ["-c", "16384", "-ngl", "all", "-ncmoe", "40", "-nr"]])
-def test_deepseek_v3_with_its_nextn_block_as_the_build_projects_it(flags: list[str]) -> None:
-    # 61 MLA layers (3 dense, 256 experts) and a NextN block the server never loads; -ncmoe 3 moves nothing (the
-    # dense layers have no experts). Also like with like on the host: the dry run maps nothing, so its host model is
-    # the CPU tensors' sizes, not the mapped range a real load logs (which spans the skipped block: +7333 MiB)
+def test_real_shapes_with_a_nextn_block_as_the_build_projects_them(shape: str, flags: list[str]) -> None:
+    # DeepSeek-V3: 61 MLA layers (3 dense, 256 experts); GLM-4.5-Air: 46 layers (1 dense, 128 experts + 1 shared,
+    # sigmoid routing); each with the NextN block a server never loads: neither its weights nor a KV cache for it.
+    # -ncmoe 3 moves nothing on DeepSeek-V3 (its first layers have no experts). Like with like on the host: the dry
+    # run maps nothing, so its host model is the CPU tensors' sizes, not the mapped range a real load logs (which
+    # spans the skipped block: +7333 MiB on DeepSeek-V3)
     from fitter.measure.emulated_gpu import EmulatedGpu
 
-    model = model_file("deepseek-v3-nextn", sparse=True)
+    model = model_file(shape, sparse=True)
     spec = load_model_spec(str(model))
     with EmulatedGpu(400_000) as gpu:
         on_gpu = "-ngl" in flags
