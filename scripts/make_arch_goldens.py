@@ -43,6 +43,7 @@ CONFIGS = (
     ("c256", ["-c", "256", "-ngl", "0"]),
     ("np2-q8", ["-c", "256", "-ngl", "0", "-np", "2", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]),
     ("ub64-nofa", ["-c", "256", "-ngl", "0", "-ub", "64", "-b", "128", "-fa", "off"]),
+    ("nommap", ["-c", "256", "-ngl", "0", "--no-mmap"]),  # plain CPU buffers: a tied output is not duplicated
 )
 # the variants' context runs past the window (32 in the test models), so the sliding-window cache is smaller
 VARIANT_CONFIGS = (*CONFIGS, ("c1024", ["-c", "1024", "-ngl", "0", "-np", "1"]))

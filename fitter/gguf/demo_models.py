@@ -114,6 +114,8 @@ def _add_metadata(w: gguf.GGUFWriter, s: ModelShape) -> None:
             w.add_expert_feed_forward_length(s.n_ff_exp)
     if s.arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+    if s.arch == "llama4":
+        w.add_interleave_moe_layer_step(1)  # every layer has experts (Scout)
     if s.arch == "glm4moe":
         w.add_leading_dense_block_count(s.n_leading_dense)
         w.add_expert_shared_count(s.n_expert_shared)
@@ -121,7 +123,7 @@ def _add_metadata(w: gguf.GGUFWriter, s: ModelShape) -> None:
         w.add_expert_weights_norm(True)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if s.sliding_window:
-        # No sliding_window_pattern key: llama.cpp's gpt-oss default (period 2) makes even layers SWA.
+        # No sliding_window_pattern key: the architecture's default period (gpt-oss 2, gemma3 6; fitter.gguf.archs).
         w.add_sliding_window(s.sliding_window)
     tokens, types, merges, eos = _vocab(s.n_vocab)
     w.add_tokenizer_model("gpt2")

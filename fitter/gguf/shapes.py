@@ -13,7 +13,7 @@ import gguf
 
 from fitter.errors import FitterError
 
-ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2", "glm4moe")
+ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2", "glm4moe", "gemma3", "llama4")
 # Types whose blocks write_model can synthesize. Sparse (header-only) files accept any type gguf knows.
 GENERATED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "MXFP4")
 
@@ -80,6 +80,7 @@ class ModelShape:
     v_head_dim: int = 0
     # NextN/MTP blocks after the trunk (deepseek2, glm4moe): block_count counts them, nextn_predict_layers how many
     n_nextn: int = 0
+    tied_output: bool = False  # no output.weight: llama.cpp reuses token_embd (TENSOR_DUPLICATED)
     n_vocab: int = 512
     n_ctx_train: int = 4096
     sliding_window: int = 0
@@ -120,7 +121,8 @@ class ModelShape:
         for il in range(self.n_layer, self.n_layer + self.n_nextn):
             specs += self._block_tensors(il) + self._nextn_tensors(il)
         specs.append(TensorSpec("output_norm.weight", (self.n_embd,), "F32", "norm"))
-        specs.append(TensorSpec("output.weight", (self.n_embd, self.n_vocab), wt))
+        if not self.tied_output:
+            specs.append(TensorSpec("output.weight", (self.n_embd, self.n_vocab), wt))
         return specs
 
     # --- tensor lists per arch -----------------------------------------------------------------------
@@ -150,13 +152,16 @@ class ModelShape:
                     TensorSpec(p + "attn_output.bias", (e,), "F32", "bias"),
                     TensorSpec(p + "attn_sinks.weight", (self.n_head,), "F32", "sinks"),
                 ]
-            if self.arch in ("qwen3", "qwen3moe"):
+            if self.arch in ("qwen3", "qwen3moe", "gemma3"):
                 out += [
                     TensorSpec(p + "attn_q_norm.weight", (self.head_dim,), "F32", "norm"),
                     TensorSpec(p + "attn_k_norm.weight", (self.head_dim,), "F32", "norm"),
                 ]
         # gpt-oss and glm4moe name their pre-FFN norm post_attention_norm; the others ffn_norm.
         norm = "post_attention_norm" if self.arch in ("gpt-oss", "glm4moe") else "ffn_norm"
+        if self.arch == "gemma3":  # a norm after attention, before the FFN and after it (src/models/gemma3.cpp)
+            out.append(TensorSpec(p + "post_attention_norm.weight", (e,), "F32", "norm"))
+            out.append(TensorSpec(p + "post_ffw_norm.weight", (e,), "F32", "norm"))
         out.append(TensorSpec(p + norm + ".weight", (e,), "F32", "norm"))
         if not self.is_moe or il < self.n_leading_dense:
             out += self._dense_ffn(p, self.n_ff)
@@ -229,7 +234,7 @@ class ModelShape:
         if self.arch == "qwen2moe":
             # qwen2moe gates its shared expert with a sigmoid of this vector.
             out.append(TensorSpec(p + "ffn_gate_inp_shexp.weight", (e,), "F32", "router"))
-        if self.arch in ("qwen2moe", "deepseek2", "glm4moe"):
+        if self.arch in ("qwen2moe", "deepseek2", "glm4moe", "llama4"):  # llama4's shared expert is n_ff_exp wide
             out += [
                 TensorSpec(p + "ffn_gate_shexp.weight", (e, shexp), self.weight_type),
                 TensorSpec(p + "ffn_down_shexp.weight", (shexp, e), self.weight_type),
@@ -263,7 +268,7 @@ class ModelShape:
                                  t.ne[0])
 
     def _validate_arch(self) -> None:
-        moe_archs = ("gpt-oss", "qwen3moe", "qwen2moe", "deepseek2", "glm4moe")
+        moe_archs = ("gpt-oss", "qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "llama4")
         if self.arch in moe_archs and not self.is_moe:
             raise self._fail("n_expert", f"must be > 0 for arch {self.arch}", self.n_expert)
         if self.arch == "qwen3" and self.is_moe:
@@ -285,8 +290,10 @@ class ModelShape:
         if self.arch == "gpt-oss" and self.sliding_window <= 0:
             raise self._fail("sliding_window", "must be > 0 for gpt-oss (llama.cpp requires the key)",
                              self.sliding_window)
-        if self.arch != "gpt-oss" and self.sliding_window:
-            raise self._fail("sliding_window", "is only generated for gpt-oss", self.sliding_window)
+        if self.arch not in ("gpt-oss", "gemma3") and self.sliding_window:
+            raise self._fail("sliding_window", "is only generated for gpt-oss and gemma3", self.sliding_window)
+        if self.arch == "gemma3" and self.is_moe:
+            raise self._fail("n_expert", "must be 0 for gemma3 (dense)", self.n_expert)
         if self.arch == "qwen2moe" and self.n_ff_shexp <= 0:
             raise self._fail("n_ff_shexp", "must be > 0 for qwen2moe", self.n_ff_shexp)
         if self.arch != "qwen2moe" and self.n_ff_shexp:
@@ -297,14 +304,14 @@ class ModelShape:
         if self.arch == "deepseek2":
             self._validate_mla()
             return
-        if self.n_expert_shared and self.arch not in ("qwen2moe", "glm4moe"):
+        if self.n_expert_shared and self.arch not in ("qwen2moe", "glm4moe", "llama4"):
             raise self._fail("n_expert_shared", "is only generated for qwen2moe, glm4moe and deepseek2",
                              self.n_expert_shared)
         if self.head_dim <= 0:
             raise self._fail("head_dim", "must be > 0", self.head_dim)
         if self.n_head % self.n_head_kv:
             raise self._fail("n_head", f"must be a multiple of n_head_kv={self.n_head_kv}", self.n_head)
-        if self.arch in ("llama", "qwen2moe") and self.head_dim * self.n_head != self.n_embd:
+        if self.arch in ("llama", "qwen2moe", "llama4") and self.head_dim * self.n_head != self.n_embd:
             # llama checks n_rot == n_embd/n_head; qwen2moe sizes attn_q/attn_output as n_embd x n_embd.
             rule = f"must equal n_embd/n_head = {self.n_embd // self.n_head} for {self.arch}"
             raise self._fail("head_dim", rule, self.head_dim)
@@ -418,6 +425,20 @@ SHAPES: dict[str, ModelShape] = {
             n_ff=10944, n_expert=128, n_expert_used=8, n_ff_exp=1408, n_expert_shared=1, n_leading_dense=1,
             n_nextn=1, n_vocab=151552, n_ctx_train=131072, rope_freq_base=1e6, weight_type="Q8_0",
             expert_type="Q4_0",
+        ),
+        # Gemma-3-27B: 62 layers, 5 of each 6 sliding-window (1024) by the architecture's default period (the file
+        # writes no pattern), tied output; Q4_K stands in for its Q4_K_M
+        ModelShape(
+            name="gemma-3-27b", arch="gemma3", n_layer=62, n_embd=5376, n_head=32, n_head_kv=16, head_dim=128,
+            n_ff=21504, n_vocab=262208, n_ctx_train=131072, sliding_window=1024, rope_freq_base=1e6, rms_eps=1e-6,
+            tied_output=True, weight_type="Q4_K", expert_type="Q4_K",
+        ),
+        # Llama-4-Scout-17B-16E: 48 MoE layers (16 experts, 1 used, a shared expert), chunked attention in 3 of
+        # each 4 layers (llama.cpp's default: chunks of 8192; the file writes no window), 10 M context
+        ModelShape(
+            name="llama-4-scout", arch="llama4", n_layer=48, n_embd=5120, n_head=40, n_head_kv=8, head_dim=128,
+            n_ff=16384, n_expert=16, n_expert_used=1, n_ff_exp=8192, n_expert_shared=1, n_vocab=202048,
+            n_ctx_train=10485760, rope_freq_base=500000.0, weight_type="Q4_K", expert_type="Q4_K",
         ),
         ModelShape(
             name="mixtral-8x7b", arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,

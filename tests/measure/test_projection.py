@@ -10,6 +10,7 @@ import pytest
 from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.projection import compare, parse_fit_print, project, tool_estimate
 from fitter.memory.devices import CPU_AVX2, rpc_devices
+from fitter.memory.graphs import GRAPH_ARCHS
 from fitter.units import MIB
 from tests.conftest import BUILT_TOOLS
 from tests.models import model_file
@@ -65,18 +66,20 @@ def test_the_builds_context_is_the_kv_cache_without_the_output_buffer() -> None:
 
 @pytest.mark.llama
 @pytest.mark.tools("llama-fit-params")
-@pytest.mark.parametrize("shape", ["deepseek-v3-nextn", "glm-4.5-air"])
+@pytest.mark.parametrize("shape", ["deepseek-v3-nextn", "glm-4.5-air", "gemma-3-27b", "llama-4-scout"])
 @pytest.mark.parametrize("flags", [["-c", "4096", "-nr"],
                                    ["-c", "8192", "-np", "2", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-nr"],
                                    ["-c", "4096", "-ngl", "all", "-cmoe", "-nr"],
                                    ["-c", "4096", "-ngl", "all", "-ncmoe", "3", "-nr"],
                                    ["-c", "16384", "-ngl", "all", "-ncmoe", "40", "-nr"]])
-def test_real_shapes_with_a_nextn_block_as_the_build_projects_them(shape: str, flags: list[str]) -> None:
+def test_this_years_shapes_as_the_build_projects_them(shape: str, flags: list[str]) -> None:
     # DeepSeek-V3: 61 MLA layers (3 dense, 256 experts); GLM-4.5-Air: 46 layers (1 dense, 128 experts + 1 shared,
     # sigmoid routing); each with the NextN block a server never loads: neither its weights nor a KV cache for it.
-    # -ncmoe 3 moves nothing on DeepSeek-V3 (its first layers have no experts). Like with like on the host: the dry
-    # run maps nothing, so its host model is the CPU tensors' sizes, not the mapped range a real load logs (which
-    # spans the skipped block: +7333 MiB on DeepSeek-V3)
+    # -ncmoe 3 moves nothing on DeepSeek-V3 (its first layers have no experts). Gemma-3-27B: 52 of 62 layers slide
+    # over 1024 tokens by gemma3's default period; Llama-4-Scout: chunks of 8192 in 3 of each 4 layers. Compute is
+    # checked where fitter rebuilds the graph; the others' come from the phase model, which says so. Like with like
+    # on the host: the dry run maps nothing, so its host model is the CPU tensors' sizes, not the mapped range a real
+    # load logs (which spans the skipped block: +7333 MiB on DeepSeek-V3)
     from fitter.measure.emulated_gpu import EmulatedGpu
 
     model = model_file(shape, sparse=True)
@@ -89,4 +92,6 @@ def test_real_shapes_with_a_nextn_block_as_the_build_projects_them(shape: str, f
     assert ours.keys() == theirs.keys()
     for name, kinds in theirs.items():
         for kind, built in kinds.items():
+            if kind == "compute" and spec.arch not in GRAPH_ARCHS:
+                continue
             assert 0 <= ours[name][kind] - built < MIB, (name, kind, ours[name][kind] / MIB, built / MIB)
