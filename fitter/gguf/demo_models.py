@@ -114,6 +114,14 @@ def _add_metadata(w: gguf.GGUFWriter, s: ModelShape) -> None:
             w.add_expert_feed_forward_length(s.n_ff_exp)
     if s.arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+    if s.arch == "qwen3next":
+        w.add_expert_shared_feed_forward_length(s.n_ff_shexp)
+        w.add_ssm_conv_kernel(s.ssm_d_conv)
+        w.add_ssm_inner_size(s.ssm_d_state * s.ssm_dt_rank)
+        w.add_ssm_state_size(s.ssm_d_state)
+        w.add_ssm_group_count(s.ssm_n_group)
+        w.add_ssm_time_step_rank(s.ssm_dt_rank)
+        w.add_full_attention_interval(s.full_attention_interval)
     if s.arch == "llama4":
         w.add_interleave_moe_layer_step(1)  # every layer has experts (Scout)
     if s.arch == "glm4moe":

@@ -13,7 +13,7 @@ import gguf
 
 from fitter.errors import FitterError
 
-ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2", "glm4moe", "gemma3", "llama4")
+ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2", "glm4moe", "gemma3", "llama4", "qwen3next")
 # Types whose blocks write_model can synthesize. Sparse (header-only) files accept any type gguf knows.
 GENERATED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "MXFP4")
 
@@ -81,6 +81,13 @@ class ModelShape:
     # NextN/MTP blocks after the trunk (deepseek2, glm4moe): block_count counts them, nextn_predict_layers how many
     n_nextn: int = 0
     tied_output: bool = False  # no output.weight: llama.cpp reuses token_embd (TENSOR_DUPLICATED)
+    # gated DeltaNet layers (qwen3next): K heads of ssm_d_state, V heads (ssm_dt_rank) of ssm_d_state, conv kernel;
+    # every full_attention_interval-th layer is attention (the file writes no recurrent_layers key)
+    ssm_d_conv: int = 0
+    ssm_d_state: int = 0
+    ssm_n_group: int = 0
+    ssm_dt_rank: int = 0
+    full_attention_interval: int = 0
     n_vocab: int = 512
     n_ctx_train: int = 4096
     sliding_window: int = 0
@@ -131,6 +138,8 @@ class ModelShape:
         p = f"blk.{il}."
         e, wt = self.n_embd, self.weight_type
         out = [TensorSpec(p + "attn_norm.weight", (e,), "F32", "norm")]
+        if self.arch == "qwen3next":
+            return out + self._qwen3next_block(il)
         if self.is_mla:
             out += self._mla_tensors(p)
         else:
@@ -168,6 +177,38 @@ class ModelShape:
         else:
             out += self._moe_tensors(p)
         return out
+
+    def is_recurrent(self, il: int) -> bool:
+        return self.arch == "qwen3next" and (il + 1) % self.full_attention_interval != 0
+
+    def _qwen3next_block(self, il: int) -> list[TensorSpec]:
+        """src/models/qwen3next.cpp load_arch_tensors: gated attention (Q twice as wide: query and gate) or a gated
+        DeltaNet layer, then routed experts and a sigmoid-gated shared expert."""
+        p, e, wt = f"blk.{il}.", self.n_embd, self.weight_type
+        out = [TensorSpec(p + "post_attention_norm.weight", (e,), "F32", "norm")]
+        if not self.is_recurrent(il):
+            q, kv = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+            out += [
+                TensorSpec(p + "attn_q.weight", (e, 2 * q), wt),
+                TensorSpec(p + "attn_k.weight", (e, kv), wt),
+                TensorSpec(p + "attn_v.weight", (e, kv), wt),
+                TensorSpec(p + "attn_output.weight", (q, e), wt),
+                TensorSpec(p + "attn_q_norm.weight", (self.head_dim,), "F32", "norm"),
+                TensorSpec(p + "attn_k_norm.weight", (self.head_dim,), "F32", "norm"),
+            ]
+        else:
+            key_dim, value_dim = self.ssm_d_state * self.ssm_n_group, self.ssm_d_state * self.ssm_dt_rank
+            out += [
+                TensorSpec(p + "attn_qkv.weight", (e, 2 * key_dim + value_dim), wt),
+                TensorSpec(p + "attn_gate.weight", (e, value_dim), wt),
+                TensorSpec(p + "ssm_conv1d.weight", (self.ssm_d_conv, 2 * key_dim + value_dim), "F32", "norm"),
+                TensorSpec(p + "ssm_dt.bias", (self.ssm_dt_rank,), "F32", "bias"),
+                TensorSpec(p + "ssm_a", (self.ssm_dt_rank,), "F32", "norm"),
+                TensorSpec(p + "ssm_ba.weight", (e, 2 * self.ssm_dt_rank), wt),
+                TensorSpec(p + "ssm_norm.weight", (self.ssm_d_state,), "F32", "norm"),
+                TensorSpec(p + "ssm_out.weight", (value_dim, e), wt),
+            ]
+        return out + self._moe_tensors(p)
 
     def _nextn_tensors(self, il: int) -> list[TensorSpec]:
         """A NextN block's own tensors beside a full layer's (src/models/deepseek2.cpp, glm4-moe.cpp
@@ -230,11 +271,11 @@ class ModelShape:
                 TensorSpec(p + "ffn_down_exps.bias", (e, x), "F32", "bias"),
                 TensorSpec(p + "ffn_up_exps.bias", (f, x), "F32", "bias"),
             ]
-        shexp = self.n_ff_shexp if self.arch == "qwen2moe" else self.n_ff_exp * self.n_expert_shared
-        if self.arch == "qwen2moe":
-            # qwen2moe gates its shared expert with a sigmoid of this vector.
+        shexp = self.n_ff_shexp if self.arch in ("qwen2moe", "qwen3next") else self.n_ff_exp * self.n_expert_shared
+        if self.arch in ("qwen2moe", "qwen3next"):
+            # qwen2moe and qwen3next gate their shared expert with a sigmoid of this vector.
             out.append(TensorSpec(p + "ffn_gate_inp_shexp.weight", (e,), "F32", "router"))
-        if self.arch in ("qwen2moe", "deepseek2", "glm4moe", "llama4"):  # llama4's shared expert is n_ff_exp wide
+        if self.arch in ("qwen2moe", "deepseek2", "glm4moe", "llama4", "qwen3next"):  # llama4's is n_ff_exp wide
             out += [
                 TensorSpec(p + "ffn_gate_shexp.weight", (e, shexp), self.weight_type),
                 TensorSpec(p + "ffn_down_shexp.weight", (shexp, e), self.weight_type),
@@ -268,7 +309,7 @@ class ModelShape:
                                  t.ne[0])
 
     def _validate_arch(self) -> None:
-        moe_archs = ("gpt-oss", "qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "llama4")
+        moe_archs = ("gpt-oss", "qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "llama4", "qwen3next")
         if self.arch in moe_archs and not self.is_moe:
             raise self._fail("n_expert", f"must be > 0 for arch {self.arch}", self.n_expert)
         if self.arch == "qwen3" and self.is_moe:
@@ -294,11 +335,16 @@ class ModelShape:
             raise self._fail("sliding_window", "is only generated for gpt-oss and gemma3", self.sliding_window)
         if self.arch == "gemma3" and self.is_moe:
             raise self._fail("n_expert", "must be 0 for gemma3 (dense)", self.n_expert)
-        if self.arch == "qwen2moe" and self.n_ff_shexp <= 0:
-            raise self._fail("n_ff_shexp", "must be > 0 for qwen2moe", self.n_ff_shexp)
-        if self.arch != "qwen2moe" and self.n_ff_shexp:
-            raise self._fail("n_ff_shexp", "is qwen2moe-only (deepseek2 uses n_ff_exp * n_expert_shared)",
-                             self.n_ff_shexp)
+        if self.arch in ("qwen2moe", "qwen3next") and self.n_ff_shexp <= 0:
+            raise self._fail("n_ff_shexp", f"must be > 0 for {self.arch}", self.n_ff_shexp)
+        if self.arch not in ("qwen2moe", "qwen3next") and self.n_ff_shexp:
+            raise self._fail("n_ff_shexp", "is qwen2moe- and qwen3next-only (deepseek2 uses n_ff_exp * "
+                             "n_expert_shared)", self.n_ff_shexp)
+        if self.arch == "qwen3next" and min(self.ssm_d_conv, self.ssm_d_state, self.ssm_n_group, self.ssm_dt_rank,
+                                            self.full_attention_interval) <= 0:
+            raise self._fail("ssm_*", "and full_attention_interval must be > 0 for qwen3next",
+                             (self.ssm_d_conv, self.ssm_d_state, self.ssm_n_group, self.ssm_dt_rank,
+                              self.full_attention_interval))
         if self.n_nextn and self.arch not in ("deepseek2", "glm4moe"):
             raise self._fail("n_nextn", "is deepseek2- and glm4moe-only", self.n_nextn)
         if self.arch == "deepseek2":
@@ -439,6 +485,15 @@ SHAPES: dict[str, ModelShape] = {
             name="llama-4-scout", arch="llama4", n_layer=48, n_embd=5120, n_head=40, n_head_kv=8, head_dim=128,
             n_ff=16384, n_expert=16, n_expert_used=1, n_ff_exp=8192, n_expert_shared=1, n_vocab=202048,
             n_ctx_train=10485760, rope_freq_base=500000.0, weight_type="Q4_K", expert_type="Q4_K",
+        ),
+        # Qwen3-Next-80B-A3B: 48 layers, 36 gated DeltaNet (32 V heads, 16 K heads of 128) and every 4th attention
+        # (16 heads of 256, 2 KV heads); 512 experts, 10 used, a gated shared expert
+        ModelShape(
+            name="qwen3-next-80b-a3b", arch="qwen3next", n_layer=48, n_embd=2048, n_head=16, n_head_kv=2,
+            head_dim=256, n_expert=512, n_expert_used=10, n_ff_exp=512, n_ff_shexp=512,
+            ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32, full_attention_interval=4,
+            n_vocab=151936, n_ctx_train=262144, rope_freq_base=1e7, rms_eps=1e-6, weight_type="Q8_0",
+            expert_type="Q4_K",
         ),
         ModelShape(
             name="mixtral-8x7b", arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,

@@ -66,7 +66,8 @@ def test_the_builds_context_is_the_kv_cache_without_the_output_buffer() -> None:
 
 @pytest.mark.llama
 @pytest.mark.tools("llama-fit-params")
-@pytest.mark.parametrize("shape", ["deepseek-v3-nextn", "glm-4.5-air", "gemma-3-27b", "llama-4-scout"])
+@pytest.mark.parametrize("shape", ["deepseek-v3-nextn", "glm-4.5-air", "gemma-3-27b", "llama-4-scout",
+                                   "qwen3-next-80b-a3b"])
 @pytest.mark.parametrize("flags", [["-c", "4096", "-nr"],
                                    ["-c", "8192", "-np", "2", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-nr"],
                                    ["-c", "4096", "-ngl", "all", "-cmoe", "-nr"],
@@ -76,7 +77,8 @@ def test_this_years_shapes_as_the_build_projects_them(shape: str, flags: list[st
     # DeepSeek-V3: 61 MLA layers (3 dense, 256 experts); GLM-4.5-Air: 46 layers (1 dense, 128 experts + 1 shared,
     # sigmoid routing); each with the NextN block a server never loads: neither its weights nor a KV cache for it.
     # -ncmoe 3 moves nothing on DeepSeek-V3 (its first layers have no experts). Gemma-3-27B: 52 of 62 layers slide
-    # over 1024 tokens by gemma3's default period; Llama-4-Scout: chunks of 8192 in 3 of each 4 layers. Compute is
+    # over 1024 tokens by gemma3's default period; Llama-4-Scout: chunks of 8192 in 3 of each 4 layers;
+    # Qwen3-Next-80B-A3B: a KV cache for every 4th layer, conv + SSM state per sequence for the other 36. Compute is
     # checked where fitter rebuilds the graph; the others' come from the phase model, which says so. Like with like
     # on the host: the dry run maps nothing, so its host model is the CPU tensors' sizes, not the mapped range a real
     # load logs (which spans the skipped block: +7333 MiB on DeepSeek-V3)
