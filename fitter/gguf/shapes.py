@@ -6,7 +6,7 @@ the field, the rule and the value. Pure data; fitter.gguf.demo_models writes the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import gguf
@@ -378,6 +378,14 @@ class ModelShape:
 
 
 _TINY: dict[str, Any] = {"n_vocab": 512, "n_ctx_train": 2048}
+# DeepSeek-V3 / R1 (671 B; 61 layers, the first 3 dense, 256 routed experts and one shared): the largest public shape
+# of the architectures fitter rebuilds: Q4_K experts, Q8_0 elsewhere (attn_k_b rows are 128).
+_DEEPSEEK_V3 = ModelShape(
+    name="deepseek-v3", arch="deepseek2", n_layer=61, n_embd=7168, n_head=128, n_head_kv=1, n_ff=18432,
+    n_expert=256, n_expert_used=8, n_ff_exp=2048, n_expert_shared=1, n_leading_dense=3,
+    q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    n_vocab=129280, n_ctx_train=163840, rms_eps=1e-6, weight_type="Q8_0", expert_type="Q4_K",
+)
 SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (
@@ -449,21 +457,9 @@ SHAPES: dict[str, ModelShape] = {
             n_ff=17408, n_vocab=151936, n_ctx_train=40960, rope_freq_base=1e6, rms_eps=1e-6,
             weight_type="Q8_0", expert_type="Q8_0",
         ),
-        # DeepSeek-V3 / R1 (671 B; 61 layers, the first 3 dense, 256 routed experts and one shared): the largest
-        # public shape of the architectures fitter rebuilds: Q4_K experts, Q8_0 elsewhere (attn_k_b rows are 128).
-        ModelShape(
-            name="deepseek-v3", arch="deepseek2", n_layer=61, n_embd=7168, n_head=128, n_head_kv=1, n_ff=18432,
-            n_expert=256, n_expert_used=8, n_ff_exp=2048, n_expert_shared=1, n_leading_dense=3,
-            q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-            n_vocab=129280, n_ctx_train=163840, rms_eps=1e-6, weight_type="Q8_0", expert_type="Q4_K",
-        ),
+        _DEEPSEEK_V3,
         # the same with its NextN block (block 61), as convert_hf_to_gguf keeps it: llama.cpp skips it unless MTP
-        ModelShape(
-            name="deepseek-v3-nextn", arch="deepseek2", n_layer=61, n_embd=7168, n_head=128, n_head_kv=1,
-            n_ff=18432, n_expert=256, n_expert_used=8, n_ff_exp=2048, n_expert_shared=1, n_leading_dense=3,
-            q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-            n_nextn=1, n_vocab=129280, n_ctx_train=163840, rms_eps=1e-6, weight_type="Q8_0", expert_type="Q4_K",
-        ),
+        replace(_DEEPSEEK_V3, name="deepseek-v3-nextn", n_nextn=1),
         # GLM-4.5-Air (106 B, 12 B active): 46 layers, the first dense, 128 experts + 1 shared, sigmoid routing,
         # and its NextN block (block 46) as convert_hf_to_gguf keeps it; Q4_0 experts (rows of 1408), Q8_0 elsewhere
         ModelShape(

@@ -28,21 +28,28 @@ def test_the_tools_lines() -> None:
     assert lines[2].endswith(f"{'-':>10}{'-':>10}")
 
 
+def both_sides(model: Path, flags: list[str], gpu_mib: int) -> tuple[dict[str, dict[str, int]], ...]:
+    """fitter's estimate and the pinned build's projection of `flags` for `model`, on an emulated GPU of `gpu_mib`
+    when the flags offload (-ngl)."""
+    from fitter.measure.emulated_gpu import EmulatedGpu
+
+    spec = load_model_spec(str(model))
+    with EmulatedGpu(gpu_mib) as gpu:
+        on_gpu = "-ngl" in flags
+        flags = [*flags, "--rpc", gpu.endpoint] if on_gpu else flags
+        theirs = project(BUILT_TOOLS / "llama-fit-params", model, flags).devices
+        ours = tool_estimate(spec, flags, rpc_devices([gpu.endpoint]) if on_gpu else (), CPU_AVX2)
+    return ours, theirs
+
+
 @pytest.mark.llama
 @pytest.mark.tools("llama-fit-params")
 @pytest.mark.parametrize("flags", [["-c", "4096", "-nr"], ["-c", "4096", "-ub", "2048", "-b", "2048", "-nr"],
                                    ["-c", "8192", "-np", "2", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-nr"],
                                    ["-c", "4096", "-ngl", "all", "-cmoe"], ["-c", "4096", "-ngl", "3"]])
 def test_the_pinned_build_projects_what_fitter_estimates(llama_tools: dict[str, Path], flags: list[str]) -> None:
-    from fitter.measure.emulated_gpu import EmulatedGpu
-
     model = model_file("demo")
-    spec = load_model_spec(str(model))
-    with EmulatedGpu(4000) as gpu:
-        on_gpu = "-ngl" in flags
-        flags = [*flags, "--rpc", gpu.endpoint] if on_gpu else flags
-        theirs = project(BUILT_TOOLS / "llama-fit-params", model, flags).devices
-        ours = tool_estimate(spec, flags, rpc_devices([gpu.endpoint]) if on_gpu else (), CPU_AVX2)
+    ours, theirs = both_sides(model, flags, 4000)
     assert ours.keys() == theirs.keys()
     for name, kinds in theirs.items():
         for kind, built in kinds.items():
@@ -82,15 +89,9 @@ def test_this_years_shapes_as_the_build_projects_them(shape: str, flags: list[st
     # checked where fitter rebuilds the graph; the others' come from the phase model, which says so. Like with like
     # on the host: the dry run maps nothing, so its host model is the CPU tensors' sizes, not the mapped range a real
     # load logs (which spans the skipped block: +7333 MiB on DeepSeek-V3)
-    from fitter.measure.emulated_gpu import EmulatedGpu
-
     model = model_file(shape, sparse=True)
     spec = load_model_spec(str(model))
-    with EmulatedGpu(400_000) as gpu:
-        on_gpu = "-ngl" in flags
-        flags = [*flags, "--rpc", gpu.endpoint] if on_gpu else flags
-        theirs = project(BUILT_TOOLS / "llama-fit-params", model, flags).devices
-        ours = tool_estimate(spec, flags, rpc_devices([gpu.endpoint]) if on_gpu else (), CPU_AVX2)
+    ours, theirs = both_sides(model, flags, 400_000)
     assert ours.keys() == theirs.keys()
     for name, kinds in theirs.items():
         for kind, built in kinds.items():
