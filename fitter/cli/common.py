@@ -141,6 +141,25 @@ def add_llama_cpp(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--llama-cpp", metavar="DIR", help=f"a llama.cpp build's bin/ folder: {what}")
 
 
+def build_projector(ns: argparse.Namespace, spec: ModelSpec, rpc: tuple[str, ...] = ()) -> Any:
+    """The build's projector where fitter guesses a kind for the model (fitter.measure.projection.projector_for),
+    else None; fitter.measure is imported only then (it is most of a CLI's start-up)."""
+    from fitter.memory.projected import guessed_kinds
+
+    if ns.projection == "never" or not guessed_kinds(spec):
+        return None
+    from fitter.measure.projection import projector_for
+
+    return projector_for(spec, ns.llama_cpp, rpc=rpc)
+
+
+def add_projection(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--projection", choices=("auto", "never"), default="auto",
+                        help="auto: the memory fitter has no rules for on the model's architecture (its KV cache, "
+                        "compute buffers) comes from llama.cpp's own projection of each config (llama-fit-params "
+                        "of --llama-cpp DIR or of the pinned tools); never: take fitter's guess")
+
+
 def own_options(parser: argparse.ArgumentParser, launch: set[str]) -> dict[str, int]:
     """fitter's own options of a command (every option it registered that is not a llama.cpp launch flag), with
     how many values each takes: what `llama_flags` leaves out."""

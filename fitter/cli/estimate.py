@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from fitter import LLAMA_CPP_TARGET
-from fitter.cli.common import add_llama_cpp, devices_and_cpu, launch_args, load_model, model_path, warn
+from fitter.cli.common import (
+    add_llama_cpp,
+    add_projection,
+    build_projector,
+    devices_and_cpu,
+    launch_args,
+    load_model,
+    model_path,
+    warn,
+)
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments
 
 
@@ -19,8 +29,13 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     spec = load_model(model_path(ns.model))
     devices, cpu = devices_and_cpu(ns, config)
     plan = estimate(spec, config, devices, cpu)
+    projector = build_projector(ns, spec)
+    if projector is not None:
+        plan = projector.plan(plan)
     for w in plan.warnings:
         warn(w)
+    if projector is not None:
+        print(f"fitter: {projector.summary()}", file=sys.stderr)
     projection = _projection(ns, spec, config, plan.devices, cpu) if ns.llama_cpp else None
     if ns.json:
         out = plan_json(plan, LLAMA_CPP_TARGET)
@@ -67,6 +82,7 @@ def register(sub: Any) -> None:
     est.add_argument("model", nargs="?", help="GGUF file or any shard of a split model (default: the demo model)")
     est.add_argument("--devices", default="", help="none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]")
     add_llama_cpp(est, "estimate for the devices that build sees (llama-server --list-devices)")
+    add_projection(est)
     est.add_argument("--json", action="store_true", help="machine-readable output (CONTRACTS.md)")
     est.add_argument("--tensors", action="store_true", help="also list every tensor's buffer type")
     add_launch_arguments(est)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from dataclasses import replace
 from typing import Any
 
 from fitter.cli.common import (
     add_emulated_gpu,
     add_llama_cpp,
+    add_projection,
+    build_projector,
     cpu_here,
     devices_and_cpu,
     launch_args,
@@ -45,8 +48,9 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
             cpu = cpu_here()
         else:
             devices, cpu = devices_and_cpu(ns, config)
-        result = fit(spec, config, devices, targets, ns.fit_ctx, cpu)
         rpc = gpu.endpoints if gpu is not None else config.rpc
+        projector = build_projector(ns, spec, rpc)
+        result = fit(spec, config, devices, targets, ns.fit_ctx, cpu, projector)
         launch = pin(replace(result.config, rpc=rpc), result.plan.context)
         verify = None
         if ns.verify:
@@ -55,6 +59,8 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
             verify = _verify(model, launch, gpu, config.consumer)
     for w in result.plan.warnings:
         warn(w)
+    if projector is not None:
+        print(f"fitter: {projector.summary()}", file=sys.stderr)
     if ns.json:
         out = fit_json(result, launch, server_command(model, launch), emulated=gpu is not None, verify=verify)
         print(json.dumps({"for": config.consumer, **out}, indent=1))
@@ -101,6 +107,7 @@ def register(sub: Any) -> None:
     fit_p.add_argument("--devices", default="", help="none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]")
     add_llama_cpp(fit_p, "fit onto the devices that build sees (llama-server --list-devices)")
     add_emulated_gpu(fit_p, "fit onto", several=True)
+    add_projection(fit_p)
     fit_p.add_argument("--verify", action="store_true", help="load the result on the emulated GPU and report it")
     fit_p.add_argument("--json", action="store_true")
     add_launch_arguments(fit_p)

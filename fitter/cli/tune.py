@@ -192,9 +192,11 @@ def register(sub: Any) -> None:
     add_llama_cpp(tune, "every trial runs its llama-server at the deployed context, its llama-fit-params gives the "
                   "baseline, its commit keys the results")
     tune.add_argument("--projection", choices=("auto", "always", "never"), default="auto",
-                      help="with --llama-cpp: screen each config with the build's own projection too (llama-fit-params "
-                      "--fit-print) — auto: when the build is another commit or backend than fitter's rules were "
-                      "matched against")
+                      help="screen configs with llama.cpp's own projection (llama-fit-params --fit-print) — auto: "
+                      "the memory fitter has no rules for on the model's architecture (its KV cache, compute "
+                      "buffers) comes from it, and with --llama-cpp every config is also checked against it when "
+                      "the build is another commit or backend than fitter's rules were matched against; always: "
+                      "that check for every config; never: take fitter's guess")
     tune.add_argument("--confirm-rounds", type=int, default=4, metavar="N",
                       help="interleaved confirm rounds of the front and the baseline, each of -r repetitions, a fresh "
                       "order each round; ratios, their 95 %% intervals and ties come from them (default 4)")

@@ -36,15 +36,15 @@ class Swa:
     dense_first: bool = False
     n_swa: int = 0  # a window the architecture sets itself: the default when the file has none, or forced
     forced: bool = False  # the window is the architecture's whatever the file says (llama4 8192, smallthinker 4096)
-    chunked: bool = False  # LLAMA_SWA_TYPE_CHUNKED: the same cache sizes, another mask
 
 
 @dataclass(frozen=True)
 class Recurrent:
-    """Which layers keep recurrent state instead of a KV cache, when the file has no `attention.recurrent_layers`:
-    every layer but each `interval`-th (the key `full_attention_interval`, default `interval`), or every layer."""
+    """Which layers of a hybrid model keep recurrent state instead of a KV cache, when the file has no
+    `attention.recurrent_layers`: every layer but each `interval`-th (the key `full_attention_interval`, default
+    `interval`). A recurrent model (Memory.RECURRENT) keeps it in every layer."""
 
-    interval: int = 0  # 0: every layer is recurrent
+    interval: int
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ ARCHS: dict[str, Arch] = {
     "exaone-moe": Arch(swa=_S(_W.ALWAYS, 4, n_swa=128)),
     "afmoe": Arch(swa=_S(_W.KEY, 4)),
     "laguna": Arch(swa=_S(_W.KEY, 4, dense_first=True)),
-    "llama4": Arch(swa=_S(_W.UNLESS_ZERO, 4, n_swa=8192, forced=True, chunked=True)),
+    # LLAMA_SWA_TYPE_CHUNKED: chunks of 8192 size the cache as a window does (only the mask differs)
+    "llama4": Arch(swa=_S(_W.UNLESS_ZERO, 4, n_swa=8192, forced=True)),
     "mellum": Arch(swa=_S(_W.KEY, 4)),
     "muse-glimmer": Arch(swa=_S(_W.ALWAYS, 4)),
     "olmo2": Arch(swa=_S(_W.KEY, 4)),
@@ -92,6 +93,6 @@ ARCHS: dict[str, Arch] = {
     # gated DeltaNet + attention every 4th layer (src/models/qwen3next.cpp, qwen35.cpp, qwen35moe.cpp)
     **{name: Arch(Memory.HYBRID, recurrent=Recurrent(interval=4), skips_nextn=True)
        for name in ("qwen3next", "qwen35", "qwen35moe")},
-    **{name: Arch(Memory.RECURRENT, recurrent=Recurrent()) for name in ("mamba", "mamba2")},
+    **{name: Arch(Memory.RECURRENT) for name in ("mamba", "mamba2")},
     **{name: Arch(Memory.NONE) for name in ("dream", "llada", "llada-moe", "rnd1")},
 }

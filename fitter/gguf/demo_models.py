@@ -130,6 +130,8 @@ def _add_metadata(w: gguf.GGUFWriter, s: ModelShape) -> None:
         w.add_expert_weights_scale(1.0)
         w.add_expert_weights_norm(True)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if s.arch == "minimax-m2":
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if s.sliding_window:
         # No sliding_window_pattern key: the architecture's default period (gpt-oss 2, gemma3 6; fitter.gguf.archs).
         w.add_sliding_window(s.sliding_window)

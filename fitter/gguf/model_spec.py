@@ -273,9 +273,7 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
     notes: list[str] = []
     rules = ARCHS.get(arch)
     if rules is None:
-        notes.append(f"{header.path}: architecture {arch!r} has no memory rules in fitter (fitter.gguf.archs): its "
-                     "KV cache is estimated as a plain cache over every layer, with no sliding window, recurrent "
-                     "state or NextN block, and its compute buffers by fitter's phase model")
+        notes.append(f"{header.path}: architecture {arch!r} has no memory rules in fitter (fitter.gguf.archs)")
     keys = _Keys(header, arch)
     n_layer = keys.integer("block_count")
     if not 0 < n_layer <= 512:  # LLAMA_MAX_LAYERS (src/llama-hparams.h)
@@ -296,7 +294,8 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         raise GGUFError(f"{header.path}: '{arch}.nextn_predict_layers' must be in 0..{n_layer} (block_count), "
                         f"got {n_nextn}")
     # llama_hparams::is_mla: both MLA head sizes non-zero (llama.cpp's own saver writes every key, zeros included)
-    is_mla = keys.integer("attention.key_length_mla", 0) > 0 and keys.integer("attention.value_length_mla", 0) > 0
+    head_k_mla, head_v_mla = keys.integer("attention.key_length_mla", 0), keys.integer("attention.value_length_mla", 0)
+    is_mla = head_k_mla > 0 and head_v_mla > 0
     tensors = tuple(_tensor_spec(t) for t in header.tensors)
     skipped: tuple[TensorSpec, ...] = ()
     if rules is not None and rules.skips_nextn and n_nextn:
@@ -331,8 +330,8 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         n_swa=n_swa,
         swa_layers=swa_layers,
         is_mla=is_mla,
-        head_dim_k_mla=keys.integer("attention.key_length_mla", 0),
-        head_dim_v_mla=keys.integer("attention.value_length_mla", 0),
+        head_dim_k_mla=head_k_mla,
+        head_dim_v_mla=head_v_mla,
         kv_lora_rank=keys.integer("attention.kv_lora_rank", 0),
         q_lora_rank=keys.integer("attention.q_lora_rank", 0),
         n_rot=keys.integer("rope.dimension_count", head_dim_k),

@@ -13,7 +13,8 @@ import gguf
 
 from fitter.errors import FitterError
 
-ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2", "glm4moe", "gemma3", "llama4", "qwen3next")
+ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "llama", "qwen3", "deepseek2", "glm4moe", "gemma3", "llama4", "qwen3next",
+         "minimax-m2")
 # Types whose blocks write_model can synthesize. Sparse (header-only) files accept any type gguf knows.
 GENERATED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "MXFP4")
 
@@ -166,6 +167,11 @@ class ModelShape:
                     TensorSpec(p + "attn_q_norm.weight", (self.head_dim,), "F32", "norm"),
                     TensorSpec(p + "attn_k_norm.weight", (self.head_dim,), "F32", "norm"),
                 ]
+            if self.arch == "minimax-m2":  # QK norms over every head at once (src/models/minimax-m2.cpp)
+                out += [
+                    TensorSpec(p + "attn_q_norm.weight", (q,), "F32", "norm"),
+                    TensorSpec(p + "attn_k_norm.weight", (kv,), "F32", "norm"),
+                ]
         # gpt-oss and glm4moe name their pre-FFN norm post_attention_norm; the others ffn_norm.
         norm = "post_attention_norm" if self.arch in ("gpt-oss", "glm4moe") else "ffn_norm"
         if self.arch == "gemma3":  # a norm after attention, before the FFN and after it (src/models/gemma3.cpp)
@@ -258,7 +264,7 @@ class ModelShape:
         out = [TensorSpec(p + "ffn_gate_inp.weight", (e, x), "F32", "router")]
         if self.arch == "gpt-oss":
             out.append(TensorSpec(p + "ffn_gate_inp.bias", (x,), "F32", "bias"))
-        if self.arch == "glm4moe":  # the sigmoid router's selection bias (src/models/glm4-moe.cpp)
+        if self.arch in ("glm4moe", "minimax-m2"):  # the sigmoid router's selection bias (src/models/glm4-moe.cpp)
             out.append(TensorSpec(p + "exp_probs_b.bias", (x,), "F32", "bias"))
         out += [
             TensorSpec(p + "ffn_gate_exps.weight", (e, f, x), xt),
@@ -309,7 +315,7 @@ class ModelShape:
                                  t.ne[0])
 
     def _validate_arch(self) -> None:
-        moe_archs = ("gpt-oss", "qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "llama4", "qwen3next")
+        moe_archs = ("gpt-oss", "qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "llama4", "qwen3next", "minimax-m2")
         if self.arch in moe_archs and not self.is_moe:
             raise self._fail("n_expert", f"must be > 0 for arch {self.arch}", self.n_expert)
         if self.arch == "qwen3" and self.is_moe:
@@ -351,7 +357,7 @@ class ModelShape:
             self._validate_mla()
             return
         if self.n_expert_shared and self.arch not in ("qwen2moe", "glm4moe", "llama4"):
-            raise self._fail("n_expert_shared", "is only generated for qwen2moe, glm4moe and deepseek2",
+            raise self._fail("n_expert_shared", "is only generated for qwen2moe, glm4moe, llama4 and deepseek2",
                              self.n_expert_shared)
         if self.head_dim <= 0:
             raise self._fail("head_dim", "must be > 0", self.head_dim)
@@ -490,6 +496,14 @@ SHAPES: dict[str, ModelShape] = {
             ssm_d_conv=4, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32, full_attention_interval=4,
             n_vocab=151936, n_ctx_train=262144, rope_freq_base=1e7, rms_eps=1e-6, weight_type="Q8_0",
             expert_type="Q4_K",
+        ),
+        # MiniMax-M2 (230 B, 10 B active; MiniMaxAI/MiniMax-M2 config.json): 62 layers of 256 experts, 8 used, sigmoid
+        # routing with a selection bias, QK norms over all heads; every expert width is feed_forward_length too (its
+        # tensors are built with n_ff). Its partial rotary (64 of 128) changes no buffer and is not written.
+        ModelShape(
+            name="minimax-m2", arch="minimax-m2", n_layer=62, n_embd=3072, n_head=48, n_head_kv=8, head_dim=128,
+            n_ff=1536, n_expert=256, n_expert_used=8, n_ff_exp=1536, n_vocab=200064, n_ctx_train=196608,
+            rope_freq_base=5e6, rms_eps=1e-6, weight_type="Q8_0", expert_type="Q4_K",
         ),
         ModelShape(
             name="mixtral-8x7b", arch="llama", n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128,

@@ -18,8 +18,9 @@ from fitter.gguf.model_spec import ModelSpec, Role, TensorSpec
 from fitter.memory.buffers import CPU, KINDS, Buffer, Placement, alloc_size, row_bytes
 from fitter.memory.compute import auto_flash_attn_mismatch, backend_map, compute_bytes_by_device
 from fitter.memory.devices import CPU_AVX2, CpuProfile, Device
-from fitter.memory.graphs import GRAPH_ARCHS, BackendMap
+from fitter.memory.graphs import BackendMap
 from fitter.memory.kv_cache import check_cache_types, kv_buffers, kv_cache_sizes
+from fitter.memory.projected import guess_warning
 from fitter.memory.replay import Replayed
 
 __all__ = ["CPU", "KINDS", "Buffer", "DeviceTotals", "MemoryPlan", "Placement", "alloc_size", "complete", "estimate",
@@ -52,6 +53,7 @@ class MemoryPlan:
     layer_devices: tuple[str, ...]  # per layer, plus the output layer last
     warnings: tuple[str, ...]
     pipelined: bool = False  # the scheduler pipelines ubatches across the devices (n_copies > 1)
+    projected: tuple[str, ...] = ()  # kinds taken from llama.cpp's own projection (fitter.memory.projected)
 
     def totals(self) -> dict[str, DeviceTotals]:
         sums: dict[str, dict[str, int]] = {CPU: dict.fromkeys(KINDS, 0)}
@@ -345,12 +347,11 @@ def place(
             raise LaunchConfigError(
                 f"-ctv {config.cache_type_v}: llama.cpp forces flash attention off for {spec.arch}, and a quantized V "
                 "cache requires it; use -ctv f16")
-        ctx = replace(ctx, flash_attn=False, auto_fa=False, v_trans=True)
+        forced = (f"-fa {config.flash_attn}: flash attention is not compatible with {spec.arch}, so llama.cpp "
+                  "forces it off")
+        ctx = replace(ctx, flash_attn=False, auto_fa=False, v_trans=True, warnings=(*ctx.warnings, forced))
     check_cache_types(spec, config, ctx)
     warnings = list(ctx.warnings)
-    if forced_off:
-        warnings.append(f"-fa {config.flash_attn}: flash attention is not compatible with {spec.arch}, so llama.cpp "
-                        "forces it off")
     if devices and config.n_gpu_layers == -1 and config.fit:
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
     devices = model_devices(config, devices)
@@ -379,10 +380,9 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
     ctx, layer_dev, placements = placed.ctx, placed.layer_dev, placed.placements
     used = placed.devices
     warnings = list(placed.warnings)
-    if spec.arch not in GRAPH_ARCHS:
-        warnings.append(f"{spec.arch}: compute buffers come from fitter's phase model, not a replay of llama.cpp's "
-                        f"graph (fitter rebuilds the graphs of {', '.join(GRAPH_ARCHS)}); on other architectures' real "
-                        "shapes it was 95 % low to 2 % high: keep a margin, or compare with `--llama-cpp DIR`")
+    guess = guess_warning(spec)
+    if guess is not None:
+        warnings.append(guess)
     cache_types = (config.cache_type_k, config.cache_type_v)
     backends = backend_map(used, layer_dev, {p.tensor.name: p.buft for p in placements}, config.no_kv_offload,
                            not config.no_op_offload, pipeline_parallel(spec, config, used))

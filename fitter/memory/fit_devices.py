@@ -78,9 +78,12 @@ class DeviceSearch:
     and fits (`judge`)."""
 
     def __init__(self, spec: ModelSpec, devices: tuple[Device, ...], budgets: dict[str, int], judge: Judge,
-                 base: LaunchConfig, cpu: CpuProfile) -> None:
+                 base: LaunchConfig, cpu: CpuProfile,
+                 planner: Callable[[LaunchConfig], MemoryPlan] | None = None) -> None:
         self.spec, self.devices, self.budgets, self.judge, self.base = spec, devices, budgets, judge, base
         self.cpu = cpu
+        # a layout's full estimate, fitting or not (fit's own, which asks llama.cpp where fitter guesses)
+        self.planner = planner or (lambda config: estimate(spec, config, devices, cpu))
         self.expert_layers = expert_layers(spec)
         self._judged: dict[tuple[int, Layout], Found | None] = {}
         self._compute: dict[tuple[int, tuple[float, ...]], dict[str, int]] = {}  # last full estimate's compute
@@ -349,7 +352,7 @@ def expert_ranges(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchCo
 
 def _estimate(search: DeviceSearch, ngl: int, layout: Layout) -> MemoryPlan:
     """A layout's full estimate, fitting or not: which device is over, and by how much."""
-    return estimate(search.spec, search.config(ngl, layout), search.devices, search.cpu)
+    return search.planner(search.config(ngl, layout))
 
 
 def _slack(plan: MemoryPlan, devices: tuple[Device, ...], budgets: dict[str, int]) -> list[int]:

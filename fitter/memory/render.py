@@ -40,6 +40,7 @@ def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
         "device_profiles": {d.name: {"kind": d.profile.kind, "validated": d.profile.validated}
                             for d in plan.devices},
         "buffers": [{"buft": b.buft, "kind": b.kind, "bytes": b.bytes} for b in plan.buffers],
+        "projected": list(plan.projected),  # kinds whose buffers are llama.cpp's own projection, not fitter's rules
         "tensors": [
             {
                 "name": p.tensor.name,
@@ -89,6 +90,8 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
     ]
     for b in plan.buffers:
         lines.append(f"{b.buft:<28}{b.kind:<9}{_mib(b.bytes)}")
+    if plan.projected:
+        lines.append(f"({' and '.join(plan.projected)}: llama.cpp's own projection per device, rounded up to the MiB)")
     lines += ["", f"{'device':<28}{'model':>10}{'kv':>10}{'compute':>10}{'output':>10}{'total':>10}"]
     for name, t in plan.totals().items():
         lines.append(f"{name:<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.output)}{_mib(t.total)}")

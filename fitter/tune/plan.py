@@ -12,6 +12,7 @@ from fitter.errors import FitterError
 from fitter.flags import LaunchConfig
 from fitter.memory.estimator import MemoryPlan
 from fitter.memory.fit_devices import DeviceSearch
+from fitter.memory.projected import guessed_kinds
 from fitter.tune import split
 from fitter.tune.request import (
     THREAD_KEYS,
@@ -37,6 +38,7 @@ class Screener:
         self._cache: dict[object, Screen] = {}
         self._spreads: dict[object, dict[str, Any] | None] = {}  # a multi-device search per context and split
         self.budgets = req.budgets
+        self.guessed = guessed_kinds(req.spec)
 
     def learn_margin(self, device: str, margin: int) -> None:
         self.budgets = self.budgets.with_margin(device, margin)
@@ -49,6 +51,11 @@ class Screener:
             reason = cand.error or is_valid_combination(cand.params)
             if reason is not None:
                 self._cache[key] = Screen(None, {}, reason)
+            elif self.guessed and self.req.projector is not None:  # what fitter would guess is the build's
+                projection = self.req.projector(cand.config)
+                s = screen(self.req.spec, cand.config, self.req.devices, self.req.cpu, self.budgets,
+                           (projection, self.req.projector.source))
+                self._cache[key] = s.with_projection(projection, self.budgets) if s.feasible else s
             else:
                 s = screen(self.req.spec, cand.config, self.req.devices, self.req.cpu, self.budgets)
                 if s.feasible and self.req.projector is not None:  # the drift guard: ask the build too

@@ -5,7 +5,6 @@ bench spec with its threads, and the flags a trial records."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -17,6 +16,7 @@ from fitter.flags.parse import has_flag, with_params
 from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.types import BenchSpec
 from fitter.memory.devices import CpuProfile, Device
+from fitter.memory.projected import Projects
 from fitter.tune.screen import Budgets
 from fitter.tune.space import is_valid_combination, params_to_flags
 from fitter.tune.split import apply_split, is_split_key, read_split
@@ -56,8 +56,9 @@ class TuneRequest:
     rpc: tuple[str, ...] = ()
     space_source: str = ""  # where the search space came from (a file, or shipped:<name>)
     # the build's own projection of a config (device → {model, kv, compute} bytes), asked before each launch when
-    # the build is not the llama.cpp fitter's rules were matched against (the drift guard, fitter.tune.session)
-    projector: Callable[[LaunchConfig], dict[str, dict[str, int]]] | None = field(default=None, compare=False)
+    # fitter guesses a kind for the model (fitter.memory.projected) or the build is not the llama.cpp fitter's rules
+    # were matched against (the drift guard, fitter.tune.session)
+    projector: Projects | None = field(default=None, compare=False)
 
     @property
     def default_threads(self) -> int:

@@ -7,6 +7,7 @@ for host RAM (the model mapping plus every host buffer, minus available RAM). Pu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,6 +15,7 @@ from fitter.errors import FitterError
 from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.estimator import CPU, MemoryPlan, estimate
+from fitter.memory.projected import with_projection
 from fitter.units import MIB
 
 
@@ -62,11 +64,17 @@ def device_totals(plan: MemoryPlan) -> dict[str, int]:
     return {name: t.total for name, t in totals.items()}
 
 
-def screen(spec: ModelSpec, config: Any, devices: tuple[Device, ...], cpu: CpuProfile, budgets: Budgets) -> Screen:
+def screen(spec: ModelSpec, config: Any, devices: tuple[Device, ...], cpu: CpuProfile, budgets: Budgets,
+           projected: tuple[Mapping[str, Mapping[str, int]], str] | None = None) -> Screen:
+    """The config's verdict; `projected` (llama.cpp's projection of it, and where from) replaces the memory fitter
+    only guesses for the model (fitter.memory.projected). A projection that lacks a device raises: no config can
+    be screened then."""
     try:
         plan = estimate(spec, config, devices, cpu)
     except FitterError as e:
         return Screen(None, {}, str(e))
+    if projected is not None:
+        plan = with_projection(plan, *projected)
     totals = device_totals(plan)
     constraints: dict[str, float] = {}
     for name, budget in budgets.devices.items():

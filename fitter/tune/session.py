@@ -37,11 +37,13 @@ from fitter.flags.vocabulary import fixing
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.llama_build import LlamaCppBuild
+from fitter.measure.projection import Projector, guess_projector
 from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, check_target_count, device_budgets
 from fitter.memory.devices import Device
 from fitter.memory.fit import fit
 from fitter.memory.fit_devices import expert_layers
+from fitter.memory.projected import guess_warning, guessed_kinds
 from fitter.tune import split
 from fitter.tune.baseline import replay_baseline, run_baseline, sim_fit_devices, study_baseline
 from fitter.tune.confirm import DEFAULT_ROUNDS, confirm, result_doc
@@ -192,7 +194,8 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
                 lightest = (worst[1], f"{worst[0]} by {worst[1]:.1f} MiB with {searched}")
     detail = f" the lightest configuration is over budget on {lightest[1]};" if lightest else ""
     if req.devices:
-        result = fit(req.spec, req.base, req.devices, targets, cpu=req.cpu)
+        projector = req.projector if guessed_kinds(req.spec) else None
+        result = fit(req.spec, req.base, req.devices, targets, cpu=req.cpu, projects=projector)
         if result.fits:
             detail += f" fitter fit finds a placement outside the space: {' '.join(placement_flags(result.config))}"
         elif result.suggestions:
@@ -233,7 +236,13 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     targets = fit_targets(o, target)
     check_target_count([d.name for d in target.planned_devices], targets)
     planned = plan_request(o, target, target.planned_devices, target.planned_rpc, log)
-    check_something_fits(planned, targets)
+    guessed = guessed_kinds(o.spec) if o.projection != "never" else ()
+    if guessed:
+        planned = projected_before_start(o, target, planned, tool, log)
+    elif (guess := guess_warning(o.spec)) is not None:  # --projection never: the guess, said once
+        log(f"fitter: warning: {guess}")
+    if planned.projector is not None or not guessed:
+        check_something_fits(planned, targets)
     if dry_run:
         return TuneOutcome(None, None, dry_run_text(planned, planned.space_source))
 
@@ -267,7 +276,10 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
 
     with runner, study_writes(url):
         req = plan_request(o, target, target.devices(runner), runner.rpc)
-        if users is not None:
+        if guessed:  # the trials' screen: llama.cpp's projection on the devices the runner started
+            projector = guess_projector(o.spec, tool, "no llama-fit-params was found", runner.rpc)
+            req = replace(req, projector=projector)
+        elif users is not None:
             req = replace(req, projector=drift_guard(o, users, build["commit"], runner.rpc, log))
         tuner = Tuner(req, study, runner, on_event=progress(req) if progress else None, heartbeat_s=5,
                       claims=claims, worker=worker, log=log)
@@ -377,16 +389,33 @@ def record_overheads(study: optuna.Study, snapshot: MachineSnapshot, log: Callab
         log(f"fitter: warning: {problem}")
 
 
+def projected_before_start(o: TuneOptions, target: Target, planned: TuneRequest, tool: Path | None,
+                           log: Callable[[str], None]) -> TuneRequest:
+    """The request the checks before the study (and --dry-run) screen with, for a model fitter guesses a kind for:
+    llama.cpp's projection where the build can see the devices (the CPU, real GPUs); a simulated GPU it never sees,
+    so that is refused; an emulated GPU is started only by the run, so until then the guess, said aloud."""
+    projector = guess_projector(o.spec, tool, "no llama-fit-params was found (--llama-fit-params PATH)")
+    if target.sim is not None and target.planned_devices:
+        raise FitterError(f"{o.model}: fitter has no rules for the {' and '.join(guessed_kinds(o.spec))} memory of "
+                          f"{o.spec.arch!r}, and llama.cpp cannot project a simulated machine's GPUs: take fitter's "
+                          "guess with --projection never")
+    if target.planned_rpc:
+        log(f"fitter: warning: {o.spec.arch}: before the emulated GPU starts, the feasible region is fitter's guess "
+            f"of its {' and '.join(guessed_kinds(o.spec))} memory; every trial is screened by {projector.source}")
+        return planned
+    log(f"fitter: {o.spec.arch}: fitter has no rules for its {' and '.join(guessed_kinds(o.spec))} memory: every "
+        f"config is screened by {projector.source}")
+    return replace(planned, projector=projector)
+
+
 def drift_guard(o: TuneOptions, users: LlamaCppBuild, commit: str, rpc: tuple[str, ...],
-                log: Callable[[str], None]) -> Callable[[LaunchConfig], dict[str, dict[str, int]]] | None:
+                log: Callable[[str], None]) -> Projector | None:
     """The build's own projection of each config before it is launched, when fitter's rules may not hold for it:
     another commit than the one they were matched against, a CUDA device (no golden from a CUDA build yet) or a
     backend fitter has no rules for (`--projection auto`); `always`/`never` force it. The screen then takes the
     larger of the two per device (fitter.tune.screen.Screen.with_projection), and the trial records both."""
     from fitter import LLAMA_CPP_TARGET
-    from fitter.flags import pin
     from fitter.measure.llama_build import list_devices
-    from fitter.measure.projection import project
 
     tool = users.llama_fit_params
     if o.projection == "never" or tool is None:
@@ -407,9 +436,4 @@ def drift_guard(o: TuneOptions, users: LlamaCppBuild, commit: str, rpc: tuple[st
         return None
     log(f"fitter: drift guard on ({why}): each config is projected by {tool} before it is launched, and screened "
         "with the larger of that and fitter's estimate")
-    model = o.model
-
-    def projector(config: LaunchConfig) -> dict[str, dict[str, int]]:
-        return project(tool, model, pin(config)).devices
-
-    return projector
+    return Projector(tool, o.spec, rpc)

@@ -138,3 +138,41 @@ def test_fit_on_deepseek_v3_with_its_nextn_block_counts_only_layers_with_experts
     assert [r.pattern for r in result.config.overrides] == [
         rf"blk\.{i}\.ffn_(up|down|gate|gate_up)_(ch|)exps" for i in range(48)]
     assert "fits: experts of 13/58 expert layers on the GPU, context 8192" in fit_table(result, "", False, None)
+
+
+class _Build:
+    """A build's projection, as fitter.measure.projection.Projector gives it: its GPU compute grows by 1 MiB per
+    expert tensor kept on the GPU, which a hint (the projection of another placement of the same layers) cannot
+    know; its KV cache is fixed."""
+
+    source = "the fake build"
+
+    def __init__(self, spec, devices) -> None:  # type: ignore[no-untyped-def]
+        self.spec, self.devices, self.calls = spec, devices, 0
+
+    def __call__(self, config) -> dict[str, dict[str, int]]:  # type: ignore[no-untyped-def]
+        self.calls += 1
+        plan = estimate(self.spec, config, self.devices)
+        kept = sum(1 for p in plan.placements if p.tensor.role.value == "expert" and p.buft == "CUDA0")
+        return {"CPU": {"model": 0, "kv": 5 * MIB, "compute": 7 * MIB},
+                "CUDA0": {"model": 0, "kv": 9 * MIB, "compute": (20 + kept) * MIB}}
+
+
+def test_where_fitter_guesses_the_fit_is_judged_by_the_builds_projection_of_the_placement_it_returns(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tests.models import renamed_in_header
+
+    spec = load_model_spec(str(renamed_in_header("demo", tmp_path, b"gpt-oss", b"gpt-osz")))
+    assert spec.arch == "gpt-osz"
+    dev = _device(80)
+    build = _Build(spec, (dev,))
+    result = fit(spec, parse_launch_flags(["-c", "4096"]), (dev,), (4,), projects=build)
+    assert result.fits and result.plan.projected == ("kv", "compute")
+    theirs = build(result.config)["CUDA0"]
+    gpu = [b for b in result.plan.buffers if b.device == "CUDA0"]
+    assert [(b.kind, b.bytes) for b in gpu if b.kind in ("kv", "compute")] == [
+        ("kv", theirs["kv"] + MIB - 1), ("compute", theirs["compute"] + MIB - 1)]
+    assert _used(result.plan, "CUDA0") <= 76 * MIB
+    # the hint let more experts in than their own projection allowed: searched again with less room, in a few
+    # projections where the search judged dozens of placements
+    assert 2 <= build.calls - 1 <= 8

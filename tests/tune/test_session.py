@@ -303,8 +303,14 @@ def test_a_fit_target_list_must_match_the_gpus(tmp_path: Path) -> None:
 def test_every_command_prints_the_models_warnings(tmp_path: Path) -> None:
     model = unknown_arch_model(tmp_path)
     warning = f"fitter: warning: {model}: architecture 'llamb' has no memory rules in fitter"
-    dry = tune(str(model), "--backend", "sim", "--machine", "cpu-16c", "--dry-run", "-c", "512", cwd=tmp_path)
+    refused = tune(str(model), "--backend", "sim", "--machine", "cpu-16c", "--dry-run", "-c", "512", cwd=tmp_path)
+    assert refused.returncode == 2 and warning in refused.stderr, refused.stderr  # no build here to project with
+    assert "fitter has no rules for the kv and compute memory of architecture 'llamb' and will not guess it" \
+        in refused.stderr
+    dry = tune(str(model), "--backend", "sim", "--machine", "cpu-16c", "--dry-run", "-c", "512", "--projection",
+               "never", cwd=tmp_path)
     assert dry.returncode == 0 and warning in dry.stderr, dry.stderr
+    assert "llamb: fitter guesses its KV cache as a plain cache over every layer" in dry.stderr
     bench = subprocess.run([sys.executable, "-m", "fitter.cli", "bench", str(model), "--backend", "sim", "--machine",
                             "cpu-16c", "-c", "512", "-p", "16", "-n", "4", "-r", "1"], capture_output=True,
                            text=True, timeout=300, cwd=tmp_path)
