@@ -24,6 +24,9 @@ class SwaWhen(StrEnum):
     KEY = "key"  # only when the file gives `attention.sliding_window` > 0
     UNLESS_ZERO = "unless-zero"  # unless the file gives `attention.sliding_window` = 0 (llama4's chunked attention)
     ARRAY = "array"  # the file's `attention.sliding_window_pattern` array alone (ml.get_arr)
+    # when the file gives `attention.sliding_window` > 0, every attention layer of a hybrid slides and no pattern key
+    # is read (lfm2: is_swa = !is_recr)
+    ATTENTION = "attention"
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,41 @@ class Swa:
     forced: bool = False  # the window is the architecture's whatever the file says (llama4 8192, smallthinker 4096)
 
 
+class RecurrentBy(StrEnum):
+    """How a hybrid model's load_arch_hparams sets llama_hparams::is_recr, and which layers create_memory's filters
+    give a KV cache (src/llama-model.cpp `llama_model::create_memory`)."""
+
+    # the file's `attention.recurrent_layers`, else every layer but each `interval`-th (`full_attention_interval`);
+    # the others attend (qwen3next, qwen35, qwen35moe)
+    INTERVAL = "interval"
+    NO_KV_HEADS = "no-kv-heads"  # a layer with no KV heads is recurrent, the others attend (jamba, plamo2, …)
+    # recurrent: no KV heads and no FFN; attends: KV heads and no FFN; an FFN layer has neither (nemotron_h)
+    NO_KV_HEADS_NOR_FFN = "no-kv-heads-nor-ffn"
+    EVERY = "every"  # every layer both attends and keeps recurrent state (falcon-h1: filters that are always true)
+
+
 @dataclass(frozen=True)
 class Recurrent:
-    """Which layers of a hybrid model keep recurrent state instead of a KV cache, when the file has no
-    `attention.recurrent_layers`: every layer but each `interval`-th (the key `full_attention_interval`, default
-    `interval`). A recurrent model (Memory.RECURRENT) keeps it in every layer."""
+    """Which layers of a hybrid model keep recurrent state and which a KV cache. A recurrent model
+    (Memory.RECURRENT) keeps state in every layer and needs no row of this."""
 
-    interval: int
+    by: RecurrentBy
+    interval: int = 0  # RecurrentBy.INTERVAL's default
+    # the state of a lightning-attention layer: a head-size square per head (minimax-01: n_embd_head_la)
+    linear_attention: bool = False
+
+
+class Indexer(StrEnum):
+    """Which layers keep a sparse-attention lightning indexer's key cache beside the attention cache: a second KV
+    cache of one key head of `attention.indexer.key_length` per layer (no V), of the K cache's type and the attention
+    cache's cells (src/llama-kv-cache-dsa.cpp; in a hybrid, src/llama-memory-hybrid-idx.cpp, after the recurrent
+    state, three such widths with a k-pool: key, gate and pooled values)."""
+
+    TRUNK = "trunk"  # every trunk layer (deepseek32)
+    # the layers `attention.indexer.types` marks; without the key every layer of a GLM-5 or 5.1 (a training context
+    # under 1048576), else GLM-5.2's default: layers 0 and 1, then every 4th from layer 2 (src/models/glm-dsa.cpp)
+    TYPES = "types"
+    TYPES_OR_ALL = "types-or-all"  # the attention layers `attention.indexer.types` marks, all without it (glm5-next)
 
 
 @dataclass(frozen=True)
@@ -54,6 +85,7 @@ class Arch:
     recurrent: Recurrent | None = None
     skips_nextn: bool = False  # NextN/MTP blocks are loaded with TENSOR_SKIP (ml.load_mtp is false for a server)
     flash_attn: bool = True  # False: llama_init_from_model forces flash attention off (Grok)
+    indexer: Indexer | None = None
 
 
 _S = Swa
@@ -72,6 +104,8 @@ ARCHS: dict[str, Arch] = {
     )},
     "grok": Arch(flash_attn=False),  # "flash_attn is not compatible with Grok - forcing off"
     "deepseek2": Arch(skips_nextn=True),  # MLA comes from its keys, as llama_hparams::is_mla
+    "deepseek32": Arch(skips_nextn=True, indexer=Indexer.TRUNK),
+    "glm-dsa": Arch(skips_nextn=True, indexer=Indexer.TYPES),
     "glm4moe": Arch(skips_nextn=True),
     "gpt-oss": Arch(swa=_S(_W.ALWAYS, 2)),
     "gemma2": Arch(swa=_S(_W.ALWAYS, 2, n_swa=4096)),
@@ -91,8 +125,24 @@ ARCHS: dict[str, Arch] = {
     **{name: Arch(swa=_S(_W.ARRAY)) for name in ("granite_swa", "maple", "spark2_5")},
     "mimo2": Arch(swa=_S(_W.ARRAY), skips_nextn=True),
     # gated DeltaNet + attention every 4th layer (src/models/qwen3next.cpp, qwen35.cpp, qwen35moe.cpp)
-    **{name: Arch(Memory.HYBRID, recurrent=Recurrent(interval=4), skips_nextn=True)
+    **{name: Arch(Memory.HYBRID, recurrent=Recurrent(RecurrentBy.INTERVAL, interval=4), skips_nextn=True)
        for name in ("qwen3next", "qwen35", "qwen35moe")},
+    "glm5-next": Arch(Memory.HYBRID, recurrent=Recurrent(RecurrentBy.NO_KV_HEADS), skips_nextn=True,
+                      indexer=Indexer.TYPES_OR_ALL),
+    # Mamba (jamba, plamo2) and Mamba-2 (granitehybrid, nemotron_h, falcon-h1) layers beside attention
+    **{name: Arch(Memory.HYBRID, recurrent=Recurrent(RecurrentBy.NO_KV_HEADS))
+       for name in ("jamba", "plamo2", "granitehybrid")},
+    **{name: Arch(Memory.HYBRID, recurrent=Recurrent(RecurrentBy.NO_KV_HEADS_NOR_FFN))
+       for name in ("nemotron_h", "nemotron_h_moe")},
+    "falcon-h1": Arch(Memory.HYBRID, recurrent=Recurrent(RecurrentBy.EVERY)),
+    # Kimi delta attention beside MLA (src/models/kimi-linear.cpp, kimi-k3.cpp, bailingmoe3.cpp; `kda.head_dim`)
+    **{name: Arch(Memory.HYBRID, recurrent=Recurrent(RecurrentBy.NO_KV_HEADS), skips_nextn=True)
+       for name in ("kimi-linear", "kimi-k3", "bailingmoe3")},
+    # lightning attention beside softmax attention every 8th layer (src/models/minimax-01.cpp)
+    "minimax-01": Arch(Memory.HYBRID, recurrent=Recurrent(RecurrentBy.INTERVAL, interval=8, linear_attention=True)),
+    # gated short convolutions beside attention (src/models/lfm2.cpp: n_embd_r from `shortconv.l_cache`)
+    **{name: Arch(Memory.HYBRID, swa=_S(_W.ATTENTION), recurrent=Recurrent(RecurrentBy.NO_KV_HEADS))
+       for name in ("lfm2", "lfm2moe")},
     **{name: Arch(Memory.RECURRENT) for name in ("mamba", "mamba2")},
     **{name: Arch(Memory.NONE) for name in ("dream", "llada", "llada-moe", "rnd1")},
 }

@@ -16,7 +16,7 @@ from typing import Any
 
 from fitter.errors import GGUFError
 from fitter.gguf._constants import MODEL_TENSOR, TENSOR_NAMES
-from fitter.gguf.archs import ARCHS, Arch, Memory, SwaWhen
+from fitter.gguf.archs import ARCHS, Arch, Indexer, Memory, RecurrentBy, SwaWhen
 from fitter.gguf.header import GGUFHeader, SkippedArray, TensorInfo
 
 
@@ -114,7 +114,10 @@ class ModelSpec:
     tensors: tuple[TensorSpec, ...]  # the tensors llama.cpp creates (a skipped NextN block's are in `skipped`)
     memory: Memory = Memory.KV
     n_layer_nextn: int = 0  # NextN/MTP blocks at the end (nextn_predict_layers): never in the trunk's memory
-    recurrent_layers: tuple[bool, ...] = ()  # per layer: recurrent state instead of a KV cache; empty = none
+    recurrent_layers: tuple[bool, ...] = ()  # per layer of a hybrid model: recurrent state; empty = not hybrid
+    attention_layers: tuple[bool, ...] = ()  # per layer of a hybrid model: a KV cache (falcon-h1: both, everywhere)
+    indexer_layers: tuple[bool, ...] = ()  # per layer: a DSA indexer key cache too (fitter.gguf.archs.Indexer)
+    indexer_width: int = 0  # a layer's indexer key row: attention.indexer.key_length (× 3 with a hybrid's k-pool)
     n_embd_r: int = 0  # llama_hparams::n_embd_r / n_embd_s: a recurrent layer's conv and SSM state per sequence
     n_embd_s: int = 0
     skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
@@ -152,13 +155,15 @@ class ModelSpec:
         filters), in a model with a KV cache at all."""
         if self.memory in (Memory.NONE, Memory.RECURRENT):
             return False
-        return il < self.n_layer_trunk and not (self.recurrent_layers and self.recurrent_layers[il])
+        if self.memory is Memory.HYBRID and self.attention_layers:
+            return self.attention_layers[il]
+        return il < self.n_layer_trunk
 
     def rs_layer(self, il: int) -> bool:
         """Whether layer il keeps recurrent state (llama_memory_recurrent)."""
         if self.memory is Memory.RECURRENT:
             return il < self.n_layer_trunk
-        return self.memory is Memory.HYBRID and il < self.n_layer_trunk and bool(self.recurrent_layers[il])
+        return self.memory is Memory.HYBRID and bool(self.recurrent_layers[il])
 
 
 def tensor_role(name: str) -> tuple[int | None, Role]:
@@ -218,15 +223,18 @@ def _n_vocab(header: GGUFHeader, keys: _Keys) -> int:
     return keys.integer("vocab_size", embd.ne[1] if embd is not None and len(embd.ne) > 1 else 0)
 
 
-def _swa(keys: _Keys, rules: Arch | None, n_layer: int) -> tuple[int, tuple[bool, ...]]:
+def _swa(keys: _Keys, rules: Arch | None, n_layer: int,
+         attention_layers: tuple[bool, ...]) -> tuple[int, tuple[bool, ...]]:
     """The window and which layers use it, as the architecture's load_arch_hparams sets them: its row's
     load_swa_pattern (llama_model_base::load_swa_pattern, llama_hparams::set_swa_pattern), none without a row."""
     swa = rules.swa if rules else None
     found = keys._raw("attention.sliding_window")
     n_swa = keys.integer("attention.sliding_window", 0)
     none = (0, (False,) * n_layer)
-    if swa is None or (swa.when is SwaWhen.KEY and n_swa <= 0):
+    if swa is None or (swa.when in (SwaWhen.KEY, SwaWhen.ATTENTION) and n_swa <= 0):
         return none
+    if swa.when is SwaWhen.ATTENTION:
+        return n_swa, attention_layers
     if swa.when is SwaWhen.UNLESS_ZERO and found is not None and n_swa == 0:
         return none
     if swa.forced or (found is None and swa.n_swa):
@@ -248,21 +256,82 @@ def _swa(keys: _Keys, rules: Arch | None, n_layer: int) -> tuple[int, tuple[bool
     return (n_swa, layers) if n_swa > 0 else none
 
 
-def _recurrent_layers(keys: _Keys, rules: Arch | None, n_layer: int, n_trunk: int) -> tuple[bool, ...]:
-    """`attention.recurrent_layers` (get_key_or_arr: a scalar for every layer), else the row's interval."""
+def _hybrid_layers(keys: _Keys, rules: Arch | None, n_layer: int, n_trunk: int, n_head_kv: tuple[int, ...],
+                   n_ff: tuple[int, ...]) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """A hybrid model's (recurrent, attention) layers, as its load_arch_hparams sets is_recr and create_memory's
+    filters choose (fitter.gguf.archs.RecurrentBy); trunk layers only (a NextN block has neither). Empty for others."""
     if rules is None or rules.memory is not Memory.HYBRID or rules.recurrent is None:
+        return (), ()
+    by, trunk = rules.recurrent.by, range(n_layer)
+    if by is RecurrentBy.INTERVAL:
+        if keys._raw("attention.recurrent_layers") is not None:  # get_key_or_arr: a scalar for every layer
+            recr = tuple(bool(v) for v in keys.per_layer("attention.recurrent_layers", n_layer, ()))
+        else:
+            interval = keys.integer("full_attention_interval", rules.recurrent.interval)
+            recr = tuple((il + 1) % interval != 0 for il in trunk)
+        attn = tuple(not r for r in recr)
+    elif by is RecurrentBy.NO_KV_HEADS:
+        recr = tuple(n_head_kv[il] == 0 for il in trunk)
+        attn = tuple(not r for r in recr)
+    elif by is RecurrentBy.NO_KV_HEADS_NOR_FFN:
+        recr = tuple(n_head_kv[il] == 0 and n_ff[il] == 0 for il in trunk)
+        attn = tuple(not recr[il] and n_ff[il] == 0 for il in trunk)
+    else:
+        recr = attn = (True,) * n_layer
+    return (tuple(r and il < n_trunk for il, r in enumerate(recr)),
+            tuple(a and il < n_trunk for il, a in enumerate(attn)))
+
+
+_GLM_5_2_CONTEXT = 1048576  # glm-dsa: a training context this long is GLM-5.2's, with its default indexer layers
+
+
+def _indexer_layers(keys: _Keys, rules: Arch | None, n_layer: int, n_trunk: int, n_ctx_train: int,
+                    attention_layers: tuple[bool, ...]) -> tuple[bool, ...]:
+    """Which layers keep a sparse-attention indexer key cache (fitter.gguf.archs.Indexer); empty for other models."""
+    if rules is None or rules.indexer is None:
         return ()
-    if keys._raw("attention.recurrent_layers") is not None:
-        return tuple(bool(v) for v in keys.per_layer("attention.recurrent_layers", n_layer, ()))
-    interval = keys.integer("full_attention_interval", rules.recurrent.interval)
-    return tuple(il < n_trunk and (il + 1) % interval != 0 for il in range(n_layer))
+    has_types = keys._raw("attention.indexer.types") is not None
+    if has_types and rules.indexer in (Indexer.TYPES, Indexer.TYPES_OR_ALL):
+        full = tuple(bool(v) for v in keys.per_layer("attention.indexer.types", n_trunk, ()))
+    elif rules.indexer is Indexer.TYPES and n_ctx_train >= _GLM_5_2_CONTEXT:
+        full = tuple(il < 2 or ((il - 2) % 4 == 0 and il < 102) for il in range(n_trunk))
+    else:
+        full = (True,) * n_trunk
+    layers = full + (False,) * (n_layer - n_trunk)
+    if attention_layers:  # a hybrid's indexer runs on its attention layers only
+        layers = tuple(a and b for a, b in zip(layers, attention_layers, strict=True))
+    return layers
 
 
-def _state_widths(keys: _Keys) -> tuple[int, int]:
-    """llama_hparams::n_embd_r and n_embd_s for Mamba-style and gated-DeltaNet layers (the SSM keys)."""
+def _indexer_width(keys: _Keys, rules: Arch | None) -> int:
+    if rules is None or rules.indexer is None:
+        return 0
+    width = keys.integer("attention.indexer.key_length", 0)
+    pooled = rules.memory is Memory.HYBRID and keys.integer("attention.indexer.kpool", 0) > 0
+    return width * 3 if pooled else width
+
+
+def _state_widths(keys: _Keys, rules: Arch | None, n_embd: int, n_head0: int, head_dim_k: int) -> tuple[int, int]:
+    """llama_hparams::n_embd_r and n_embd_s (src/llama-hparams.cpp), in its order: short convolutions (LFM2,
+    `shortconv.l_cache`), Kimi delta attention (`kda.head_dim`), lightning attention (the row's), else Mamba-style
+    and gated-DeltaNet layers (the SSM keys)."""
     d_conv, d_inner = keys.integer("ssm.conv_kernel", 0), keys.integer("ssm.inner_size", 0)
     d_state, n_group = keys.integer("ssm.state_size", 0), keys.integer("ssm.group_count", 0)
-    return max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state), d_state * d_inner
+    l_cache, kda = keys.integer("shortconv.l_cache", 0), keys.integer("kda.head_dim", 0)
+    linear = rules is not None and rules.recurrent is not None and rules.recurrent.linear_attention
+    if l_cache:
+        conv = n_embd * (l_cache - 1)
+    elif kda:
+        conv = 3 * (d_conv - 1 if d_conv > 0 else 3) * n_head0 * kda  # conv state for Q, K and V
+    else:
+        conv = max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
+    if kda:
+        state = kda * kda * n_head0
+    elif linear:
+        state = head_dim_k * head_dim_k * n_head0
+    else:
+        state = d_state * d_inner
+    return conv, state
 
 
 def model_spec(header: GGUFHeader) -> ModelSpec:
@@ -288,11 +357,12 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
     n_expert_used = keys.integer("expert_used_count", 0)
     _check_experts(header, arch, n_expert, n_expert_used)
     n_ff = keys.per_layer("feed_forward_length", n_layer, (0,) * n_layer)
-    n_swa, swa_layers = _swa(keys, rules, n_layer)
     n_nextn = keys.integer("nextn_predict_layers", 0)
     if not 0 <= n_nextn <= n_layer:  # llama_model_base::load_hparams's assert
         raise GGUFError(f"{header.path}: '{arch}.nextn_predict_layers' must be in 0..{n_layer} (block_count), "
                         f"got {n_nextn}")
+    recurrent_layers, attention_layers = _hybrid_layers(keys, rules, n_layer, n_layer - n_nextn, n_head_kv, n_ff)
+    n_swa, swa_layers = _swa(keys, rules, n_layer, attention_layers)
     # llama_hparams::is_mla: both MLA head sizes non-zero (llama.cpp's own saver writes every key, zeros included)
     head_k_mla, head_v_mla = keys.integer("attention.key_length_mla", 0), keys.integer("attention.value_length_mla", 0)
     is_mla = head_k_mla > 0 and head_v_mla > 0
@@ -303,7 +373,7 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         # "model has unused tensor … -- ignoring" (llama_model_loader::create_tensor)
         skipped = tuple(t for t in tensors if t.layer is not None and t.layer >= n_layer - n_nextn)
         tensors = tuple(t for t in tensors if t.layer is None or t.layer < n_layer - n_nextn)
-    r_width, s_width = _state_widths(keys)
+    r_width, s_width = _state_widths(keys, rules, n_embd, n_head0, head_dim_k)
     past = next((t for t in tensors if t.layer is not None and t.layer >= n_layer), None)
     if past is not None:  # llama.cpp loads blocks 0..n_layer-1 only, and refuses a file with tensors it did not load
         raise GGUFError(f"{header.path}: tensor {past.name!r} is in block {past.layer}, but '{arch}.block_count' is "
@@ -343,7 +413,11 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         tensors=tensors,
         memory=rules.memory if rules else Memory.KV,
         n_layer_nextn=n_nextn,
-        recurrent_layers=_recurrent_layers(keys, rules, n_layer, n_layer - n_nextn),
+        recurrent_layers=recurrent_layers,
+        attention_layers=attention_layers,
+        indexer_layers=_indexer_layers(keys, rules, n_layer, n_layer - n_nextn, keys.integer("context_length"),
+                                       attention_layers),
+        indexer_width=_indexer_width(keys, rules),
         n_embd_r=r_width,
         n_embd_s=s_width,
         skipped=skipped,

@@ -8,6 +8,7 @@ from collections import defaultdict
 
 from fitter.errors import LaunchConfigError
 from fitter.flags import KV_CACHE_TYPES, ContextParams, LaunchConfig
+from fitter.gguf.archs import Memory
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.buffers import CPU, Buffer, alloc_size, pad_to, row_bytes
 from fitter.memory.devices import Device
@@ -56,7 +57,28 @@ def kv_buffers(
     for (_, name), size in sorted(caches.items()):
         dev = devs[name]
         buffers.append(Buffer(name, "kv", dev.name if dev else CPU, size))
-    return buffers + rs_buffers(spec, config, ctx, layer_dev)
+    index, state = indexer_buffers(spec, config, ctx, layer_dev), rs_buffers(spec, config, ctx, layer_dev)
+    # a hybrid's indexer cache comes after its recurrent state (llama_memory_hybrid_idx builds on llama_memory_hybrid)
+    return buffers + (state + index if spec.memory is Memory.HYBRID else index + state)
+
+
+def indexer_buffers(
+    spec: ModelSpec, config: LaunchConfig, ctx: ContextParams, layer_dev: tuple[Device | None, ...]
+) -> list[Buffer]:
+    """A DSA model's indexer key cache (src/llama-kv-cache-dsa.cpp `llama_kv_cache_dsa`): a second llama_kv_cache,
+    after the MLA cache, whose hparams have one key head of the indexer's size on every layer and stay MLA (so no V):
+    per indexer layer one K tensor of the K cache's type, the MLA cache's cells and streams."""
+    size_base, size_swa = kv_cache_sizes(spec, ctx)
+    caches: dict[tuple[bool, str], int] = defaultdict(int)
+    for il in range(spec.n_layer):
+        if not (spec.indexer_layers and spec.indexer_layers[il]):
+            continue
+        is_swa = spec.swa_layers[il]
+        dev = None if config.no_kv_offload else layer_dev[il]
+        ne = (spec.indexer_width, size_swa if is_swa else size_base, ctx.n_stream)
+        n_bytes = row_bytes(config.cache_type_k, ne[0]) * ne[1] * ne[2]
+        caches[(is_swa, dev.name if dev is not None else CPU)] += alloc_size(dev, config.cache_type_k, ne, n_bytes)
+    return [Buffer(name, "kv", name, size) for (_, name), size in sorted(caches.items())]
 
 
 def rs_buffers(

@@ -144,7 +144,7 @@ def test_what_fitter_guesses_comes_from_the_build_never_below_what_llama_cpp_all
 @pytest.mark.tools("llama-fit-params")
 def test_a_projection_is_kept_per_config_and_a_damaged_one_is_projected_again(
         llama_tools: dict[str, Path], models: Path) -> None:  # noqa: F811
-    spec = load_model_spec(str(models / "jamba-dense.gguf"))  # an architecture llama.cpp loads, fitter has no row for
+    spec = load_model_spec(str(models / "qwen4exp-moe.gguf"))  # an architecture llama.cpp loads, fitter has no row for
     config = parse_launch_flags(["-c", "512", "-np", "1"])
     first = Projector(llama_tools["llama-fit-params"], spec)
     devices = first(config)
@@ -188,7 +188,7 @@ def _fitter(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_estimate_and_tune_take_what_fitter_guesses_from_the_pinned_build(
         llama_tools: dict[str, Path], models: Path, tmp_path: Path) -> None:  # noqa: F811
     _with_the_pinned_tools()
-    model = models / "jamba-dense.gguf"
+    model = models / "qwen4exp-moe.gguf"
     theirs = project(llama_tools["llama-fit-params"], model, ["-c", "512", "-np", "1"]).devices["CPU"]
     out = _fitter("estimate", str(model), "--devices", "none", "-c", "512", "-np", "1", "--json", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -200,7 +200,7 @@ def test_estimate_and_tune_take_what_fitter_guesses_from_the_pinned_build(
     dry = _fitter("tune", str(model), "--backend", "sim", "--machine", "cpu-16c", "--dry-run", "-c", "512",
                   cwd=tmp_path)
     assert dry.returncode == 0, dry.stderr
-    assert ("fitter: jamba: fitter has no rules for its kv and compute memory: every config is screened by "
+    assert ("fitter: qwen4exp: fitter has no rules for its kv and compute memory: every config is screened by "
             "llama-fit-params --fit-print on of ") in dry.stderr
     guessed = _fitter("estimate", str(model), "--devices", "cuda:8192", "-c", "512", cwd=tmp_path)
     assert guessed.returncode == 2 and "has no CUDA0 (it sees CPU)" in guessed.stderr  # a CPU build sees no CUDA

@@ -105,3 +105,24 @@ def test_the_models_are_llama_cpps_own(models: Path) -> None:
     assert GOLDEN["llama_cpp_commit"] == "0c1e570"
     assert sorted(p.stem for p in models.iterdir()) == sorted(GOLDEN["models"])
     assert {m: arch_of(models, m) for m in GOLDEN["models"]} == {m: v["arch"] for m, v in GOLDEN["models"].items()}
+
+
+def test_glm_dsa_indexer_layers_follow_the_key_else_the_release(models: Path) -> None:
+    # src/models/glm-dsa.cpp: `attention.indexer.types` when the file has it; without it every layer of a GLM-5 or
+    # 5.1, and GLM-5.2's default (layers 0 and 1, then every 4th) for a training context of 1048576 or more
+    from fitter.gguf.model_spec import model_spec
+
+    header = read_header(str(models / "glm-dsa-moe.gguf"))
+
+    def layers(**keys: object) -> tuple[bool, ...]:
+        meta = {k: v for k, v in header.metadata.items() if k != "glm-dsa.attention.indexer.types"}
+        meta["glm-dsa.block_count"] = 8
+        meta.update({f"glm-dsa.{k.replace('__', '.')}": v for k, v in keys.items()})
+        changed = type(header)(header.path, header.shards, meta, header.tensors, header.identity)
+        return model_spec(changed).indexer_layers
+
+    on, off = True, False
+    assert layers(context_length=202752) == (on,) * 8
+    assert layers(context_length=1048576) == (on, on, on, off, off, off, on, off)
+    assert layers(context_length=1048576, attention__indexer__types=[1, 0, 0, 0, 0, 0, 0, 1]) == (
+        on, off, off, off, off, off, off, on)

@@ -21,7 +21,7 @@ def test_the_kinds_fitter_guesses_follow_its_rows_and_graphs() -> None:
     spec = load_model_spec(str(model_file("llama-tiny")))
     assert guessed_kinds(spec) == () and guess_warning(spec) is None
     assert guessed_kinds(replace(spec, arch="gemma3")) == ("compute",)  # a row in archs, no graph replay
-    assert guessed_kinds(replace(spec, arch="jamba")) == ("kv", "compute")  # neither
+    assert guessed_kinds(replace(spec, arch="qwen4exp")) == ("kv", "compute")  # neither
 
 
 def test_a_projection_replaces_only_what_fitter_guesses(tmp_path: Path) -> None:
