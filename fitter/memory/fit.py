@@ -207,11 +207,20 @@ def _place_moe(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan
             cpu_layers = _cpu_layers(with_experts, n, from_top)
             boundary = cpu_layers[0] if from_top else cpu_layers[-1]
             rest = [i for i in cpu_layers if i != boundary]
-            for stay in [*((a, b) for i, a in enumerate(EXPERT_KINDS) for b in EXPERT_KINDS[i + 1:]),
-                         *((k,) for k in EXPERT_KINDS)]:
-                config = replace(layered, overrides=experts_rules(rest, boundary, stay))
+            # two of its expert kinds on the CPU first, then one: one kind on the CPU keeps more on the device than
+            # any pair holding it, so it cannot fit where such a pair does not (more on the device never needs less
+            # device memory, as the bisection takes) and is not estimated (each full estimate replays the graph
+            # twice: half of a DeepSeek-V3 fit's time went to those)
+            pairs = [(a, b) for i, a in enumerate(EXPERT_KINDS) for b in EXPERT_KINDS[i + 1:]]
+            over: set[str] = set()  # kinds in a pair that did not fit
+            for to_cpu in [*pairs, *((k,) for k in EXPERT_KINDS)]:
+                if len(to_cpu) == 1 and to_cpu[0] in over:
+                    continue
+                config = replace(layered, overrides=experts_rules(rest, boundary, to_cpu))
                 plan = s.fits(config)
-                if plan is not None and _better(best, (config, plan)):
+                if plan is None:
+                    over.update(to_cpu)
+                elif _better(best, (config, plan)):
                     best = (config, plan)
     if best is None and not fixed:
         return None

@@ -254,20 +254,22 @@ class _DynAllocator:
         return (n + self.alignment - 1) // self.alignment * self.alignment
 
     def alloc(self, size: int) -> int:
-        size = self._align(size)
-        best, best_size = -1, None
-        for i, (_, bsize) in enumerate(self.blocks[:-1]):
-            if bsize >= size and (best_size is None or bsize <= best_size):
+        a = self.alignment
+        size = (size + a - 1) // a * a
+        blocks = self.blocks
+        best, best_size = len(blocks) - 1, -1  # the open end unless a block fits (the best fit, the last of equals)
+        for i in range(len(blocks) - 1):
+            bsize = blocks[i][1]
+            if bsize >= size and (best_size == -1 or bsize <= best_size):
                 best, best_size = i, bsize
-        if best == -1:
-            best = len(self.blocks) - 1
-        block = self.blocks[best]
+        block = blocks[best]
         offset = block[0]
         block[0] += size
         block[1] -= size
         if block[1] == 0:
-            del self.blocks[best]
-        self.max_size = max(self.max_size, offset + size)
+            del blocks[best]
+        if offset + size > self.max_size:
+            self.max_size = offset + size
         return offset
 
     def free(self, offset: int, size: int) -> None:
