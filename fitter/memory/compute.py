@@ -155,8 +155,10 @@ def compute_bytes_by_device(
     kv_sizes: tuple[int, int],
     cache_types: tuple[str, str],
     replayed: Replayed | None = None,
+    prompt_only: bool = False,
 ) -> dict[str, int]:
-    """Peak compute bytes per device name ("CPU" for the host); `replayed`: graphs this estimate sized already."""
+    """Peak compute bytes per device name ("CPU" for the host); `replayed`: graphs this estimate sized already;
+    `prompt_only`: the prompt graph alone (fitter.memory.fit's judgments, see `complete`)."""
     g = graph_shape(ctx, kv_sizes)
     if spec.arch not in GRAPH_ARCHS:
         return _phase_bytes_by_device(spec, ctx, layer_dev, g)
@@ -164,7 +166,8 @@ def compute_bytes_by_device(
     alignments = _alignments(devices)
     # sched_reserve reserves the prompt graph and the one-token-per-sequence graph; buffers only ever grow.
     peaks = [0] * (cpu + 1)
-    for n_tokens, n_outputs in ((g.n_tokens, g.n_outputs), (ctx.n_seq_max, ctx.n_seq_max)):
+    graphs = [(g.n_tokens, g.n_outputs), (ctx.n_seq_max, ctx.n_seq_max)]
+    for n_tokens, n_outputs in graphs[:1] if prompt_only else graphs:
         params = GraphParams(n_tokens, n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types, backends,
                              ctx.v_trans)
         peaks = [max(a, b) for a, b in zip(peaks, graph_compute_bytes(spec, params, alignments, replayed), strict=True)]

@@ -278,11 +278,12 @@ def compute_buffers(
     backends: BackendMap,
     cache_types: tuple[str, str],
     replayed: Replayed | None = None,
+    prompt_only: bool = False,
 ) -> list[Buffer]:
     """One compute buffer per backend (src/llama-context.cpp: the CPU backend uses the first device's pinned host
     buffer type when it has one)."""
     by_dev = compute_bytes_by_device(spec, ctx, devices, layer_dev, backends, kv_cache_sizes(spec, ctx), cache_types,
-                                     replayed)
+                                     replayed, prompt_only)
     buffers = [Buffer(d.name, "compute", d.name, by_dev[d.name]) for d in devices if d.name in by_dev]
     host = next((d.profile.host_buft for d in devices if d.profile.host_buft), None)
     buffers.append(Buffer(host or CPU, "compute", CPU, by_dev[CPU]))
@@ -374,9 +375,14 @@ def _short_of_pipeline(placed: Placed, devices: tuple[Device, ...], compute: lis
     return None
 
 
-def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...], placed: Placed) -> MemoryPlan:
+def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...], placed: Placed,
+             prompt_only: bool = False) -> MemoryPlan:
     """The rest of `estimate`: the `-fa auto` probe and the compute buffers, on `place`'s result for the same
-    (spec, config, devices). The plan lists every device given; with -sm none all but one hold nothing."""
+    (spec, config, devices). The plan lists every device given; with -sm none all but one hold nothing.
+
+    `prompt_only` sizes the prompt graph alone: llama.cpp's buffers are the larger of it and the one-token graph
+    (the `-fa auto` probe, still scheduled for its check), which is the larger on the host, rarely on a device. The
+    fit judges devices with it and estimates what it returns in full (fitter.memory.fit)."""
     ctx, layer_dev, placements = placed.ctx, placed.layer_dev, placed.placements
     used = placed.devices
     warnings = list(placed.warnings)
@@ -388,7 +394,7 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
                            not config.no_op_offload, pipeline_parallel(spec, config, used))
     replayed = Replayed()  # this estimate's graphs only
     bad_layer = auto_flash_attn_mismatch(spec, ctx, backends, kv_cache_sizes(spec, ctx), cache_types, used,
-                                         replayed)
+                                         None if prompt_only else replayed)
     if bad_layer is not None:
         ctx = replace(ctx, flash_attn=False)
         warnings.append(
@@ -396,13 +402,13 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
             "flash attention off (its V cache stays untransposed); pin it with -fa on or off"
         )
     buffers = list(placed.buffers)
-    compute = compute_buffers(spec, ctx, layer_dev, used, backends, cache_types, replayed)
+    compute = compute_buffers(spec, ctx, layer_dev, used, backends, cache_types, replayed, prompt_only)
     short = _short_of_pipeline(placed, used, compute) if backends.n_copies > 1 else None
     if short is not None:
         # src/llama-context.cpp `sched_reserve`: "compute buffer allocation failed, retrying without pipeline
         # parallelism": a fresh scheduler with one copy of the inputs
         backends = replace(backends, n_copies=1)
-        compute = compute_buffers(spec, ctx, layer_dev, used, backends, cache_types, None)
+        compute = compute_buffers(spec, ctx, layer_dev, used, backends, cache_types, None, prompt_only)
         warnings.append(f"{short}: pipeline parallelism's compute buffers do not fit its free memory, so llama.cpp "
                         "retries without it (one copy of the scheduler's inputs)")
     buffers += compute

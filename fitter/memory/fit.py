@@ -52,7 +52,7 @@ def _over(plan: MemoryPlan, budgets: dict[str, int]) -> int:
     return max(used[name] - budget for name, budget in budgets.items())
 
 
-_EXACT_PASSES = 4  # searches before a placement whose own projection fits is given up on (one, unless hints mislead)
+_EXACT_PASSES = 4  # searches before a placement whose full estimate fits is given up on (one, unless a judgment misled)
 
 
 class _Search:
@@ -66,14 +66,24 @@ class _Search:
         # with the experts, so the search judges a placement by a projection of one with the same layers and
         # context (its hint); the placement fit returns is projected itself (`exact`).
         self._hints: dict[object, Mapping[str, Mapping[str, int]]] = {}
+        # Judged on the prompt graph alone (estimator.complete's prompt_only; a fit replays dozens of graphs, and the
+        # one-token graph is the larger only on the host, which no budget holds); what fit returns is estimated in
+        # full, and where a device's figure differs the search runs again in full
+        self.prompt_only = projects is None
         self.tried = 0
 
     def plan(self, config: LaunchConfig) -> MemoryPlan:
         self.tried += 1
-        return self.exact(estimate(self.spec, config, self.devices, self.cpu))
+        plan = estimate(self.spec, config, self.devices, self.cpu)
+        if self.projects is None or not self.guessed:
+            return plan
+        return with_projection(plan, self._project(plan), self.projects.source)
 
     def exact(self, plan: MemoryPlan) -> MemoryPlan:
-        """The plan with what fitter guesses taken from the build's projection of this very config."""
+        """A judged plan in full: both graphs sized, and what fitter guesses taken from the build's projection of
+        this very config."""
+        if self.prompt_only:
+            return estimate(self.spec, plan.config, self.devices, self.cpu)
         if self.projects is None or not self.guessed:
             return plan
         return with_projection(plan, self._project(plan), self.projects.source)
@@ -106,7 +116,7 @@ class _Search:
                 static[b.device] = static.get(b.device, 0) + b.bytes
         if any(static.get(name, 0) > budget for name, budget in self.budgets.items()):
             return None
-        plan = self._hinted(complete(self.spec, config, self.devices, placed))
+        plan = self._hinted(complete(self.spec, config, self.devices, placed, self.prompt_only))
         return plan if _over(plan, self.budgets) <= 0 else None
 
 
@@ -321,6 +331,9 @@ def fit(
         if auto_ctx:
             config, plan = _grow_context(s, config, plan)
         exact = s.exact(plan)
+        if s.prompt_only and _device_bytes(exact) != _device_bytes(plan):
+            s.prompt_only = False  # a device's one-token graph is the larger: judge every placement in full
+            continue
         over = {name: used - budgets[name] for name, used in _device_bytes(exact).items() if name in budgets}
         if max(over.values()) <= 0:
             return FitResult(True, config, exact, budgets, _expert_layers_on_device(exact), None, ())

@@ -176,3 +176,18 @@ def test_where_fitter_guesses_the_fit_is_judged_by_the_builds_projection_of_the_
     # the hint let more experts in than their own projection allowed: searched again with less room, in a few
     # projections where the search judged dozens of placements
     assert 2 <= build.calls - 1 <= 8
+
+
+def test_what_fit_returns_is_estimated_in_full() -> None:
+    # the search judges placements by their prompt graph alone; with a small ubatch and eight slots the one-token
+    # graph is the larger on the host, and the plan fit returns is the full estimate of its config
+    from fitter.memory.estimator import complete, place
+
+    spec = load_model_spec(str(model_file("qwen3-30b-a3b", sparse=True)))
+    dev = _device(12288)
+    result = fit(spec, parse_launch_flags(["-c", "4096", "-np", "8", "-ub", "64", "-b", "64"]), (dev,), (1024,))
+    full = estimate(spec, result.config, (dev,))
+    judged = complete(spec, result.config, (dev,), place(spec, result.config, (dev,)), prompt_only=True)
+    host = [b.bytes for b in judged.buffers if b.kind == "compute" and b.device == "CPU"]
+    assert host < [b.bytes for b in full.buffers if b.kind == "compute" and b.device == "CPU"]
+    assert result.fits and result.plan.buffers == full.buffers and result.plan.warnings == full.warnings
