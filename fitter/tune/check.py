@@ -329,6 +329,8 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
         except FitterError as e:  # llama.cpp would now refuse it: still measured, to show what it does
             plan, fits = None, ([f"fit  the estimator refuses the config: {e}"], [f"refused: {e}"], {})
         else:
+            plan, note = _projected(plan, runner.rpc)
+            header += note
             fits = fit_lines(device_totals(plan), devices, targets, f"{path}: fit_target_mib")
         result = runner.run(model_path, config, spec, timeout, plan)
         new = measurement_json(result, runner.backend, plan, runner.emulated)
@@ -340,6 +342,22 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
                "tolerance": tolerance,
                "flags": list(flags), **speed.details, "fit": fit_details}
     return CheckVerdict(not failures, lines, new, failures, details, model_spec.warnings)
+
+
+def _projected(plan: MemoryPlan, rpc: tuple[str, ...]) -> tuple[MemoryPlan, list[str]]:
+    """The plan with what fitter guesses for its model taken from the pinned build's projection (fitter.memory.
+    projected); without one the check still runs and says that its "still fits" is fitter's guess."""
+    from fitter.measure.projection import projector_for
+    from fitter.memory.projected import guessed_kinds
+
+    if not guessed_kinds(plan.model):
+        return plan, []
+    try:
+        projector = projector_for(plan.model, rpc=rpc)
+        assert projector is not None
+        return projector.plan(plan), []
+    except FitterError as e:
+        return plan, [f"fit: fitter's guess, not llama.cpp's projection: {e}"]
 
 
 def _model(doc: ParetoDoc, override: str | None) -> tuple[str, ModelSpec]:
