@@ -31,7 +31,7 @@ from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, parse_launch_flags, pin, split_process_flags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.measure import process
-from fitter.measure.llama_fit import fit_env, fit_flags
+from fitter.measure.llama_fit import find_llama_fit_params, fit_env, fit_flags
 from fitter.memory.devices import CpuProfile, Device, rpc_device_name
 from fitter.memory.estimator import CPU, MemoryPlan, alloc_size, estimate
 from fitter.memory.projected import guessed_kinds, with_projection
@@ -168,19 +168,12 @@ class Projector:
         return devices
 
 
-def pinned_fit_params() -> Path | None:
-    """The pinned tools' llama-fit-params (python -m fitter.measure.tools builds them), when they are built."""
-    from fitter.measure.tools import tools_dir
-
-    tool = tools_dir() / "llama-fit-params"
-    return tool if tool.is_file() and (tools_dir() / "build.json").is_file() else None
-
-
 def projector_for(spec: ModelSpec, llama_cpp: str | None = None, never: bool = False,
                   rpc: tuple[str, ...] = ()) -> Projector | None:
     """The projector a command screens with where fitter guesses a kind for the model (an architecture without
     rules, a graph it does not rebuild), None where it guesses nothing or `--projection never` takes the guess; the
-    build is `--llama-cpp DIR`'s, else the pinned tools'. Without one fitter refuses rather than guess."""
+    build is `--llama-cpp DIR`'s, else the one tune's baseline finds (the pinned tools', else PATH's). Without one
+    fitter refuses rather than guess."""
     if never or not guessed_kinds(spec):
         return None
     if llama_cpp is not None:
@@ -188,7 +181,7 @@ def projector_for(spec: ModelSpec, llama_cpp: str | None = None, never: bool = F
 
         build = find_build(llama_cpp)
         return guess_projector(spec, build.llama_fit_params, f"{build.folder} has no llama-fit-params", rpc)
-    return guess_projector(spec, pinned_fit_params(), "the pinned tools are not built", rpc)
+    return guess_projector(spec, find_llama_fit_params(), "none is in the pinned tools or on PATH", rpc)
 
 
 def guess_projector(spec: ModelSpec, tool: Path | None, why_none: str, rpc: tuple[str, ...] = ()) -> Projector:

@@ -60,7 +60,8 @@ class _Search:
                  projects: Projects | None = None):
         self.spec, self.devices, self.budgets, self.cpu = spec, devices, budgets, cpu
         self.projects = projects
-        self.guessed = guessed_kinds(spec) if projects is not None else ()
+        self.source = projects.source if projects is not None else ""
+        self.guessed = guessed_kinds(spec) if projects is not None else ()  # () without a projector
         # A projection costs a no-alloc load (~0.5-0.8 s on a 62-layer MoE) and fit judges dozens of placements.
         # Which layers sit on which device at one context decides the KV cache, and the compute buffers barely move
         # with the experts, so the search judges a placement by a projection of one with the same layers and
@@ -74,19 +75,17 @@ class _Search:
 
     def plan(self, config: LaunchConfig) -> MemoryPlan:
         self.tried += 1
-        plan = estimate(self.spec, config, self.devices, self.cpu)
-        if self.projects is None or not self.guessed:
-            return plan
-        return with_projection(plan, self._project(plan), self.projects.source)
+        return self._own_projection(estimate(self.spec, config, self.devices, self.cpu))
 
     def exact(self, plan: MemoryPlan) -> MemoryPlan:
         """A judged plan in full: both graphs sized, and what fitter guesses taken from the build's projection of
         this very config."""
-        if self.prompt_only:
+        if self.prompt_only:  # never with a projector
             return estimate(self.spec, plan.config, self.devices, self.cpu)
-        if self.projects is None or not self.guessed:
-            return plan
-        return with_projection(plan, self._project(plan), self.projects.source)
+        return self._own_projection(plan)
+
+    def _own_projection(self, plan: MemoryPlan) -> MemoryPlan:
+        return with_projection(plan, self._project(plan), self.source) if self.guessed else plan
 
     def _project(self, plan: MemoryPlan) -> Mapping[str, Mapping[str, int]]:
         assert self.projects is not None
@@ -99,10 +98,10 @@ class _Search:
         return self._hinted(estimate(self.spec, config, self.devices, self.cpu))
 
     def _hinted(self, plan: MemoryPlan) -> MemoryPlan:
-        if self.projects is None or not self.guessed:
+        if not self.guessed:
             return plan
         hint = self._hints.get((plan.context, plan.layer_devices))
-        return with_projection(plan, hint if hint is not None else self._project(plan), self.projects.source)
+        return with_projection(plan, hint if hint is not None else self._project(plan), self.source)
 
     def fits(self, config: LaunchConfig) -> MemoryPlan | None:
         """The plan when it fits, else None. A placement whose model and KV buffers alone exceed a budget is

@@ -26,11 +26,6 @@ if TYPE_CHECKING:
     from fitter.flags import LaunchConfig
     from fitter.memory.estimator import MemoryPlan
 
-# the projection's kinds (fitter.measure.projection.KINDS): its CONTEXT is the memory's buffers, KV and recurrent
-# state alike (llama_context::memory_breakdown), fitter's "kv"
-PROJECTED_KINDS = ("model", "kv", "compute")
-
-
 class Projects(Protocol):
     """A build's projection of a config: device → {model, kv, compute} floored bytes (the I/O is the caller's:
     fitter.measure.projection.Projector), and the build as warnings name it."""

@@ -348,15 +348,11 @@ def _projected(plan: MemoryPlan, rpc: tuple[str, ...]) -> tuple[MemoryPlan, list
     """The plan with what fitter guesses for its model taken from the pinned build's projection (fitter.memory.
     projected); without one the check still runs and says that its "still fits" is fitter's guess."""
     from fitter.measure.projection import projector_for
-    from fitter.memory.projected import guessed_kinds
 
-    if not guessed_kinds(plan.model):
-        return plan, []
     try:
-        projector = projector_for(plan.model, rpc=rpc)
-        assert projector is not None
-        return projector.plan(plan), []
-    except FitterError as e:
+        projector = projector_for(plan.model, rpc=rpc)  # None where fitter guesses nothing
+        return (projector.plan(plan) if projector is not None else plan), []
+    except FitterError as e:  # no build, or its projection failed
         return plan, [f"fit: fitter's guess, not llama.cpp's projection: {e}"]
 
 

@@ -164,9 +164,9 @@ def test_without_a_build_fitter_refuses_to_guess_and_names_the_ways_out(tmp_path
         projector_for(spec)
     assert str(e.value) == (
         f"{spec.path}: fitter has no rules for the kv and compute memory of architecture 'llamb' and will not guess "
-        "it; llama.cpp's own projection needs its llama-fit-params, and the pinned tools are not built: build the "
-        "pinned tools (python -m fitter.measure.tools, a few minutes once), give --llama-cpp DIR, or take fitter's "
-        "guess with --projection never")
+        "it; llama.cpp's own projection needs its llama-fit-params, and none is in the pinned tools or on PATH: "
+        "build the pinned tools (python -m fitter.measure.tools, a few minutes once), give --llama-cpp DIR, or take "
+        "fitter's guess with --projection never")
     assert projector_for(spec, never=True) is None
     assert projector_for(load_model_spec(str(model_file("llama-tiny")))) is None  # nothing guessed: no build asked
 
