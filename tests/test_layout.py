@@ -9,8 +9,8 @@ import fitter
 
 ROOT = Path(fitter.__file__).resolve().parent
 # Lower imports nothing higher: the flow of the README's Layout section, leaves first.
-LAYERS = ("errors", "paths", "units", "gguf", "flags", "memory", "machine", "measure", "sim", "tune", "export",
-          "report", "cli")
+LAYERS = ("errors", "paths", "units", "gguf", "flags", "workload", "memory", "machine", "measure", "sim", "tune",
+          "export", "report", "cli")
 MAX_LINES = 520
 
 

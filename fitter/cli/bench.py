@@ -21,8 +21,10 @@ from fitter.flags import SERVER_DEFAULTS_HELP, ProcessFlags, add_launch_argument
 from fitter.flags.consumers import with_bench_context
 
 if TYPE_CHECKING:  # the measuring side loads when a command measures, not when the parser is built
+    from fitter.flags import LaunchConfig
     from fitter.machine.snapshot import MachineSnapshot
     from fitter.measure.runner import TrialRunner
+    from fitter.workload import Workload
 
 
 def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnapshot, vocab_size: int) -> TrialRunner:
@@ -66,15 +68,18 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.machine.snapshot import gpus_now, take_snapshot
     from fitter.measure.bench import bench
     from fitter.measure.render import bench_table
+    from fitter.measure.served import WorkloadRunner
     from fitter.measure.types import BenchSpec
 
     config, process = launch_args(ns, flags)  # bad flags stop here, before any process starts
-    config = with_bench_context(config, ns.n_prompt + ns.n_gen + ns.n_depth)
+    workload, config = workload_from_args(ns, config)
     model = model_path(ns.model)
     spec = load_model(model)
     if ns.backend == "sim":
-        return _bench_sim(ns, model, spec, config, process)
+        return _bench_sim(ns, model, spec, config, process, workload)
     if ns.backend == "replay":
+        if not workload.is_default_shape:
+            raise FitterError("--backend replay plays one recorded test back: drop the depth list and --concurrency")
         return _bench_replay(ns, model, spec, config)
     snapshot = _listed(take_snapshot(), ns)
     # llama.cpp's advice for hybrid CPUs: one thread per physical performance core (fitter probe)
@@ -82,7 +87,7 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     cpus = process.cpus
     bench_spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
                            threads=threads, threads_batch=ns.threads_batch)
-    runner = _runner(ns, process, snapshot, spec.n_vocab)
+    runner = WorkloadRunner(_runner(ns, process, snapshot, spec.n_vocab), workload)
     if config.rpc:  # the config's RPC servers; --devices is not a bench target (it would not be measured)
         devices = target_devices(ns, config, snapshot)
     else:
@@ -104,8 +109,10 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     return 0 if result["outcome"] == "ok" else 1
 
 
-def _bench_sim(ns: argparse.Namespace, model: str, spec: Any, config: Any, process: ProcessFlags) -> int:
+def _bench_sim(ns: argparse.Namespace, model: str, spec: Any, config: Any, process: ProcessFlags,
+               workload: Workload) -> int:
     """One measurement on a simulated machine (fitter.sim): same result shape, backend "sim"."""
+    from fitter.measure.served import WorkloadRunner
     from fitter.measure.types import BenchSpec
     from fitter.sim import SimRunner, load_machine
 
@@ -113,7 +120,7 @@ def _bench_sim(ns: argparse.Namespace, model: str, spec: Any, config: Any, proce
         raise FitterError("--backend sim: give --machine NAME|FILE (fitter machines lists the shipped ones)")
     _refuse_devices(ns, "--backend sim measures the simulated machine")
     machine = load_machine(ns.machine)
-    runner = SimRunner(machine, spec, seed=ns.seed)
+    runner = WorkloadRunner(SimRunner(machine, spec, seed=ns.seed), workload)
     bench_spec = BenchSpec(n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
                            threads=ns.threads or machine.cpu.p_cores, threads_batch=ns.threads_batch)
     return _bench_without_llama_cpp(
@@ -158,12 +165,50 @@ def _bench_without_llama_cpp(ns: argparse.Namespace, model: str, spec: Any, conf
     return 0 if out["outcome"] == "ok" else 1
 
 
+def workload_from_args(ns: argparse.Namespace, config: LaunchConfig) -> tuple[Workload, LaunchConfig]:
+    """The workload asked for (`--workload`, else -p -n -d --concurrency) and `config` able to serve it (a slot
+    per stream; llama-bench's context sized for its deepest test). Sets ns.n_prompt, ns.n_gen and ns.n_depth (the
+    deepest) for what reads them as one test."""
+    from fitter.workload import Workload, load_workload, parse_depths, serving_config
+
+    if ns.workload:
+        given = [f for f, v in (("-p", ns.n_prompt), ("-n", ns.n_gen), ("-d", ns.n_depth),
+                                ("--concurrency", ns.concurrency)) if v is not None]
+        if given:
+            raise FitterError(f"--workload {ns.workload} and {', '.join(given)}: the workload file sets them; give "
+                              "one or the other")
+        w = load_workload(ns.workload)
+    else:
+        w = Workload(n_prompt=512 if ns.n_prompt is None else ns.n_prompt,
+                     n_gen=128 if ns.n_gen is None else ns.n_gen,
+                     depths=parse_depths(ns.n_depth) if ns.n_depth is not None else (0,),
+                     concurrency=1 if ns.concurrency is None else ns.concurrency, source="flags")
+    ns.n_prompt, ns.n_gen, ns.n_depth = w.n_prompt, w.n_gen, max(w.depths)
+    config = with_bench_context(serving_config(w, config), w.tokens_per_stream())
+    return w, config
+
+
+def workload_names() -> tuple[str, ...]:
+    from fitter.workload import shipped_names
+
+    return shipped_names()
+
+
 def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
     """What bench and tune measure (llama-bench's -p -n -d -r), where (-C/-Cr) and on what (--backend/--machine)."""
-    g = parser.add_argument_group("measurement")
-    g.add_argument("-p", "--n-prompt", dest="n_prompt", type=int, default=512, metavar="N")
-    g.add_argument("-n", "--n-gen", dest="n_gen", type=int, default=128, metavar="N")
-    g.add_argument("-d", "--n-depth", dest="n_depth", type=int, default=0, metavar="N")
+    g = parser.add_argument_group("measurement (the workload)")
+    g.add_argument("-p", "--n-prompt", dest="n_prompt", type=int, default=None, metavar="N",
+                   help="prompt tokens per prefill test (default 512)")
+    g.add_argument("-n", "--n-gen", dest="n_gen", type=int, default=None, metavar="N",
+                   help="tokens per decode test (default 128)")
+    g.add_argument("-d", "--n-depth", dest="n_depth", default=None, metavar="LIST",
+                   help="context already in the cache, llama-bench's list syntax: 0,32768 or 0-32768+8192; every "
+                   "depth is measured, their speeds combined as the tokens' time (default 0)")
+    g.add_argument("--concurrency", type=int, default=None, metavar="N",
+                   help="streams served at once: N concurrent requests, a slot (-np N) each, through llama-server "
+                   "(--llama-cpp DIR) or a simulated machine; tg is their aggregate decode (default 1)")
+    g.add_argument("--workload", metavar="NAME|FILE", help="the workload as a TOML file (prompt, gen, depths, "
+                   "weights, concurrency), or a shipped one: " + ", ".join(workload_names()))
     g.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
     add_process_arguments(g, names=("-C", "-Cr"))
     g.add_argument("--backend", choices=("llama-cpp-python", "sim", "replay"), default="llama-cpp-python",

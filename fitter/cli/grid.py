@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from fitter.cli.bench import add_measure_arguments
+from fitter.cli.bench import add_measure_arguments, workload_from_args
 from fitter.cli.common import (
     add_emulated_gpu,
     launch_args,
@@ -18,7 +18,6 @@ from fitter.cli.common import (
 )
 from fitter.errors import FitterError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, add_process_arguments
-from fitter.flags.consumers import with_bench_context
 from fitter.memory.budgets import parse_fit_targets
 
 
@@ -34,7 +33,10 @@ def cmd_grid(ns: argparse.Namespace, flags: list[str]) -> int:
     if ns.max_runs is not None and ns.max_runs < 1:
         raise FitterError(f"--max-runs {ns.max_runs}: give at least 1")
     config, process = launch_args(ns, flags)  # bad flags stop here, before anything starts
-    config = with_bench_context(config, ns.n_prompt + ns.n_gen + ns.n_depth)
+    workload, config = workload_from_args(ns, config)
+    if not workload.is_default_shape:
+        raise FitterError(f"fitter grid records one test per config: {workload.label()} has several depths or "
+                          "streams; give one -d and no --concurrency")
     model = model_path(ns.model)
     spec = load_model(model)
     snapshot = take_snapshot() if ns.backend != "sim" else None
@@ -44,7 +46,7 @@ def cmd_grid(ns: argparse.Namespace, flags: list[str]) -> int:
     options = TuneOptions(
         model=model, spec=spec, base=config, demo=ns.model is None and not ns.cpu_only, process=process,
         fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None, space=ns.space,
-        trial_timeout_s=ns.trial_timeout, seed=ns.seed, n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth,
+        trial_timeout_s=ns.trial_timeout, seed=ns.seed, workload=workload,
         repetitions=ns.repetitions, emulated_gpu_mib=single_emulated_gpu(ns, "grid"),
         emulated_cuda=ns.emulated_cuda,
         llama_fit_params=ns.llama_fit_params, backend=ns.backend, machine=ns.machine)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fitter.cli.bench import add_measure_arguments
+from fitter.cli.bench import add_measure_arguments, workload_from_args
 from fitter.cli.common import (
     add_emulated_gpu,
     add_llama_cpp,
@@ -22,7 +22,6 @@ from fitter.cli.common import (
 )
 from fitter.errors import FitterError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, add_process_arguments
-from fitter.flags.consumers import with_bench_context
 from fitter.memory.budgets import parse_fit_targets
 
 if TYPE_CHECKING:  # optuna and the study load when a tune runs, not when the parser is built
@@ -100,7 +99,7 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
     if ns.confirm_rounds < 1:
         raise FitterError(f"--confirm-rounds {ns.confirm_rounds}: give at least 1 (2 or more for intervals and ties)")
     config, process = launch_args(ns, flags)  # bad flags stop here, before anything starts
-    config = with_bench_context(config, ns.n_prompt + ns.n_gen + ns.n_depth)
+    workload, config = workload_from_args(ns, config)
     model = model_path(ns.model)
     spec = load_model(model)
     options = TuneOptions(
@@ -108,7 +107,7 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         objectives=parse_objectives(ns.objectives),
         fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None, space=ns.space,
         trials=ns.trials, timeout_s=ns.timeout, trial_timeout_s=ns.trial_timeout, seed=ns.seed,
-        n_prompt=ns.n_prompt, n_gen=ns.n_gen, n_depth=ns.n_depth, repetitions=ns.repetitions,
+        workload=workload, repetitions=ns.repetitions,
         confirm_rounds=ns.confirm_rounds, storage=ns.storage, study_name=ns.study_name,
         results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu,
         emulated_cuda=ns.emulated_cuda,

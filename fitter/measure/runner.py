@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.flags.consumers import server_flags
 from fitter.machine.llama_cpp import llama_cpp_python_build
-from fitter.measure.types import BenchSpec, Measurement, TrialResult
+from fitter.measure.types import BenchSpec, Measurement, TrialResult, WorkerError
 from fitter.measure.worker import Worker
 from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.estimator import MemoryPlan
@@ -83,6 +83,12 @@ def emulated_caps(emulated_gpu_mib: int | tuple[int, ...] | None) -> tuple[int, 
     if emulated_gpu_mib is None:
         return ()
     return (emulated_gpu_mib,) if isinstance(emulated_gpu_mib, int) else tuple(emulated_gpu_mib)
+
+
+def _one_stream(spec: BenchSpec, who: str) -> None:
+    if spec.streams > 1:
+        raise WorkerError(f"{who} measures one stream; {spec.streams} concurrent streams are served by llama-server "
+                          "(--llama-cpp DIR) or a simulated machine (--backend sim)")
 
 
 class _Devices:
@@ -193,6 +199,7 @@ class WorkerRunner(_Devices):
 
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: MemoryPlan | None = None) -> TrialResult:
+        _one_stream(spec, "fitter's worker")
         if self._fresh_gpu():
             self._worker.close_child()  # its RPC connection died with the old server: a new child registers the new one
         if self._gpu is not None and self._worker.will_reload(model, config):
@@ -251,6 +258,7 @@ class LlamaBenchRunner(_Devices):
             plan: MemoryPlan | None = None) -> TrialResult:
         from fitter.measure.llama_bench import measure_llama_bench
 
+        _one_stream(spec, "llama-bench")
         self._fresh_gpu()
         return self._measured(lambda: measure_llama_bench(self.binary, model, config, spec,
                                                           timeout or DEFAULT_TIMEOUT_S, cpu_mask=self._cpu_mask))

@@ -30,7 +30,7 @@ from fitter.errors import FitterError
 from fitter.machine.rss import peak_rss
 from fitter.measure import ports, process
 from fitter.measure.logs import classify_exit, parse_buffer_lines
-from fitter.measure.types import BenchSpec, Measurement, SpeedStats
+from fitter.measure.types import BenchSpec, Latency, Measurement, SpeedStats
 
 HOST = ports.HOST
 _START_ATTEMPTS = 3  # a port found free can be taken before llama-server binds it: try another
@@ -48,9 +48,12 @@ def server_argv(binary: str, model: str, flags: list[str], port: int) -> list[st
     return [binary, "-m", model, *flags, *verbosity, "--host", HOST, "--port", str(port), "--no-webui"]
 
 
-def completion_request(tokens: list[int], n_predict: int) -> dict[str, Any]:
-    return {"prompt": tokens, "n_predict": n_predict, "cache_prompt": True, "ignore_eos": True,
+def completion_request(tokens: list[int], n_predict: int, slot: int | None = None) -> dict[str, Any]:
+    body = {"prompt": tokens, "n_predict": n_predict, "cache_prompt": True, "ignore_eos": True,
             "temperature": 0.0, "samplers": ["top_k"], "top_k": 1, "stream": False}
+    if slot is not None:  # tools/server/server-context.cpp get_available_slot: a task's id_slot picks its slot
+        body["id_slot"] = slot
+    return body
 
 
 def _post(port: int, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -187,6 +190,8 @@ def measure_server(
             return _failed("timeout", f"llama-server not healthy after {timeout:.0f} s",
                            log_path.read_text(errors="replace"), t0, spec, flags)
         load_s = time.perf_counter() - t0
+        if spec.streams > 1:
+            return _measure_streams(binary, proc, port, flags, spec, timeout, vocab_size, log_path, t0, load_s)
         # token ids from the byte range every generated vocabulary has; deterministic
         depth_tokens = [(7 * i) % (vocab_size - 10) + 10 for i in range(n_depth)]
         prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(n_prompt)]
@@ -219,6 +224,66 @@ def measure_server(
         if proc is not None:
             process.stop(proc)
         log_path.unlink(missing_ok=True)
+
+
+def _measure_streams(binary: str, proc: subprocess.Popen[bytes], port: int, flags: list[str], spec: BenchSpec,
+                     timeout: float, vocab_size: int, log_path: Path, t0: float, load_s: float) -> Measurement:
+    """`spec.streams` concurrent requests, one slot each (`id_slot`), as a server shared by that many users sees them:
+    each slot's cache is first filled to the depth with its own tokens; a prefill repetition sends every slot's
+    depth plus p new tokens at once (aggregate prefill: all the new tokens over the time until the last answer;
+    time to first token: the mean request's time until its answer, one token); a decode repetition sends every
+    slot's depth at once and decodes n tokens in each (aggregate decode: all streams' tokens over the longest
+    stream's decode time, llama-server's own `predicted_ms`; per stream: the mean `predicted_per_second`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n, vocab = spec.streams, vocab_size - 10
+    depth = [[(7 * i + 3 * s) % vocab + 10 for i in range(spec.n_depth)] for s in range(n)]
+    prompt = [[(13 * i + 5 + s) % vocab + 10 for i in range(spec.n_prompt)] for s in range(n)]
+    pp: list[float] = []
+    tg: list[float] = []
+    tg_stream: list[float] = []
+    ttft: list[float] = []
+
+    def at_once(bodies: list[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
+        """Every body sent at once: each answer with its seconds since the first was sent."""
+        start = time.perf_counter()
+
+        def timed(body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+            out = _post(port, "/completion", body, timeout)
+            return time.perf_counter() - start, out
+
+        return list(pool.map(timed, bodies))
+
+    try:
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fitter-stream") as pool:
+            if spec.n_depth:
+                list(pool.map(lambda s: _post(port, "/completion", completion_request(depth[s], 0, s), timeout),
+                              range(n)))
+            for r in range(-1, spec.repetitions):  # r = -1: the warm-up, not recorded
+                if spec.n_prompt:
+                    bodies = [completion_request(depth[s] + [(prompt[s][0] + r + 2) % vocab + 10, *prompt[s][1:]],
+                                                 1, s) for s in range(n)]
+                    answers = at_once(bodies)
+                    if r >= 0:
+                        pp.append(n * spec.n_prompt / max(t for t, _ in answers))
+                        ttft.append(1000 * sum(t for t, _ in answers) / n)
+                if spec.n_gen:
+                    bodies = [completion_request(depth[s] or [10 + s], spec.n_gen, s) for s in range(n)]
+                    timings = [out["timings"] for _, out in at_once(bodies)]
+                    if r >= 0:
+                        longest_s = max(float(t["predicted_ms"]) for t in timings) / 1000
+                        tg.append(sum(int(t["predicted_n"]) for t in timings) / longest_s)
+                        tg_stream.append(sum(float(t["predicted_per_second"]) for t in timings) / n)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        rc, outcome, reason = _request_failed(proc, e, log_path, timeout)
+        return _failed(outcome, reason, log_path.read_text(errors="replace"), t0, spec, flags, rc)
+    log = log_path.read_text(errors="replace")
+    return Measurement("ok", "", spec, tuple(flags), _stats(spec.n_prompt, spec.n_depth, pp) if pp else None,
+                       _stats(spec.n_gen, spec.n_depth, tg) if tg else None,
+                       tg_stream=_stats(spec.n_gen, spec.n_depth, tg_stream) if tg_stream else None,
+                       ttft=Latency.from_ms(ttft) if ttft else None, buffers=tuple(parse_buffer_lines(log)),
+                       load_s=load_s, wall_s=time.perf_counter() - t0, llama_cpp=server_build(binary),
+                       peak_rss=peak_rss(proc.pid), log=log[-3000:])
 
 
 def _request_failed(proc: subprocess.Popen[bytes], error: OSError, log_path: Path,

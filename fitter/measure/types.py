@@ -46,10 +46,11 @@ class BenchSpec:
     threads_batch: int | None = None  # None: = threads (llama-bench has one count)
     warmup: bool = True
     seed: int = 0  # random tokens (llama-bench uses std::rand() unseeded, i.e. seed 1)
+    streams: int = 1  # concurrent requests, one slot each (llama-server and simulated machines only)
 
     def __post_init__(self) -> None:
-        if min(self.n_prompt, self.n_gen, self.n_depth) < 0 or self.repetitions < 1 or self.threads < 1:
-            raise WorkerError(f"bench spec {self}: counts must be >= 0, repetitions and threads >= 1")
+        if min(self.n_prompt, self.n_gen, self.n_depth) < 0 or min(self.repetitions, self.threads, self.streams) < 1:
+            raise WorkerError(f"bench spec {self}: counts must be >= 0, repetitions, threads and streams >= 1")
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,41 @@ class SpeedStats:
         return f"{self.avg_ts:.2f} ± {self.stddev_ts:.2f} t/s"
 
 
+@dataclass(frozen=True)
+class Latency:
+    """Time to first token of each repetition (ms): the mean over the streams served at once."""
+
+    samples_ms: tuple[float, ...]
+    avg_ms: float
+    stddev_ms: float
+
+    @staticmethod
+    def from_ms(samples_ms: list[float]) -> Latency:
+        std = statistics.stdev(samples_ms) if len(samples_ms) > 1 else 0.0
+        return Latency(tuple(samples_ms), statistics.fmean(samples_ms), std)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"avg_ms": self.avg_ms, "stddev_ms": self.stddev_ms, "samples_ms": list(self.samples_ms)}
+
+
+@dataclass(frozen=True)
+class AtDepth:
+    """One depth of a workload's trial: its speeds there (fitter.measure.served combines them)."""
+
+    depth: int
+    pp: SpeedStats | None
+    tg: SpeedStats | None
+    tg_stream: SpeedStats | None = None
+    ttft: Latency | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"depth": self.depth}
+        for key in ("pp", "tg", "tg_stream", "ttft"):
+            if (value := getattr(self, key)) is not None:
+                out[key] = value.to_json()
+        return out
+
+
 def samples_json(stats: dict[str, Any], samples: list[float]) -> dict[str, Any]:
     """A test of a bench JSON (`stats`, as SpeedStats.to_json writes it) over other `samples` (t/s): their mean and
     n−1 standard deviation, as SpeedStats computes them. For runs or trials whose samples are pooled."""
@@ -100,7 +136,11 @@ class Measurement:
     spec: BenchSpec
     flags: tuple[str, ...]
     pp: SpeedStats | None = None  # None unless ok (or the test was not asked for)
-    tg: SpeedStats | None = None
+    tg: SpeedStats | None = None  # with several streams: their aggregate decode
+    tg_stream: SpeedStats | None = None  # several streams: the mean stream's own decode
+    ttft: Latency | None = None  # several streams: time to first token of a prefill request
+    depths: tuple[AtDepth, ...] = ()  # a workload of several depths: each one's speeds (pp/tg combine them)
+    workload: dict[str, Any] | None = None  # the workload measured, when it is not a single llama-bench test
     oom: OomInfo | None = None
     buffers: tuple[LoggedBuffer, ...] = ()
     load_s: float | None = None  # model load of this trial; 0.0 when the loaded model was reused
@@ -120,6 +160,13 @@ class Measurement:
             out["pp"] = self.pp.to_json()
         if self.tg is not None:
             out["tg"] = self.tg.to_json()
+        for key in ("tg_stream", "ttft"):
+            if (value := getattr(self, key)) is not None:
+                out[key] = value.to_json()
+        if self.depths:
+            out["depths"] = [d.to_json() for d in self.depths]
+        if self.workload is not None:
+            out["workload"] = dict(self.workload)
         out.update({
             "load_s": self.load_s, "wall_s": self.wall_s, "reused_model": self.reused_model,
             "buffers": [{"buft": b.buft, "kind": b.kind, "bytes": round(b.mib * MIB)} for b in self.buffers],

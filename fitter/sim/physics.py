@@ -36,6 +36,11 @@ attend n_kv cells on average:
     decode t/s  = 1 / ubatch(1) at n_kv = depth + n/2                         (threads: -t)
     prefill t/s = n_prompt / Σ ubatch(m_i) over the -b/-ub chunks at n_kv = their mean position (-tb, else -t)
 
+With S streams served at once (a workload's concurrency, llama-server's slots): a decode step is one ubatch of S
+tokens, one per stream, whose attention reads each stream's own n_kv cells (aggregate decode = S / ubatch(S));
+their S prompts share llama-server's batches, modelled as one prompt of S · n_prompt tokens at the depth (which
+overstates attention past the depth for S > 1; time to first token is that prefill's time).
+
 Each repetition's time is multiplied by 1 + noise · N(0, 1), drawn from a generator seeded by (the profile's seed,
 the config however its flags are spelled, the threads, the test, the repetition): the same config gives the same
 samples in any order. A model load takes file bytes / disk + GPU weight bytes / PCIe, and none when the model-level
@@ -103,14 +108,16 @@ def _rates(m: Machine, dev: str, threads: int) -> tuple[float, float]:
     return g.tflops * 1e12, g.bandwidth_gbps * 1e9
 
 
-def ubatch_seconds(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, threads: int) -> float:
+def ubatch_seconds(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, threads: int, n_seq: int = 1) -> float:
     """One llama_decode of n_tokens whose queries attend n_kv cells on average (the module's equation)."""
-    return sum(ubatch_stages(m, plan, n_tokens, n_kv, threads).values())
+    return sum(ubatch_stages(m, plan, n_tokens, n_kv, threads, n_seq).values())
 
 
-def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, threads: int) -> dict[str, float]:
+def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, threads: int,
+                  n_seq: int = 1) -> dict[str, float]:
     """One ubatch's seconds on each device (the module's equation, its terms charged to the device that spends
-    them: a hand-off to the device it hands off to, op offload's copies to the GPU that runs them)."""
+    them: a hand-off to the device it hands off to, op offload's copies to the GPU that runs them). `n_seq`
+    sequences share the ubatch's tokens: each reads its own n_kv cells."""
     spec, config = plan.model, plan.config
     # the scheduler's GPUs are the model's devices: under -sm none only -mg's (the plan lists every device given)
     gpus = [d.name for d in model_devices(config, plan.devices)]
@@ -137,7 +144,7 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
         layer = spec.n_layer if t.layer is None else t.layer
         work.append(((layer, _STEP.get(t.role, 0)), dev, 2.0 * n_el * rows, size))
     for il in range(spec.n_layer_trunk):
-        work.append(((il, 1), *_attention(m, plan, il, n_tokens, n_kv)))
+        work.append(((il, 1), *_attention(m, plan, il, n_tokens, n_kv, n_seq)))
     work.sort(key=lambda w: w[0])
     stages = dict.fromkeys([CPU, *gpus], 0.0)
     if pcie:
@@ -167,8 +174,10 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
     return stages
 
 
-def _attention(m: Machine, plan: MemoryPlan, il: int, n_tokens: int, n_kv: float) -> tuple[str, float, float]:
-    """(device, flops, bytes) of layer il's attention over its KV cache, in the unfused path's terms."""
+def _attention(m: Machine, plan: MemoryPlan, il: int, n_tokens: int, n_kv: float,
+               n_seq: int = 1) -> tuple[str, float, float]:
+    """(device, flops, bytes) of layer il's attention over its KV cache, in the unfused path's terms: each of the
+    `n_seq` sequences in the ubatch reads its own cells, each token attends its own sequence's."""
     spec, config, ctx = plan.model, plan.config, plan.context
     dev = CPU if config.no_kv_offload else plan.layer_devices[il]
     cells = min(n_kv, spec.n_swa) if spec.swa_layers[il] and spec.n_swa else n_kv
@@ -179,7 +188,7 @@ def _attention(m: Machine, plan: MemoryPlan, il: int, n_tokens: int, n_kv: float
     quantized = sum(el for el, t in ((k_el, config.cache_type_k), (v_el, config.cache_type_v))
                     if KV_CACHE_TYPES[t][0] > 1)
     flops += DEQUANT_FLOPS * cells * quantized
-    size = cells * cell_bytes + n_tokens * cell_bytes  # read the cache, write the new cells
+    size = n_seq * cells * cell_bytes + n_tokens * cell_bytes  # read the cache, write the new cells
     if not ctx.flash_attn:
         size += FA_OFF_PASSES * 4.0 * heads * n_tokens * cells
         return dev, flops, size
@@ -191,8 +200,11 @@ def _attention(m: Machine, plan: MemoryPlan, il: int, n_tokens: int, n_kv: float
 
 
 def decode_seconds(m: Machine, plan: MemoryPlan, bench: BenchSpec) -> float:
-    """-n tokens generated one at a time after -d tokens of context."""
-    return bench.n_gen * ubatch_seconds(m, plan, 1, bench.n_depth + bench.n_gen / 2, bench.threads)
+    """-n tokens generated one at a time after -d tokens of context, in each of the bench's streams at once: a
+    step is one ubatch of a token per stream (llama-server batches its slots' next tokens, server-context.cpp
+    update_slots)."""
+    n = bench.streams
+    return bench.n_gen * ubatch_seconds(m, plan, n, bench.n_depth + bench.n_gen / 2, bench.threads, n_seq=n)
 
 
 def prefill_seconds(m: Machine, plan: MemoryPlan, n_prompt: int, depth: int, threads: int) -> float:
@@ -216,10 +228,11 @@ def prefill_seconds(m: Machine, plan: MemoryPlan, n_prompt: int, depth: int, thr
 
 
 def speeds(m: Machine, plan: MemoryPlan, bench: BenchSpec) -> tuple[float, float]:
-    """Noise-free (prefill, decode) tokens per second."""
+    """Noise-free (prefill, decode) tokens per second, of all the bench's streams together."""
     tb = bench.threads_batch or bench.threads
-    pp = bench.n_prompt / prefill_seconds(m, plan, bench.n_prompt, bench.n_depth, tb) if bench.n_prompt else 0.0
-    tg = bench.n_gen / decode_seconds(m, plan, bench) if bench.n_gen else 0.0
+    n = bench.streams
+    pp = n * bench.n_prompt / prefill_seconds(m, plan, n * bench.n_prompt, bench.n_depth, tb) if bench.n_prompt else 0.0
+    tg = n * bench.n_gen / decode_seconds(m, plan, bench) if bench.n_gen else 0.0
     return pp, tg
 
 

@@ -16,7 +16,16 @@ from fitter.flags.config import recorded_repr
 from fitter.flags.consumers import DEFAULT_CONSUMER
 from fitter.flags.vocabulary import MODEL_LEVEL
 from fitter.gguf.model_spec import ModelSpec
-from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, OomInfo, SpeedStats, TrialResult, WorkerError
+from fitter.measure.types import (
+    BenchSpec,
+    Latency,
+    LoggedBuffer,
+    Measurement,
+    OomInfo,
+    SpeedStats,
+    TrialResult,
+    WorkerError,
+)
 from fitter.memory.devices import CUDA, CpuProfile, Device
 from fitter.memory.estimator import CPU, Buffer, MemoryPlan, estimate
 from fitter.sim.physics import context_bytes, decode_seconds, out_of_memory, prefill_seconds
@@ -98,6 +107,12 @@ class SimRunner:
         if need > plan.context.n_ctx_seq:
             raise WorkerError(f"the test needs {need} cells (depth {spec.n_depth} + max(-p, -n)) but a sequence of "
                               f"this context holds {plan.context.n_ctx_seq}")
+        if spec.streams > plan.context.n_seq_max:
+            raise WorkerError(f"{spec.streams} streams at once but the config serves {plan.context.n_seq_max} (-np): "
+                              "the rest would wait for a slot")
+        if plan.context.n_stream == 1 and spec.streams * need > plan.context.n_ctx:
+            raise WorkerError(f"{spec.streams} streams of {need} cells (depth {spec.n_depth} + max(-p, -n)) but the "
+                              f"unified KV cache holds {plan.context.n_ctx}")
         self._loaded = key
         result = self._measure(plan, spec, base)
         if timeout is not None and result.wall_s > timeout:
@@ -126,9 +141,9 @@ class SimRunner:
 
     def _measure(self, plan: MemoryPlan, spec: BenchSpec, base: Measurement) -> Measurement:
         """pp and tg samples, one per repetition, and the trial's simulated wall time."""
-        m, tb = self.machine, spec.threads_batch or spec.threads
-        pp_s = prefill_seconds(m, plan, spec.n_prompt, spec.n_depth, tb)
-        tg_s = decode_seconds(m, plan, spec)
+        m, tb, streams = self.machine, spec.threads_batch or spec.threads, spec.streams
+        pp_s = prefill_seconds(m, plan, streams * spec.n_prompt, spec.n_depth, tb)  # every stream's prompt at once
+        tg_s = decode_seconds(m, plan, spec)  # every stream's -n tokens, a token of each per step
         # the config, however its flags were spelled; llama-server's configs keep the key they had before a config
         # named its program (`consumer`) or its split mode (`-sm`), so seeded figures recorded then reproduce
         config_key = recorded_repr(replace(plan.config, flags=())).replace(f", consumer='{DEFAULT_CONSUMER}'", "")
@@ -140,17 +155,24 @@ class SimRunner:
         between = _noise_factors(self.seed, f"{run_key}|run", run + 1, m.run_noise)[run] if m.run_noise else 1.0
 
         def stats(test: str, n: int, seconds: float) -> SpeedStats | None:
+            """Aggregate over the streams: a repetition's `seconds` serve n tokens in each stream."""
             if not n:
                 return None
-            key = f"{run_key}|{test}"
+            key = f"{run_key}|{test}" + (f"|x{streams}" if streams > 1 else "")
             factors = _noise_factors(self.seed, key, spec.repetitions, m.noise)
-            return SpeedStats.from_ns(n, spec.n_depth, [round(seconds * f * between * 1e9) for f in factors])
+            return SpeedStats.from_ns(n, spec.n_depth, [round(seconds * f * between * 1e9 / streams) for f in factors])
 
         pp, tg = stats("pp", spec.n_prompt, pp_s), stats("tg", spec.n_gen, tg_s)
+        tg_stream = ttft = None
+        if streams > 1:  # each stream decodes at the aggregate's 1/S; its first token comes when the prompts are done
+            tg_stream = None if tg is None else SpeedStats.from_ns(spec.n_gen, spec.n_depth,
+                                                                   [ns * streams for ns in tg.samples_ns])
+            ttft = None if pp is None else Latency.from_ms([ns * streams / 1e6 for ns in pp.samples_ns])
         wall = base.wall_s + (pp_s + tg_s / max(spec.n_gen, 1) if spec.warmup else 0.0)
         depth_s = prefill_seconds(m, plan, spec.n_depth, 0, tb)  # each repetition refills the context first
         for s in (pp, tg):
             if s is not None:
-                wall += sum(s.samples_ns) / 1e9 + spec.repetitions * depth_s
-        return replace(base, pp=pp, tg=tg, wall_s=round(wall, 3), peak_rss=plan.totals()[CPU].total,
+                wall += sum(s.samples_ns) * streams / 1e9 + spec.repetitions * depth_s
+        return replace(base, pp=pp, tg=tg, tg_stream=tg_stream, ttft=ttft, wall_s=round(wall, 3),
+                       peak_rss=plan.totals()[CPU].total,
                        buffers=tuple(LoggedBuffer(b.buft, b.kind, b.bytes / MIB) for b in plan.buffers))

@@ -41,6 +41,7 @@ from fitter.machine.gpu_order import gpu_map_text
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.noise import between_run_sd
 from fitter.measure.runner import RunnerFactory, ServerRunner, WorkerRunner
+from fitter.measure.served import WorkloadRunner
 from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, target_of
 from fitter.memory.devices import CPU_AVX2, CpuProfile, Device, rpc_devices
@@ -49,6 +50,7 @@ from fitter.tune.result import Entry, ParetoDoc, load_result, round_avgs, vram_b
 from fitter.tune.screen import device_totals
 from fitter.tune.study import measurement_json
 from fitter.units import MIB
+from fitter.workload import Workload
 
 METRICS = (("pp", "prefill"), ("tg", "decode"))
 
@@ -249,6 +251,17 @@ def recorded_spec(measurement: dict[str, Any], threads: int, threads_batch: int,
                           "repeat it") from None
 
 
+def recorded_workload(measurement: dict[str, Any], where: str) -> Workload | None:
+    """The workload a recorded measurement was taken under, when it was more than one test (its depths, its
+    streams: fitter.measure.served records it); None: the single test `recorded_spec` repeats."""
+    if "workload" not in measurement:
+        return None
+    try:
+        return Workload.from_json(measurement["workload"], f"{where}: workload")
+    except FitterError as e:
+        raise FitterError(f"{e}: cannot repeat it") from None
+
+
 def _repetitions(measurement: dict[str, Any], first: dict[str, Any]) -> int:
     """A confirm run's repetitions per round (its samples pool every round), else the number of samples."""
     confirm = measurement.get("confirm")
@@ -293,6 +306,7 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
     if process.threads is None:
         raise FitterError(f"{where}: no -t (threads); the picked flags pin -t and -tb as measured")
     spec = recorded_spec(old, process.threads, process.threads_batch or process.threads, where)
+    workload = recorded_workload(old, where)
 
     model_path, model_spec = _model(doc, model)
     emulated = bool(doc.emulated or old.get("emulated"))
@@ -332,7 +346,8 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
             plan, note = _projected(plan, runner.rpc)
             header += note
             fits = fit_lines(device_totals(plan), devices, targets, f"{path}: fit_target_mib")
-        result = runner.run(model_path, config, spec, timeout, plan)
+        served = WorkloadRunner(runner, workload) if workload is not None else runner
+        result = served.run(model_path, config, spec, timeout, plan)
         new = measurement_json(result, runner.backend, plan, runner.emulated)
     speed = compare(old, new, tolerance)
     fit_text, fit_failures, fit_details = fits

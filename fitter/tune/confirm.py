@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 from fitter.flags import pin
 from fitter.measure.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
 from fitter.measure.runner import TrialRunner
-from fitter.measure.types import samples_json
+from fitter.measure.types import Latency, samples_json
 from fitter.memory.estimator import MemoryPlan
 from fitter.tune.baseline import Baseline
 from fitter.tune.request import Candidate, TuneRequest, _default_distance, candidate
@@ -103,11 +103,10 @@ def pooled(runs: list[dict[str, Any]], repetitions: int) -> dict[str, Any]:
     highest peak; `confirm` says how it was taken (rounds × repetitions) and keeps each round's averages."""
     out = dict(runs[-1])
     out.pop("round", None)
-    for key in SPEEDS:
-        stats = [m[key] for m in runs if isinstance(m.get(key), dict)]
-        if not stats:
-            continue
-        out[key] = samples_json(stats[0], [float(s) for st in stats for s in st["samples_ts"]])
+    out.update(_pooled_tests(runs))
+    if isinstance(out.get("depths"), list):  # a workload's depths, each pooled over the rounds as well
+        out["depths"] = [{**d, **_pooled_tests([m["depths"][i] for m in runs if len(m.get("depths") or ()) > i])}
+                         for i, d in enumerate(out["depths"])]
     peaks: dict[str, dict[str, Any]] = {}
     for m in runs:
         for name, p in (m.get("peak_vram") or {}).items():
@@ -118,6 +117,19 @@ def pooled(runs: list[dict[str, Any]], repetitions: int) -> dict[str, Any]:
     out["confirm"] = {"rounds": len(runs), "repetitions": repetitions,
                       "round_avg_ts": {k: [float(m[k]["avg_ts"]) for m in runs if isinstance(m.get(k), dict)]
                                        for k in SPEEDS}}
+    return out
+
+
+def _pooled_tests(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every run's samples of each test (pp, tg, a workload's per-stream decode and time to first token) as one."""
+    out: dict[str, Any] = {}
+    for key in (*SPEEDS, "tg_stream"):
+        stats = [m[key] for m in runs if isinstance(m.get(key), dict)]
+        if stats:
+            out[key] = samples_json(stats[0], [float(s) for st in stats for s in st["samples_ts"]])
+    lat = [m["ttft"] for m in runs if isinstance(m.get("ttft"), dict)]
+    if lat:
+        out["ttft"] = Latency.from_ms([float(x) for st in lat for x in st["samples_ms"]]).to_json()
     return out
 
 
@@ -261,6 +273,7 @@ def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str],
     spec, model = req.spec, req.model
     data = {
         "for": req.base.consumer,
+        "workload": req.workload.to_json(),
         "model": {"path": str(Path(model).resolve()), "name": Path(model).stem, "arch": spec.arch,
                   "identity": spec.identity, "n_params": spec.n_params, "tensor_bytes": spec.tensor_bytes},
         "machine": machine, "llama_cpp": build, "objectives": list(req.objectives),

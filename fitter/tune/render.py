@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fitter.flags.vocabulary import SEARCHED
 from fitter.tune.plan import Screener, structured_start
 from fitter.tune.request import TuneRequest, candidate, combos
@@ -40,6 +42,7 @@ def pareto_table(result: ParetoDoc) -> str:
             lines.append(f"{d['trial']:>5}  dropped: {d['reason']}")
         else:
             lines.append(f"{d['trial']:>5}  dropped: its confirm run ended {d['outcome']}: {d['reason']}")
+    lines += workload_lines(result)
     s = doc["study"]
     confirm = doc.get("confirm") or {}
     lines.append(f"\n{s['trials']} trials: {s['launched']} launched, {s['screened_out']} screened out by the "
@@ -50,6 +53,37 @@ def pareto_table(result: ParetoDoc) -> str:
                     if confirm else ""))
     lines += verdict_lines(result)
     return "\n".join(lines)
+
+
+def workload_lines(result: ParetoDoc) -> list[str]:
+    """A workload of several depths or streams: what pp and tg stand for, then each config's speeds against depth
+    (decode, then prefill) and, with streams, per-stream decode and time to first token."""
+    w = result.data.get("workload")
+    if not isinstance(w, dict) or (len(w.get("depths") or [0]) == 1 and int(w.get("concurrency") or 1) == 1):
+        return []
+    depths, streams = list(w["depths"]), int(w.get("concurrency") or 1)
+    what = "their tokens over their time at the depths" if len(depths) > 1 else f"at depth {depths[0]}"
+    out = ["", f"workload {w.get('source')}: {w.get('description') or ''}".rstrip(": ")
+           + f" — pp and tg are {what}" + (f", aggregate over {streams} streams" if streams > 1 else "")]
+    rows: list[tuple[str, dict[str, Any]]] = []
+    bm = result.baseline.measurement
+    if bm and bm.get("outcome") == "ok":
+        rows.append(("base", bm))
+    rows += [(str(e.trial), e.measurement) for e in result.pareto if e.measurement and e.phase != "baseline"]
+    if len(depths) > 1:
+        out.append(f"{'trial':>5}  {'test':<5}" + "".join(f"{'d ' + str(d):>11}" for d in depths))
+        for label, m in rows:
+            at = {int(x["depth"]): x for x in m.get("depths") or [] if isinstance(x, dict)}
+            for test in ("tg", "pp"):
+                cells = [f"{at[d][test]['avg_ts']:11.1f}" if test in at.get(d, {}) else f"{'-':>11}" for d in depths]
+                out.append(f"{label if test == 'tg' else '':>5}  {test:<5}" + "".join(cells))
+    if streams > 1:
+        out.append(f"{'trial':>5}  {'tg t/s':>9} {'per stream':>10} {'TTFT ms':>9}")
+        for label, m in rows:
+            tg, one, ttft = (m.get(k) or {} for k in ("tg", "tg_stream", "ttft"))
+            out.append(f"{label:>5}  {tg.get('avg_ts', 0):9.1f} {one.get('avg_ts', 0):10.1f} "
+                       f"{ttft.get('avg_ms', 0):9.1f}")
+    return out
 
 
 def verdict_lines(result: ParetoDoc) -> list[str]:

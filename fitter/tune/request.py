@@ -20,6 +20,7 @@ from fitter.memory.projected import Projects
 from fitter.tune.screen import Budgets
 from fitter.tune.space import is_valid_combination, params_to_flags
 from fitter.tune.split import apply_split, is_split_key, read_split
+from fitter.workload import Workload
 
 OBJECTIVES: dict[str, str] = {"tg": "maximize", "pp": "maximize", "vram": "minimize"}
 PLACEMENT_KEYS = ("n-cpu-moe", "n-gpu-layers")  # with the per-device keys of fitter.tune.split (is_placement_key)
@@ -49,6 +50,7 @@ class TuneRequest:
     cpu: CpuProfile
     objectives: tuple[str, ...] = ("tg", "pp", "vram")
     bench: BenchSpec = field(default_factory=BenchSpec)
+    workload: Workload = field(default_factory=Workload)  # what the runner measures each trial under (its depths)
     n_trials: int = 12  # launched trials, the baseline included, in the whole study (a resumed one too)
     timeout_s: float | None = None
     trial_timeout_s: float | None = None

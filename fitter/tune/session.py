@@ -38,6 +38,7 @@ from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.llama_build import LlamaCppBuild
 from fitter.measure.projection import Projector, guess_projector
+from fitter.measure.served import WorkloadRunner
 from fitter.measure.types import BenchSpec
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, check_target_count, device_budgets
 from fitter.memory.devices import Device
@@ -60,6 +61,7 @@ from fitter.tune.study import StudyCallback, Tuner
 from fitter.tune.targets import Target, local_target, replay_target, sim_target
 from fitter.tune.trials import write_trials_csv
 from fitter.units import MIB
+from fitter.workload import Workload, context_problem
 
 
 @dataclass(frozen=True)
@@ -78,9 +80,7 @@ class TuneOptions:
     timeout_s: float | None = None
     trial_timeout_s: float | None = None
     seed: int = 0
-    n_prompt: int = 512
-    n_gen: int = 128
-    n_depth: int = 0
+    workload: Workload = field(default_factory=Workload)  # -p -n -d --concurrency, or --workload FILE
     repetitions: int = 3
     confirm_rounds: int = DEFAULT_ROUNDS  # interleaved confirm rounds (fitter.tune.confirm), each of -r repetitions
     storage: str | None = None
@@ -151,8 +151,10 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
         distributions.pop("threads-batch", None)
     if o.process.threads_batch is not None and o.process.threads is None:
         raise FitterError("-tb without -t: give both, or neither to search them")
-    bench = BenchSpec(n_prompt=o.n_prompt, n_gen=o.n_gen, n_depth=o.n_depth, repetitions=o.repetitions,
-                      threads=o.process.threads or target.default_threads, threads_batch=o.process.threads_batch)
+    w = o.workload  # the runner measures each depth (fitter.measure.served); the spec names the deepest
+    bench = BenchSpec(n_prompt=w.n_prompt, n_gen=w.n_gen, n_depth=max(w.depths), repetitions=o.repetitions,
+                      threads=o.process.threads or target.default_threads, threads_batch=o.process.threads_batch,
+                      streams=w.concurrency)
     targets = fit_targets(o, target)
     budgets: dict[str, int] = {}
     for name, budget in device_budgets(devices, targets).items():
@@ -162,8 +164,32 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
         budgets[name] = budget
     return TuneRequest(model=o.model, spec=o.spec, base=o.base, distributions=distributions, devices=devices,
                        budgets=Budgets(budgets, target.host_budget, {}), cpu=target.cpu_profile,
-                       objectives=objectives, bench=bench, n_trials=o.trials, timeout_s=o.timeout_s,
+                       objectives=objectives, bench=bench, workload=w, n_trials=o.trials, timeout_s=o.timeout_s,
                        trial_timeout_s=o.trial_timeout_s, seed=o.seed, rpc=rpc, space_source=source)
+
+
+def bench_settings(o: TuneOptions) -> dict[str, Any]:
+    """What the study measures, as its settings record it: llama-bench's -p -n -d -r, and the workload when it
+    is more than one test (a study measured under one workload is not resumed under another)."""
+    w = o.workload
+    out: dict[str, Any] = {"p": w.n_prompt, "n": w.n_gen, "d": max(w.depths), "r": o.repetitions}
+    if not w.is_default_shape:
+        out["workload"] = {k: v for k, v in w.to_json().items() if k not in ("source", "description")}
+    return out
+
+
+def check_workload(o: TuneOptions) -> None:
+    """A workload the target can measure and the context can hold, before anything starts."""
+    w = o.workload
+    if w.concurrency > 1 and o.backend != "sim" and o.llama_cpp is None:
+        raise FitterError(f"{w.source}: {w.concurrency} concurrent streams are served by llama-server: give your "
+                          "build with --llama-cpp DIR (the pinned one: python -m fitter.measure.tools), or tune a "
+                          "simulated machine (--backend sim)")
+    if not w.is_default_shape and o.backend == "replay":
+        raise FitterError(f"{w.source}: a replayed landscape holds one test per config: drop the depth list and "
+                          "--concurrency")
+    if (problem := context_problem(w, o.base, o.spec.n_ctx_train)) is not None:
+        raise FitterError(problem)
 
 
 def fit_targets(o: TuneOptions, target: Target) -> tuple[int, ...]:
@@ -228,6 +254,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
             snapshot = listed_by(snapshot, users.llama_server)
     fit_params = o.llama_fit_params or (str(users.llama_fit_params) if users and users.llama_fit_params else None)
     tool = find_llama_fit_params(fit_params)  # a wrong path stops here, before any study is opened
+    check_workload(o)
     target = tune_target(o, snapshot)
     if target.replay is not None:
         o = replay_options(o, target.replay, log)
@@ -258,7 +285,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
         raise FitterError(problem)
     baseline_unavailable = emulated_gpu_problem(tool) if target.sim is not None and planned.devices else None
 
-    runner = target.make_runner()
+    runner = WorkloadRunner(target.make_runner(), o.workload)
     build = runner.build()
     folder = result_dir(o.results, o.model, target.machine_dir, build["commit"])
     ensure_writable(folder)
@@ -266,7 +293,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     name = study_name(o.model, o.study_name, o.storage is None)
     settings = {"objectives": list(planned.objectives), "space": planned.space_source,
                 "fixed_flags": list(o.base.flags), "fit_target_mib": list(targets),
-                "bench": {"p": o.n_prompt, "n": o.n_gen, "d": o.n_depth, "r": o.repetitions}}
+                "bench": bench_settings(o)}
     sampler = optuna.samplers.TPESampler(seed=o.seed, multivariate=True, constant_liar=True)
     key = StudyKey(o.spec.identity, target.machine["fingerprint"], build["commit"])
     study = open_study(url, key, [OBJECTIVES[x] for x in planned.objectives], sampler, settings, name=name)
@@ -371,8 +398,9 @@ def replay_options(o: TuneOptions, land: Any, log: Callable[[str], None]) -> Tun
     log(f"fitter: replaying {land.path}: {len(land.points)} configs recorded over {land.rounds} rounds "
         f"(-p {b['p']} -n {b['n']} -d {b['d']} -r {b['r']})")
     base = with_bench_context(parse_launch_flags(land.fixed_flags, land.consumer), b["p"] + b["n"] + b["d"])
-    return replace(o, base=base, space=None, fit_targets=land.fit_target_mib, n_prompt=b["p"], n_gen=b["n"],
-                   n_depth=b["d"], repetitions=b["r"],
+    return replace(o, base=base, space=None, fit_targets=land.fit_target_mib,
+                   workload=Workload(n_prompt=b["p"], n_gen=b["n"], depths=(b["d"],), source=str(land.path)),
+                   repetitions=b["r"],
                    process=replace(o.process, threads=land.threads["t"], threads_batch=land.threads["tb"]))
 
 

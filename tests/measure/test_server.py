@@ -120,3 +120,25 @@ def test_a_server_killed_mid_trial_is_a_crash_and_the_next_trial_gets_a_fresh_on
     assert first.pp is None and first.tg is None
     assert (second.outcome, len(servers)) == ("ok", 2)
     assert second.tg is not None and second.tg.n == 16
+
+
+def test_streams_are_concurrent_requests_a_slot_each(demo: str) -> None:
+    spec = BenchSpec(n_prompt=16, n_gen=16, n_depth=32, repetitions=2, threads=1, streams=2)
+    m = measure_server(SERVER, demo, ["-c", "1024", "-np", "2", "-t", "1", "-tb", "1"], spec, 120)
+    assert m.outcome == "ok", m.reason
+    assert m.pp is not None and m.tg is not None and m.tg_stream is not None and m.ttft is not None
+    assert (m.pp.n, m.tg.n, m.tg_stream.n, m.tg.depth) == (16, 16, 16, 32)
+    assert len(m.tg.samples_ts) == len(m.tg_stream.samples_ts) == len(m.ttft.samples_ms) == 2
+    assert all(x > 0 for x in m.ttft.samples_ms)
+
+
+def test_fitters_worker_and_llama_bench_measure_one_stream() -> None:
+    from fitter.measure.runner import LlamaBenchRunner, WorkerRunner
+    from fitter.measure.types import WorkerError
+
+    two = BenchSpec(streams=2)
+    with pytest.raises(WorkerError, match=r"^fitter's worker measures one stream; 2 concurrent streams are served by "
+                                          r"llama-server \(--llama-cpp DIR\) or a simulated machine"):
+        WorkerRunner().run("m.gguf", parse_launch_flags([]), two, None)
+    with pytest.raises(WorkerError, match=r"^llama-bench measures one stream"):
+        LlamaBenchRunner("/bin/llama-bench").run("m.gguf", parse_launch_flags([]), two, None)

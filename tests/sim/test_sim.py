@@ -499,3 +499,45 @@ def test_busy_cores_must_leave_a_core(tmp_path: Path) -> None:
     path.write_text(GOOD.replace("core_gbps = 10", "core_gbps = 10\nbusy_cores = 8", 1))
     with pytest.raises(FitterError, match=r"cpu.busy_cores = 8: must be below the 8 cores"):
         load_machine(path)
+
+
+# --- a workload's streams (llama-server's slots decoding at once) ---------------------------------------------------
+
+
+def test_streams_share_each_step_so_aggregate_decode_rises_and_each_stream_slows() -> None:
+    flags = [*SEEDS_FLAGS, "-c", "65536", "-np", "4", "-ncmoe", "28"]
+    tg = {s: noise_free("seeds", "gpt-oss-120b", flags, BenchSpec(threads=8, n_depth=8192, streams=s))[1]
+          for s in (1, 2, 4)}
+    assert tg[1] < tg[2] < tg[4]  # the weights read once per step serve a token of every stream
+    assert tg[4] / 4 < tg[2] / 2 < tg[1]  # but every stream reads its own cache, and the experts used grow
+
+
+def test_each_stream_reads_its_own_cache() -> None:
+    from fitter.sim.physics import _attention
+
+    r = runner("seeds", "gpt-oss-120b")
+    plan = r.plan(parse_launch_flags([*SEEDS_FLAGS, "-c", "65536", "-np", "4"]))
+    one, four = (_attention(r.machine, plan, 1, 4, 8192.0, n_seq) for n_seq in (1, 4))
+    spec_ = plan.model
+    cell = 2 * 2 * spec_.n_embd_k_gqa(1)  # f16 K and V rows of layer 1 (a full-attention layer of gpt-oss)
+    assert not spec_.swa_layers[1]
+    assert one[1] == four[1]  # each token attends its own sequence's cells: the same work
+    assert four[2] - one[2] == pytest.approx(3 * 8192 * cell)
+
+
+def test_a_simulated_server_reports_each_stream_and_the_first_token() -> None:
+    r = runner("seeds", "gpt-oss-120b")
+    bench = BenchSpec(threads=8, n_depth=4096, streams=4, repetitions=2)
+    m = run(r, [*SEEDS_FLAGS, "-c", "65536", "-np", "4", "-ncmoe", "28"], bench).measurement
+    assert m.tg is not None and m.tg_stream is not None and m.pp is not None and m.ttft is not None
+    assert m.tg_stream.samples_ts == pytest.approx([x / 4 for x in m.tg.samples_ts], rel=1e-6)
+    # the first tokens come when the four prompts, batched together, are prefilled
+    assert m.ttft.samples_ms == pytest.approx([4 * 512 / x * 1000 for x in m.pp.samples_ts], rel=1e-6)
+
+
+def test_more_streams_than_slots_is_refused() -> None:
+    r = runner("seeds", "gpt-oss-120b")
+    with pytest.raises(WorkerError, match=r"^4 streams at once but the config serves 2 \(-np\)"):
+        run(r, [*SEEDS_FLAGS, "-c", "65536", "-np", "2", "-ncmoe", "28"], BenchSpec(threads=8, streams=4))
+    with pytest.raises(WorkerError, match=r"^4 streams of 16896 cells .* unified KV cache holds 65536$"):
+        run(r, [*SEEDS_FLAGS, "-c", "65536", "-ncmoe", "28"], BenchSpec(threads=8, n_depth=16384, streams=4))

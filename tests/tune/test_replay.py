@@ -19,6 +19,7 @@ from fitter.sim import NotRecorded, ReplayRunner, load_landscape, param_key
 from fitter.sim.landscape import Landscape, Point
 from fitter.tune.record import _label, record_landscape, round_order
 from fitter.tune.session import TuneOptions, run_tune
+from fitter.workload import Workload
 
 LANDSCAPES = Path(__file__).resolve().parents[2] / "landscapes"
 
@@ -26,7 +27,8 @@ LANDSCAPES = Path(__file__).resolve().parents[2] / "landscapes"
 def _options(**kw: Any) -> TuneOptions:
     model = str(demo_model_path())
     base: dict[str, Any] = {"model": model, "spec": load_model_spec(model), "base": parse_launch_flags(["-c", "4096"]),
-                            "backend": "sim", "machine": "cpu-16c", "n_prompt": 64, "n_gen": 8, "repetitions": 2}
+                            "backend": "sim", "machine": "cpu-16c", "workload": Workload(n_prompt=64, n_gen=8),
+                            "repetitions": 2}
     return TuneOptions(**{**base, **kw})
 
 
@@ -196,7 +198,7 @@ def test_a_replayed_tune_writes_its_result_from_recorded_runs_only(recorded: Lan
     path = tmp_path / "l.json"
     write_landscape(path, recorded)
     o = _options(backend="replay", landscape=str(path), machine=None, base=parse_launch_flags([]), trials=6,
-                 results=tmp_path / "r", n_prompt=512, repetitions=3)
+                 results=tmp_path / "r", repetitions=3)
     outcome = run_tune(o, None)
     assert outcome.folder is not None and (outcome.folder / "pareto.json").is_file()
     doc = json.loads((outcome.folder / "pareto.json").read_text())

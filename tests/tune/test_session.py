@@ -20,6 +20,7 @@ from fitter.measure.noise import ratio_interval
 from fitter.sim import MACHINES_DIR
 from fitter.tune.session import TuneOptions, run_tune
 from fitter.tune.storage import machine_dir_name, result_dir
+from fitter.workload import Workload
 from tests.conftest import BUILT_TOOLS
 from tests.models import model_file, unknown_arch_model
 
@@ -264,7 +265,8 @@ def test_a_simulated_baseline_without_llama_cpp_python_is_skipped_before_anythin
     tool.chmod(0o755)
     model = model_file("gpt-oss-20b", sparse=True)
     outcome = run_tune(_options(model, backend="sim", machine="gpu-8gb", results=tmp_path / "r", trials=3,
-                                llama_fit_params=str(tool), n_prompt=128, n_gen=16, repetitions=1), None)
+                                llama_fit_params=str(tool), workload=Workload(n_prompt=128, n_gen=16),
+                                repetitions=1), None)
     assert outcome.result is not None and outcome.folder is not None
     baseline = outcome.result.data["baseline"]
     assert baseline["measurement"] is None and baseline["reason"].endswith(
