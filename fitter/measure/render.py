@@ -70,11 +70,23 @@ def bench_table(result: dict[str, Any]) -> str:
                      "speed")
     lines.append(f"backend {result['backend']}  outcome {result['outcome']}"
                  + (f": {result['reason']}" if result["reason"] else ""))
-    for key, label in (("pp", "prefill"), ("tg", "decode")):
+    w = result.get("workload") or {}
+    depths = ",".join(map(str, w.get("depths") or []))
+    streams = int(w.get("concurrency") or 1)
+    for key, label in (("pp", "prefill"), ("tg", "decode"), ("tg_stream", "/stream")):
         if key in result:
             s = result[key]
-            lines.append(f"{label:<8} {s['avg_ts']:10.2f} ± {s['stddev_ts']:.2f} t/s  ({s['n']} tokens at depth "
-                         f"{s['depth']}, {len(s['samples_ts'])} runs{', NOISY' if s.get('noisy') else ''})")
+            where = (f"over depths {depths}" if "," in depths else f"at depth {s['depth']}") + (
+                f", {streams} streams{' aggregate' if key != 'tg_stream' else ''}" if streams > 1 else "")
+            lines.append(f"{label:<8} {s['avg_ts']:10.2f} ± {s['stddev_ts']:.2f} t/s  ({s['n']} tokens {where}, "
+                         f"{len(s['samples_ts'])} runs{', NOISY' if s.get('noisy') else ''})")
+    if "ttft" in result:
+        lines.append(f"{'TTFT':<8} {result['ttft']['avg_ms']:10.2f} ± {result['ttft']['stddev_ms']:.2f} ms  (first "
+                     f"token of {streams} prompts sent at once)")
+    if "," in depths:
+        for d in result.get("depths") or []:
+            cells = "   ".join(f"{k} {d[k]['avg_ts']:.2f} t/s" for k in ("pp", "tg", "tg_stream") if k in d)
+            lines.append(f"  depth {d['depth']:>6}: {cells}")
     lines += ["", f"{'buffer':<28}{'kind':<9}{'MiB':>10}{'estimate':>10}"]
     for b in result["buffers"]:
         est = f"{b['estimated_bytes'] / MIB:10.2f}" if b["estimated_bytes"] is not None else f"{'-':>10}"

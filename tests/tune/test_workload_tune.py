@@ -112,3 +112,14 @@ def test_a_workload_file_and_the_flags_it_sets_are_refused_together(tmp_path: Pa
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("fitter: error: --workload long-chat and -d: the workload file sets them; give one "
                                    "or the other")
+
+
+def test_bench_measures_a_workload_and_shows_each_depth(tmp_path: Path) -> None:
+    args = ("bench", "--backend", "sim", "--machine", "gpu-8gb", "-c", "16384", "-d", "0,4096", "--concurrency", "2")
+    proc = fitter(*args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens over depths 0,4096, 2 streams aggregate, 3 runs)" in proc.stdout
+    assert "first token of 2 prompts sent at once" in proc.stdout and "  depth   4096: pp " in proc.stdout
+    out = json.loads(fitter(*args, "--json", cwd=tmp_path).stdout)
+    assert [d["depth"] for d in out["depths"]] == [0, 4096] and out["workload"]["concurrency"] == 2
+    assert "-np" in out["flags"] and out["flags"][out["flags"].index("-np") + 1] == "2"
