@@ -330,6 +330,8 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
         devices = tuple(runner.devices()) or (rpc_devices(list(config.rpc)) if config.rpc else machine_devices())
         header = [f"check: {policy} pick (trial {entry.trial}) of {path}, tolerance {tolerance * 100:g} %",
                   f"flags: {' '.join(flags)}"]
+        if workload is not None:
+            header.append(f"workload: {workload.label()}, as recorded ({workload.source})")
         if config.consumer != doc.consumer:
             header.append(f"for {config.consumer} (tuned for {doc.consumer}): its memory rules and what it fixes")
         if emulated:

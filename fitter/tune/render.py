@@ -147,7 +147,7 @@ def _short(flags: list[str]) -> list[str]:
 def dry_run_text(req: TuneRequest, source: str) -> str:
     """The space, the feasible region and the planned first trials; nothing launched."""
     screener = Screener(req)
-    lines = [f"space {source}:"]
+    lines = [f"workload: {req.workload.label()} ({req.workload.source})", f"space {source}:"]
     for k, d in req.distributions.items():
         lines.append(f"  {k}: {d}")
     lines.append("feasible region (each batch/KV/flash-attention combination at its best placement):")

@@ -72,7 +72,9 @@ def test_the_table_shows_speed_against_depth(deep: Path) -> None:
 def test_check_repeats_the_workload(deep: Path) -> None:
     proc = fitter("check", str(deep), "--json", cwd=deep)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    new = json.loads(proc.stdout)["measurement"]
+    verdict = json.loads(proc.stdout)
+    assert "workload: -p 256 -n 32 -d 0,8192 (weights 1,3), as recorded (flags)" in verdict["lines"]
+    new = verdict["measurement"]
     assert [d["depth"] for d in new["depths"]] == [0, 8192] and new["workload"]["weights"] == [1.0, 3.0]
 
 
@@ -123,3 +125,10 @@ def test_bench_measures_a_workload_and_shows_each_depth(tmp_path: Path) -> None:
     out = json.loads(fitter(*args, "--json", cwd=tmp_path).stdout)
     assert [d["depth"] for d in out["depths"]] == [0, 4096] and out["workload"]["concurrency"] == 2
     assert "-np" in out["flags"] and out["flags"][out["flags"].index("-np") + 1] == "2"
+
+
+def test_the_dry_run_names_the_workload(tmp_path: Path) -> None:
+    proc = fitter("tune", "--backend", "sim", "--machine", "gpu-8gb", "--workload", "team-server", "-c", "32768",
+                  "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("workload: -p 512 -n 128 -d 0,4096 ×4 streams (shipped:team-server)\nspace ")
