@@ -196,9 +196,17 @@ class Case:
         return zlib.crc32(self.id.encode()) % 5 == 0
 
 
+def last_experts_flags(model: str) -> list[str]:
+    """The experts of a model's last two layers on the CPU as one alternation rule, the rule `fitter tune` writes for
+    its last-N expert order on one GPU (fitter.tune.split.order_rule); a dense model's rule matches nothing."""
+    n = SHAPES[model].n_layer
+    return [*ALL, "-ot", rf"blk\.({n - 2}|{n - 1})\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"]
+
+
 def build_rpc_cases(c_api: bool = False, cuda: bool = False) -> list[Case]:
     flag_sets = {**RPC_FLAGS, **(CUDA_FLAGS if cuda else {})}
     cases = [Case(f"{m}/{name}", m, flags) for m in SMALL_MODELS for name, flags in flag_sets.items()]
+    cases += [Case(f"{m}/ngl-all-ot-experts-last2", m, last_experts_flags(m)) for m in SMALL_MODELS]
     real = {m: {**sets, **(C_API_REAL_RPC_FLAGS.get(m, {}) if c_api else {}),
                 **(CUDA_REAL_FLAGS.get(m, {}) if cuda else {})} for m, sets in REAL_RPC_FLAGS.items()}
     cases += [Case(f"{m}/{name}", m, flags) for m, sets in real.items() for name, flags in sets.items()]

@@ -165,11 +165,15 @@ def _bench_without_llama_cpp(ns: argparse.Namespace, model: str, spec: Any, conf
     return 0 if out["outcome"] == "ok" else 1
 
 
-def workload_from_args(ns: argparse.Namespace, config: LaunchConfig) -> tuple[Workload, LaunchConfig]:
-    """The workload asked for (`--workload`, else -p -n -d --concurrency) and `config` able to serve it (a slot
-    per stream; llama-bench's context sized for its deepest test). Sets ns.n_prompt, ns.n_gen and ns.n_depth (the
-    deepest) for what reads them as one test."""
-    from fitter.workload import Workload, load_workload, parse_depths, serving_config
+def workload_from_args(ns: argparse.Namespace, config: LaunchConfig, tune: bool = False) -> \
+        tuple[Workload, LaunchConfig]:
+    """The workload asked for (`--workload`, else -p -n -d --concurrency; tune's `--min-ctx`) and `config` able to
+    serve it (a slot per stream; the smallest context a searched one starts from; llama-bench's context sized for
+    its deepest test). Sets ns.n_prompt, ns.n_gen and ns.n_depth (the deepest) for what reads them as one test.
+    Only tune searches a context: bench refuses a workload that asks it to."""
+    from dataclasses import replace
+
+    from fitter.workload import Workload, load_workload, parse_depths, searched_context, serving_config
 
     if ns.workload:
         given = [f for f, v in (("-p", ns.n_prompt), ("-n", ns.n_gen), ("-d", ns.n_depth),
@@ -183,8 +187,17 @@ def workload_from_args(ns: argparse.Namespace, config: LaunchConfig) -> tuple[Wo
                      n_gen=128 if ns.n_gen is None else ns.n_gen,
                      depths=parse_depths(ns.n_depth) if ns.n_depth is not None else (0,),
                      concurrency=1 if ns.concurrency is None else ns.concurrency, source="flags")
+    min_ctx = getattr(ns, "min_ctx", None)
+    if min_ctx is not None:
+        if w.min_ctx:
+            raise FitterError(f"--workload {ns.workload} and --min-ctx: the workload file sets min_ctx; give one or "
+                              "the other")
+        w = replace(w, min_ctx=min_ctx)
+    elif w.min_ctx and not tune:
+        raise FitterError(f"{w.source}: min_ctx {w.min_ctx} asks for a search of the context, which only "
+                          "`fitter tune` does; bench measures the -c you give")
     ns.n_prompt, ns.n_gen, ns.n_depth = w.n_prompt, w.n_gen, max(w.depths)
-    config = with_bench_context(serving_config(w, config), w.tokens_per_stream())
+    config = with_bench_context(serving_config(w, searched_context(w, config)), w.tokens_per_stream())
     return w, config
 
 

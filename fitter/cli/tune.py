@@ -99,7 +99,7 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
     if ns.confirm_rounds < 1:
         raise FitterError(f"--confirm-rounds {ns.confirm_rounds}: give at least 1 (2 or more for intervals and ties)")
     config, process = launch_args(ns, flags)  # bad flags stop here, before anything starts
-    workload, config = workload_from_args(ns, config)
+    workload, config = workload_from_args(ns, config, tune=True)
     model = model_path(ns.model)
     spec = load_model(model)
     options = TuneOptions(
@@ -169,7 +169,9 @@ def register(sub: Any) -> None:
     tune.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
     tune.add_argument("--space", metavar="FILE", help="search space TOML (default: shipped moe, dense or cpu)")
     tune.add_argument("--objectives", default="tg,pp,vram", metavar="LIST",
-                      help="any of tg (decode t/s), pp (prefill t/s), vram (peak VRAM) (default: tg,pp,vram)")
+                      help="any of tg (decode t/s), pp (prefill t/s), vram (peak VRAM); with --concurrency "
+                      "tg-stream (one stream's decode t/s) and ttft (time to first token); with --min-ctx, ctx is "
+                      "added (default: tg,pp,vram)")
     tune.add_argument("--fit-target", default=None, metavar="MiB[,MiB...]",
                       help="memory to leave free per device (default 1024, as llama.cpp's --fit-target)")
     tune.add_argument("--trials", type=int, default=12, metavar="N",
@@ -199,6 +201,10 @@ def register(sub: Any) -> None:
     tune.add_argument("--confirm-rounds", type=int, default=4, metavar="N",
                       help="interleaved confirm rounds of the front and the baseline, each of -r repetitions, a fresh "
                       "order each round; ratios, their 95 %% intervals and ties come from them (default 4)")
+    tune.add_argument("--min-ctx", dest="min_ctx", type=int, default=None, metavar="N",
+                      help="search the context (-c) from N up to the model's training context instead of fixing it: "
+                      "context becomes a Pareto axis beside speed and VRAM, so the table shows what each larger "
+                      "context costs (or min_ctx in a --workload file)")
     tune.add_argument("--seed", type=int, default=0)
     add_process_arguments(tune, {"-t": "fix the threads (removes threads from the search)",
                                  "-tb": "fix the batch threads (removes threads-batch from the search)"},

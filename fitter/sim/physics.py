@@ -16,9 +16,11 @@ attend n_kv cells on average:
                + ops_gpu · t_launch + ops_cpu · t_sync · threads    kernel launches; a CPU barrier per op
 
   weight w:  bytes = its size (experts: × u, the share of experts any of the m tokens routes to,
-             u = 1 − (1 − k/E)^m for top-k of E), flops = 2 · elements · m (experts: × k/E; output: one row, as
-             llama-bench asks logits of the last token only). It runs where it lives; under op offload the
-             CPU-resident ones (not the token embedding, a row lookup) run on the first GPU.
+             u = 1 − (1 − k/E)^(1 + (m − 1)·s) for top-k of E, s the layer's routing spread: the profile's
+             routing_spread_first at the first expert layer to routing_spread_last at the last, linear; 1 (the
+             default) is independent draws, u = 1 − (1 − k/E)^m), flops = 2 · elements · m (experts: × k/E;
+             output: one row, as llama-bench asks logits of the last token only). It runs where it lives; under op
+             offload the CPU-resident ones (not the token embedding, a row lookup) run on the first GPU.
   attention: on the device of the layer's KV (the CPU with -nkvo), bytes = n_kv' · (K + V row bytes of the cache
              types: q8_0 reads 34/64 of f16) + without flash attention 3 passes over the f32 scores
              (4 · n_head · m · n_kv'), flops = 2 · m · n_kv' · n_head · (d_k + d_v) + 2 per quantized KV element
@@ -123,7 +125,7 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
     gpus = [d.name for d in model_devices(config, plan.devices)]
     offload = bool(gpus) and not config.no_op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH
     k_share = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
-    used = 1 - (1 - k_share) ** n_tokens
+    used = expert_shares(m, plan, n_tokens)
     work: list[tuple[tuple[int, int], str, float, float]] = []  # (order, device, flops, bytes)
     pcie = 0.0
     for p in plan.placements:
@@ -136,7 +138,7 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
         rows: float = 1 if t.role is Role.OUTPUT else n_tokens
         size: float = t.n_bytes
         if t.role is Role.EXPERT:
-            rows, size = n_tokens * k_share, t.n_bytes * used
+            rows, size = n_tokens * k_share, t.n_bytes * used[t.layer]
         dev = p.buft if p.buft in gpus else CPU
         if dev == CPU and offload:
             # ggml-backend.cpp ggml_backend_sched_backend_id_from_cur: the first backend that wants the op
@@ -172,6 +174,21 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
         sync += m.cpu.barrier_wait_us
     stages[CPU] += sum(w[1] == CPU for w in work) * sync * 1e-6
     return stages
+
+
+def expert_shares(m: Machine, plan: MemoryPlan, n_tokens: int) -> dict[int | None, float]:
+    """Per expert layer, the share of its experts a ubatch of n_tokens reads (the module's u): its routing spread
+    taken linearly from the profile's first expert layer's to its last's."""
+    spec = plan.model
+    k_share = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
+    layers = sorted({p.tensor.layer for p in plan.placements
+                     if p.tensor.role is Role.EXPERT and p.tensor.layer is not None})
+    first, last = m.routing_spread_first, m.routing_spread_last
+    out: dict[int | None, float] = {}
+    for i, il in enumerate(layers):
+        spread = first + (last - first) * (i / (len(layers) - 1) if len(layers) > 1 else 0.0)
+        out[il] = 1 - (1 - k_share) ** (1 + (n_tokens - 1) * spread)
+    return out
 
 
 def _attention(m: Machine, plan: MemoryPlan, il: int, n_tokens: int, n_kv: float,

@@ -89,6 +89,11 @@ class Machine:
     run_noise: float = _num(0, "relative standard deviation between runs of one config (other jobs, throttling): one "
                                 "factor on every repetition of a run", 0.0, hi=0.5)
     seed: int = _num(0, "seed of the noise", 0)
+    routing_spread_first: float = _num(0, "the model's routing in its first expert layer: the share of a ubatch's "
+                                       "tokens beyond the first that draw experts of their own (1: every token "
+                                       "draws independently; lower: tokens share experts, so a prompt reads fewer)",
+                                       1.0, hi=1)
+    routing_spread_last: float = _num(0, "the same in its last expert layer (linear between the two)", 1.0, hi=1)
     pace: float = _num(0, "real seconds each simulated second of a run takes (0: at once; 1: as long as on the "
                        "machine), to watch a tune run or to interrupt one", 0.0)
     path: str = ""

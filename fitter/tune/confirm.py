@@ -19,7 +19,7 @@ from typing import Any
 
 from optuna.trial import TrialState
 
-from fitter.flags import pin
+from fitter.flags import pin, resolve_context
 from fitter.measure.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
 from fitter.measure.runner import TrialRunner
 from fitter.measure.types import Latency, samples_json
@@ -114,9 +114,12 @@ def pooled(runs: list[dict[str, Any]], repetitions: int) -> dict[str, Any]:
                 peaks[name] = dict(p)
     if peaks:
         out["peak_vram"] = peaks
-    out["confirm"] = {"rounds": len(runs), "repetitions": repetitions,
-                      "round_avg_ts": {k: [float(m[k]["avg_ts"]) for m in runs if isinstance(m.get(k), dict)]
-                                       for k in SPEEDS}}
+    rounds = {k: [float(m[k]["avg_ts"]) for m in runs if isinstance(m.get(k), dict)] for k in SPEEDS}
+    if all(isinstance(m.get("tg_stream"), dict) for m in runs):  # several streams: their per-stream decode
+        rounds["tg_stream"] = [float(m["tg_stream"]["avg_ts"]) for m in runs]
+    out["confirm"] = {"rounds": len(runs), "repetitions": repetitions, "round_avg_ts": rounds}
+    if all(isinstance(m.get("ttft"), dict) for m in runs):  # and time to first token, lower better
+        out["confirm"]["round_avg_ms"] = {"ttft": [float(m["ttft"]["avg_ms"]) for m in runs]}
     return out
 
 
@@ -133,10 +136,11 @@ def _pooled_tests(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _entry(c: Contender, repetitions: int) -> dict[str, Any]:
+def _entry(c: Contender, repetitions: int, n_ctx_train: int) -> dict[str, Any]:
     m = pooled(c.runs, repetitions)
     return {"trial": c.trial, "phase": c.phase, "flags": pinned_flags(c.cand, c.plan), "measurement": m,
-            "vram_bytes": vram_bytes(m), "study_values": c.study_values,
+            "vram_bytes": vram_bytes(m), "n_ctx": resolve_context(c.cand.config, n_ctx_train).n_ctx,
+            "study_values": c.study_values,
             "defaults_distance": -1 if c.phase == "baseline" else _default_distance(c.cand.params),
             "positions": c.positions}
 
@@ -148,7 +152,7 @@ def confirm(req: TuneRequest, tuner: Tuner, runner: TrialRunner, baseline: Basel
     pool = contenders(req, tuner, baseline)
     run_rounds(req, runner, pool, rounds, log, tuner.stop.is_set)
     dropped = [c.failed for c in pool if c.failed is not None]
-    entries = [_entry(c, req.bench.repetitions) for c in pool if c.failed is None and c.runs]
+    entries = [_entry(c, req.bench.repetitions, req.spec.n_ctx_train) for c in pool if c.failed is None and c.runs]
     base = next((e for e in entries if e["phase"] == "baseline"), None)
     if base is not None:
         data = baseline.data
@@ -167,18 +171,31 @@ def _dominates(o: dict[str, Any], e: dict[str, Any], objectives: tuple[str, ...]
     ro, re = round_avgs(om), round_avgs(em)
     strictly = False
     for obj in objectives:
-        if obj == "vram":
-            if o["vram_bytes"] > e["vram_bytes"]:
+        if obj in ("vram", "ctx"):  # a count, not a noisy rate: less VRAM, a larger context
+            mine, theirs = (o["vram_bytes"], e["vram_bytes"]) if obj == "vram" else (-o["n_ctx"], -e["n_ctx"])
+            if mine > theirs:
                 return False
-            strictly |= o["vram_bytes"] < e["vram_bytes"]
+            strictly |= mine < theirs
             continue
-        if om[obj]["avg_ts"] < em[obj]["avg_ts"]:
+        if obj == "ttft":  # a latency: the less the better, so e's over o's is the rate-like ratio
+            a, b = float(em["ttft"]["avg_ms"]), float(om["ttft"]["avg_ms"])
+            ra, rb = round_ms(em).get("ttft"), round_ms(om).get("ttft")
+        else:
+            key = "tg_stream" if obj == "tg-stream" else obj
+            a, b, ra, rb = float(om[key]["avg_ts"]), float(em[key]["avg_ts"]), ro.get(key), re.get(key)
+        if a < b:
             return False
-        if ro.get(obj) and re.get(obj) and len(ro[obj]) == len(re[obj]) > 1:
-            strictly |= better_beyond_noise(ro[obj], re[obj])
+        if ra and rb and len(ra) == len(rb) > 1:
+            strictly |= better_beyond_noise(ra, rb)
         else:  # no rounds to judge noise by: the estimates decide
-            strictly |= om[obj]["avg_ts"] > em[obj]["avg_ts"]
+            strictly |= a > b
     return strictly
+
+
+def round_ms(measurement: dict[str, Any]) -> dict[str, list[float]]:
+    """Per-round averages of a confirmed measurement's latencies (time to first token)."""
+    raw = (measurement.get("confirm") or {}).get("round_avg_ms")
+    return {k: [float(x) for x in v] for k, v in raw.items()} if isinstance(raw, dict) else {}
 
 
 def final_front(objectives: tuple[str, ...], entries: list[dict[str, Any]], dropped: list[dict[str, Any]]
@@ -262,6 +279,8 @@ def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str],
     front, dropped = final_front(req.objectives, entries, dropped)
     annotate(req.objectives, front, base_m, baseline.data.get("trial"))
     base_data = dict(baseline.data)
+    if baseline.candidate is not None:
+        base_data["n_ctx"] = resolve_context(baseline.candidate.config, req.spec.n_ctx_train).n_ctx
     if base_m and base_m.get("outcome") == "ok":
         base_data["intervals"] = {k: [1.0, 1.0] for k in SPEEDS if k in base_m}
         # ties are symmetric, and annotate names the baseline among each entry's ties, on the front or off it

@@ -15,6 +15,7 @@ from fitter.memory.fit_devices import DeviceSearch
 from fitter.memory.projected import guessed_kinds
 from fitter.tune import split
 from fitter.tune.request import (
+    CTX_KEY,
     THREAD_KEYS,
     Candidate,
     TuneRequest,
@@ -70,6 +71,8 @@ class Screener:
         dists = self.req.distributions
         if split.MODE in dists:
             return self.spread(params)
+        if split.ORDER in dists and split.ORDER not in params:  # one GPU: -ncmoe's own order unless told
+            params = {**params, split.ORDER: _default_choice(dists[split.ORDER], "first")}
         for key, smallest_first in (("n-cpu-moe", True), ("n-gpu-layers", False)):
             if key in dists:
                 values = sorted(_choices(dists[key]), reverse=not smallest_first)
@@ -170,7 +173,7 @@ class Screener:
 
 @dataclass(frozen=True)
 class PlannedTrial:
-    phase: str  # decode-first | prefill-first | min-vram | neighbour | tpe
+    phase: str  # decode-first | prefill-first | max-context | min-vram | neighbour | tpe
     params: dict[str, Any]
 
 
@@ -190,6 +193,11 @@ def structured_start(req: TuneRequest, screener: Screener) -> list[PlannedTrial]
     prefill = max(placed, key=lambda p: (p[0].get("ubatch-size", 0),
                                          -cpu_bytes_per_token(p[1]), -_default_distance(p[0])))[0]
     out = [PlannedTrial("decode-first", decode), PlannedTrial("prefill-first", prefill)]
+    if CTX_KEY in req.distributions:  # the context searched: its other end, the largest that fits, decode first
+        largest = max(p[0][CTX_KEY] for p in placed)
+        widest = min((p for p in placed if p[0][CTX_KEY] == largest),
+                     key=lambda p: (cpu_bytes_per_token(p[1]), _default_distance(p[0])))[0]
+        out.append(PlannedTrial("max-context", widest))
     if "vram" in req.objectives and req.devices:
         lightest = _lightest(req, screener, [p for p, _ in placed])
         if lightest is not None:
@@ -263,8 +271,8 @@ def _placed_alike(screener: Screener, context: dict[str, Any], params: dict[str,
     """`context` at its best placement of the same shape as `params`': on several devices the same split (or the
     same one device), each device keeping the experts that fit; else the best placement."""
     current = _current_split(screener.req, params)
-    if current is None:
-        return screener.placement(context)
+    if current is None:  # one GPU: the same expert order
+        return screener.placement({**context, split.ORDER: params[split.ORDER]} if split.ORDER in params else context)
     if current.main is not None:
         return screener.one_device(context, current.main)
     return screener.spread(context, current.counts, current.order)
@@ -277,6 +285,7 @@ def _split_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -
     device. Which is faster is the GPUs' speeds' to say: these are measured, not judged by bytes alone."""
     current = _current_split(req, params)
     if current is None:
+        yield from _order_moves(req, screener, params)
         return
     n_devices, n_layer = len(req.devices), req.spec.n_layer
     moves: list[dict[str, Any] | None] = [{**params, split.ORDER: "first" if current.order == "last" else "last"}]
@@ -293,3 +302,24 @@ def _split_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -
             s = screener(candidate(req, move))
             if s.feasible and s.plan is not None:
                 yield move, s.plan
+
+
+def _order_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> \
+        Iterator[tuple[dict[str, Any], MemoryPlan]]:
+    """On one GPU whose space orders the experts: the other order, with as many expert layers on the CPU if that
+    fits (about the same VRAM), else at its own fewest."""
+    if split.ORDER not in req.distributions or "n-cpu-moe" not in params:
+        return
+    current = params.get(split.ORDER, "first")
+    for order in _choices(req.distributions[split.ORDER]):
+        if order == current:
+            continue
+        move: dict[str, Any] | None = {**params, split.ORDER: order}
+        s = screener(candidate(req, {**params, split.ORDER: order}))
+        if not s.feasible:
+            context = {k: v for k, v in params.items() if not is_placement_key(k)}
+            move = screener.placement({**context, split.ORDER: order})
+            if move is not None:
+                s = screener(candidate(req, move))
+        if move is not None and s.feasible and s.plan is not None:
+            yield move, s.plan

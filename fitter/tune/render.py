@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from fitter.flags.vocabulary import SEARCHED
+from fitter.measure.noise import ratio_interval
 from fitter.tune.plan import Screener, structured_start
 from fitter.tune.request import TuneRequest, candidate, combos
-from fitter.tune.result import Entry, ParetoDoc, fastest, vram_bytes
+from fitter.tune.result import Entry, ParetoDoc, fastest, round_avgs, vram_bytes
 from fitter.tune.screen import device_totals
 from fitter.units import MIB
 
@@ -19,21 +20,27 @@ def pareto_table(result: ParetoDoc) -> str:
     picks_by_trial: dict[int, list[str]] = {}
     for name, n in result.picks.items():
         picks_by_trial.setdefault(n, []).append(name)
-    lines = [f"{'trial':>5}  {'pp t/s':>9} {'tg t/s':>8} {'VRAM MiB':>9}  {'pp× [95 % CI]':<20} {'tg× [95 % CI]':<20}"
-             " picks / flags"]
+    ctx = "ctx" in result.objectives  # the context searched (--min-ctx): a column of its own
+
+    def ctx_cell(e: Entry) -> str:
+        return f" {e.n_ctx or '-':>7}" if ctx else ""
+
+    lines = [f"{'trial':>5}  {'pp t/s':>9} {'tg t/s':>8} {'VRAM MiB':>9}" + (f" {'ctx':>7}" if ctx else "")
+             + f"  {'pp× [95 % CI]':<20} {'tg× [95 % CI]':<20} picks / flags"]
     base = doc["baseline"]
     bm = base.get("measurement")
     if bm and bm.get("outcome") == "ok":
         vram = vram_bytes(bm) / MIB
-        lines.append(f"{'base':>5}  {bm['pp']['avg_ts']:9.1f} {bm['tg']['avg_ts']:8.1f} {vram:9.1f}  {'1':<20} "
-                     f"{'1':<20} llama.cpp --fit: {' '.join(base['flags'] or [])}")
+        lines.append(f"{'base':>5}  {bm['pp']['avg_ts']:9.1f} {bm['tg']['avg_ts']:8.1f} {vram:9.1f}"
+                     f"{ctx_cell(result.baseline)}  {'1':<20} {'1':<20} llama.cpp --fit: "
+                     + " ".join(base["flags"] or []))
     elif base.get("flags") or base.get("reason") or bm:
         lines.append(f"{'base':>5}  llama.cpp --fit: {(bm or {}).get('outcome') or base.get('reason')}")
     for e in result.pareto:
         m = e.measurement or {}
         ties = f" (tie: {', '.join('base' if t == base.get('trial') else str(t) for t in e.ties)})" if e.ties else ""
         lines.append(f"{e.trial:>5}  {m['pp']['avg_ts']:9.1f} {m['tg']['avg_ts']:8.1f} "
-                     f"{(e.vram_bytes or 0) / MIB:9.1f}  {_ratio(e, 'pp'):<20} {_ratio(e, 'tg'):<20} "
+                     f"{(e.vram_bytes or 0) / MIB:9.1f}{ctx_cell(e)}  {_ratio(e, 'pp'):<20} {_ratio(e, 'tg'):<20} "
                      f"{','.join(picks_by_trial.get(e.trial or -1, [])) or '-'}{ties}: "
                      + ("llama.cpp --fit (the baseline) " if e.phase == "baseline" else "")
                      + " ".join(_short(list(e.flags or []))))
@@ -43,6 +50,8 @@ def pareto_table(result: ParetoDoc) -> str:
         else:
             lines.append(f"{d['trial']:>5}  dropped: its confirm run ended {d['outcome']}: {d['reason']}")
     lines += workload_lines(result)
+    if ctx:
+        lines += context_lines(result)
     s = doc["study"]
     confirm = doc.get("confirm") or {}
     lines.append(f"\n{s['trials']} trials: {s['launched']} launched, {s['screened_out']} screened out by the "
@@ -83,6 +92,31 @@ def workload_lines(result: ParetoDoc) -> list[str]:
             tg, one, ttft = (m.get(k) or {} for k in ("tg", "tg_stream", "ttft"))
             out.append(f"{label:>5}  {tg.get('avg_ts', 0):9.1f} {one.get('avg_ts', 0):10.1f} "
                        f"{ttft.get('avg_ms', 0):9.1f}")
+    return out
+
+
+def context_lines(result: ParetoDoc) -> list[str]:
+    """With the context searched: the fastest decode of the front at each context, and what each larger one costs
+    against the smallest."""
+    best: dict[int, Entry] = {}
+    for e in result.pareto:
+        if e.n_ctx and e.ok and (e.n_ctx not in best or (e.speed("tg") or 0) > (best[e.n_ctx].speed("tg") or 0)):
+            best[e.n_ctx] = e
+    if not best:
+        return []
+    out = ["", "context: the front's fastest decode at each context, against the smallest's",
+           f"{'ctx':>8}  {'trial':>5} {'tg t/s':>8} {'pp t/s':>9} {'VRAM MiB':>9}  tg× the smallest's [95 % CI]"]
+    first = best[min(best)]
+    first_rounds = round_avgs(first.measurement).get("tg") or []
+    for n, e in sorted(best.items()):
+        tg, tg0 = e.speed("tg") or 0.0, first.speed("tg") or 0.0
+        rounds = round_avgs(e.measurement).get("tg") or []
+        iv = ratio_interval(rounds, first_rounds) if len(rounds) == len(first_rounds) > 1 else None
+        ratio = f"{iv[0]:.3f} [{iv[1]:.2f}–{iv[2]:.2f}]" if iv else f"{tg / tg0:.3f} (one round: no interval)"
+        trade = "1" if e is first else f"{ratio} for +{n - (first.n_ctx or 0)} cells"
+        label = "base" if e.phase == "baseline" else str(e.trial)
+        out.append(f"{n:>8}  {label:>5} {tg:8.1f} {e.speed('pp') or 0.0:9.1f} {(e.vram_bytes or 0) / MIB:9.1f}  "
+                   f"{trade}")
     return out
 
 
@@ -159,7 +193,7 @@ def dry_run_text(req: TuneRequest, source: str) -> str:
             lines.append(f"  {label}: nothing fits")
             continue
         n_feasible += 1
-        place = {k: placed[k] for k in ("n-cpu-moe", "n-gpu-layers") if k in placed}
+        place = {k: placed[k] for k in ("n-cpu-moe", "n-gpu-layers", "expert-order") if k in placed}
         plan = screener(candidate(req, placed)).plan
         used = ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in device_totals(plan).items()) if plan else ""
         lines.append(f"  {label}: {place or 'fits'} ({used})")

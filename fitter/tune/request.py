@@ -12,17 +12,22 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import LaunchConfig, ProcessFlags
-from fitter.flags.parse import has_flag, with_params
+from fitter.flags.overrides import override_flags
+from fitter.flags.parse import has_flag, with_params, without
 from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.types import BenchSpec
 from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.projected import Projects
 from fitter.tune.screen import Budgets
 from fitter.tune.space import is_valid_combination, params_to_flags
-from fitter.tune.split import apply_split, is_split_key, read_split
+from fitter.tune.split import ORDER, apply_split, is_split_key, last_experts_rule, read_split
 from fitter.workload import Workload
 
-OBJECTIVES: dict[str, str] = {"tg": "maximize", "pp": "maximize", "vram": "minimize"}
+OBJECTIVES: dict[str, str] = {"tg": "maximize", "pp": "maximize", "vram": "minimize", "ctx": "maximize",
+                              "tg-stream": "maximize", "ttft": "minimize"}
+# the objectives of several streams served at once: one stream's decode and the time to its first token
+STREAM_OBJECTIVES: dict[str, str] = {"tg-stream": "tg_stream", "ttft": "ttft"}  # → the measurement's key
+CTX_KEY = "ctx-size"  # searched only under a workload's min_ctx (--min-ctx): the context as a trade
 PLACEMENT_KEYS = ("n-cpu-moe", "n-gpu-layers")  # with the per-device keys of fitter.tune.split (is_placement_key)
 THREAD_KEYS = ("threads", "threads-batch")
 # llama-server's own defaults, the tie-breaker when the physics prior cannot tell two combos apart
@@ -104,7 +109,20 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
     they followed it on the command line), threads to the bench spec (-t/-tb)."""
     searched = {k: v for k, v in params.items() if k not in THREAD_KEYS and not is_split_key(k)}
     spread = {k: v for k, v in params.items() if is_split_key(k)}
-    flags = [*req.fixed_flags, *params_to_flags(searched)]
+    last = None  # one GPU, expert-order last: -ncmoe's count as the last expert layers' rule (fitter.tune.split)
+    if set(spread) == {ORDER}:
+        spread = {}
+        if params[ORDER] == "last" and "n-cpu-moe" in searched:
+            last = last_experts_rule(req.spec, int(searched["n-cpu-moe"]))
+            if last is not None:
+                del searched["n-cpu-moe"]
+    fixed = list(req.fixed_flags)
+    ctx = searched.pop(CTX_KEY, None)
+    if ctx is not None:  # in the place of the -c min_ctx the base was given (fitter.workload.searched_context)
+        fixed = [*without(fixed, "ctx_size"), "-c", str(ctx)]
+    flags = [*fixed, *params_to_flags(searched)]
+    if last is not None:
+        flags += override_flags((last,))
     extra: dict[str, Any] = {}
     if req.spec.n_expert and "n-gpu-layers" not in params and not has_flag(req.fixed_flags, "n_gpu_layers"):
         flags += ["-ngl", "all"]  # experts placed explicitly: every layer on the GPU, as the seeds' recipe
@@ -116,7 +134,11 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
         extra["rpc"] = req.rpc
     config, error = LaunchConfig(), None
     try:
+        if ctx is not None:
+            extra["ctx_size"] = int(ctx)
         config = with_params(replace(req.base, **extra), searched)
+        if last is not None:
+            config = replace(config, overrides=(*config.overrides, last))
         if spread:  # on several devices: -ts or -sm none -mg, and each device's expert rules (fitter.tune.split)
             config, placed = apply_split(req.spec, req.devices, config,
                                          read_split(spread, len(req.devices), req.spec.n_layer))

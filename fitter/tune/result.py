@@ -23,7 +23,7 @@ from fitter.measure.noise import tied
 from fitter.memory.devices import rpc_devices
 from fitter.paths import write_atomic
 
-POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram")
+POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram", "max-context")
 RESULT_FILE = "pareto.json"
 
 
@@ -65,6 +65,7 @@ class Entry:
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
     ties: tuple[int, ...] = ()  # the entries it cannot be told apart from within noise
     defaults_distance: int = 0  # searched flags off llama-server's defaults (-1: llama.cpp's own choice)
+    n_ctx: int | None = None  # the context its cache holds (llama.cpp's n_ctx; results before it: None)
 
     @property
     def ok(self) -> bool:
@@ -97,11 +98,15 @@ class Entry:
         if not isinstance(ties, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ties):
             raise ResultError(source, f"trial {trial}: \"ties\" must be a list of trial numbers, got {ties!r}")
         distance = data.get("defaults_distance", -1 if data.get("phase") == "baseline" else 0)
+        n_ctx = data.get("n_ctx")
+        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
+            raise ResultError(source, f"trial {trial}: \"n_ctx\" must be a context of 1 or more cells, got "
+                              f"{_short(n_ctx)}")
         return Entry(trial if isinstance(trial, int) else None, tuple(flags) if flags is not None else None,
                      m if isinstance(m, dict) else None, data.get("phase"),
                      int(vram) if vram is not None else None, dict(ratios), data,
                      {k: (float(v[0]), float(v[1])) for k, v in intervals.items()}, tuple(ties),
-                     int(distance) if isinstance(distance, int) else 0)
+                     int(distance) if isinstance(distance, int) else 0, n_ctx)
 
 
 @dataclass(frozen=True)
@@ -315,8 +320,9 @@ def fastest(entries: list[Entry], policy: str) -> Entry:
 
 
 def picks(entries: list[Entry]) -> dict[str, int]:
-    """max-decode, max-prefill, balanced (`fastest`) and min-vram (least VRAM within 5 % of the best decode), over
-    confirmed Pareto entries, by trial number.
+    """max-decode, max-prefill, balanced (`fastest`), min-vram (least VRAM within 5 % of the best decode) and, where
+    the context was searched, max-context (the largest context within 5 % of the best decode), over confirmed
+    Pareto entries, by trial number.
 
     Configs the confirm rounds cannot tell apart from a pick (fitter.measure.noise: the interval of their ratio
     contains 1) are a tie, resolved toward less VRAM, then toward llama.cpp's defaults (its own choice first, then
@@ -347,7 +353,13 @@ def picks(entries: list[Entry]) -> dict[str, int]:
                                           ("balanced", ("tg", "pp"), both))}
     top = fastest(entries, "max-decode")
     tied_top = {id(e) for e in tied_with(top, ("tg",))}
-    out["min-vram"] = chosen([e for e in entries if tg(e) >= 0.95 * tg(top) or id(e) in tied_top], tg)
+    near_top = [e for e in entries if tg(e) >= 0.95 * tg(top) or id(e) in tied_top]
+    out["min-vram"] = chosen(near_top, tg)
+    if len({e.n_ctx for e in entries if e.n_ctx}) > 1:  # the context was searched (--min-ctx)
+        # the largest context within 5 % of the best decode: what a larger context costs nothing noticeable for
+        e = max(near_top, key=lambda e: (e.n_ctx or 0, tg(e), -(e.vram_bytes or 0)))
+        assert e.trial is not None
+        out["max-context"] = e.trial
     return out
 
 

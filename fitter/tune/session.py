@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.distributions import CategoricalDistribution
 
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, ProcessFlags, placement_flags
@@ -52,7 +53,7 @@ from fitter.tune.faults import result_writes, study_writes
 from fitter.tune.fleet import Beater, Worker, claims_for
 from fitter.tune.plan import Screener
 from fitter.tune.render import dry_run_text
-from fitter.tune.request import OBJECTIVES, TuneRequest, candidate, combos
+from fitter.tune.request import CTX_KEY, OBJECTIVES, STREAM_OBJECTIVES, TuneRequest, candidate, combos
 from fitter.tune.result import RESULT_FILE, ParetoDoc, load_result, write_result
 from fitter.tune.screen import Budgets
 from fitter.tune.space import default_space_name, load_space, resolve, shipped_space
@@ -61,7 +62,7 @@ from fitter.tune.study import StudyCallback, Tuner
 from fitter.tune.targets import Target, local_target, replay_target, sim_target
 from fitter.tune.trials import write_trials_csv
 from fitter.units import MIB
-from fitter.workload import Workload, context_problem
+from fitter.workload import Workload, context_choices, context_problem
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,9 @@ def parse_objectives(text: str) -> tuple[str, ...]:
     bad = [n for n in names if n not in OBJECTIVES]
     if not names or bad or len(set(names)) != len(names):
         raise FitterError(f"--objectives {text!r}: give a comma list of distinct objectives from "
-                          f"{', '.join(OBJECTIVES)} (tg: decode t/s, pp: prefill t/s, vram: peak VRAM)")
+                          f"{', '.join(OBJECTIVES)} (tg: decode t/s, pp: prefill t/s, vram: peak VRAM, ctx: the "
+                          "context, with --min-ctx; tg-stream: one stream's decode t/s, ttft: time to first token, "
+                          "with --concurrency)")
     return names
 
 
@@ -141,6 +144,12 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
         source = space.source
     given = {name for name, _ in flag_groups(o.base.flags)}  # `--n-gpu-layers=20` too
     distributions = {k: d for k, d in distributions.items() if not given & set(fixing(k))}
+    if "n-cpu-moe" not in distributions:  # the flags place the experts (or there are none): nothing to order
+        distributions.pop(split.ORDER, None)
+    if o.workload.min_ctx and target.distributions is None:  # the context as a trade: searched, a Pareto axis
+        contexts = context_choices(o.workload.min_ctx, o.spec.n_ctx_train)
+        distributions = {CTX_KEY: CategoricalDistribution(contexts), **distributions}
+        objectives = (*objectives, "ctx") if "ctx" not in objectives else objectives
     if target.distributions is None and len(devices) > 1 and not any(has_flag(o.base.flags, f)
                                                                         for f in split.FIXING_FLAGS):
         # several GPUs: per-device placement instead of -ncmoe's first layers (fitter.tune.split)
@@ -173,7 +182,7 @@ def bench_settings(o: TuneOptions) -> dict[str, Any]:
     is more than one test (a study measured under one workload is not resumed under another)."""
     w = o.workload
     out: dict[str, Any] = {"p": w.n_prompt, "n": w.n_gen, "d": max(w.depths), "r": o.repetitions}
-    if not w.is_default_shape:
+    if not w.is_default_shape or w.min_ctx:
         out["workload"] = {k: v for k, v in w.to_json().items() if k not in ("source", "description")}
     return out
 
@@ -188,6 +197,16 @@ def check_workload(o: TuneOptions) -> None:
     if not w.is_default_shape and o.backend == "replay":
         raise FitterError(f"{w.source}: a replayed landscape holds one test per config: drop the depth list and "
                           "--concurrency")
+    streamed = [x for x in o.objectives if x in STREAM_OBJECTIVES]
+    if streamed and w.concurrency < 2:
+        raise FitterError(f"--objectives {','.join(streamed)}: measured with several streams served at once: give "
+                          "--concurrency N (N >= 2) or a workload with concurrency")
+    if "ctx" in o.objectives and not w.min_ctx:
+        raise FitterError("--objectives ctx: the context is an objective where it is searched: give --min-ctx N")
+    if w.min_ctx:
+        if o.backend == "replay":
+            raise FitterError(f"{w.source}: a replayed landscape holds the contexts it recorded: drop --min-ctx")
+        context_choices(w.min_ctx, o.spec.n_ctx_train)  # more than the training context: refused here
     if (problem := context_problem(w, o.base, o.spec.n_ctx_train)) is not None:
         raise FitterError(problem)
 

@@ -25,6 +25,7 @@ from fitter.errors import SearchSpaceError
 from fitter.flags import KV_CACHE_TYPES
 from fitter.flags.vocabulary import short_flag
 from fitter.paths import SOURCE_ROOT
+from fitter.tune.split import EXPERT_ORDERS
 
 SHIPPED = ("moe", "dense", "cpu")
 THREAD_SYMBOLS = ("physical", "performance-cores")
@@ -53,12 +54,16 @@ class _Rule:
     accepts: Callable[[Any], bool]
     minimum: int | None = None  # ranges {low, high} allowed from this value up; None: lists only
     auto: bool = False  # "auto" allowed: a layer count the tuner derives from the model
+    flag: bool = True  # False: no flag of its own; fitter.tune.split writes the placement it orders
 
 
 # In the order params_to_flags emits them; each key's flag is fitter.flags.vocabulary's.
 _RULES: dict[str, _Rule] = {
     "n-cpu-moe": _Rule("values must be integers >= 0", _ints_from(0), minimum=0, auto=True),
     "n-gpu-layers": _Rule("values must be integers >= 0", _ints_from(0), minimum=0, auto=True),
+    # which layers -ncmoe's count takes (first: -ncmoe itself; last: llama.cpp --fit's, an -ot rule)
+    "expert-order": _Rule(f"values must be one of {', '.join(EXPERT_ORDERS)}", EXPERT_ORDERS.__contains__,
+                          flag=False),
     "batch-size": _Rule("values must be integers >= 1", _ints_from(1)),
     "ubatch-size": _Rule("values must be integers >= 1", _ints_from(1)),
     "cache-type-k": _Rule(f"values must be one of {', '.join(KV_CACHE_TYPES)}", _cache_type),
@@ -69,6 +74,7 @@ _RULES: dict[str, _Rule] = {
                            minimum=1),
 }
 KEYS = tuple(_RULES)
+FLAGLESS = frozenset(k for k, rule in _RULES.items() if not rule.flag)  # placement words: no flag of their own
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,7 @@ def _range(where: str, key: str, value: dict[str, Any], minimum: int) -> Dimensi
 
 
 def _key_hint(key: str) -> str:
-    short = {short_flag(name).lstrip("-"): name for name in _RULES}
+    short = {short_flag(name).lstrip("-"): name for name, rule in _RULES.items() if rule.flag}
     if key in short:
         return f" (keys are long flag names: -{key} is {short[key]})"
     close = difflib.get_close_matches(key, KEYS + tuple(FIXED_ON_COMMAND_LINE), n=1)
@@ -262,6 +268,9 @@ def params_to_flags(params: Mapping[str, Any]) -> list[str]:
     unknown = sorted(set(params) - set(_RULES))
     if unknown:
         raise ValueError(f"not search-space parameters: {', '.join(unknown)}; known: {', '.join(KEYS)}")
+    flagless = sorted(FLAGLESS & set(params))
+    if flagless:
+        raise ValueError(f"{', '.join(flagless)}: no flag of its own (fitter.tune.split writes the placement)")
     flags: list[str] = []
     for key in _RULES:
         if key not in params:

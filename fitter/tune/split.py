@@ -14,6 +14,11 @@ devices `n-cpu-moe` becomes these keys, each a llama.cpp flag per device, writte
 - ``split-mode`` ``layer`` (the layers across the devices) or ``none`` with ``main-gpu`` (the whole model on that
   one GPU, src/llama.cpp `llama_model_load_from_file_impl`; under `-sm layer` llama.cpp reads no `-mg`).
 
+On one GPU ``expert-order`` is searched beside `n-cpu-moe N` when the space lists it: ``first`` is `-ncmoe N`;
+``last`` keeps as many expert layers on the CPU as `-ncmoe N` would, the model's last ones, as one `-ot` rule
+(`last_experts_rule`), the order llama.cpp's `--fit` uses (common/fit.cpp moves experts from the last layers
+first); ik_llama.cpp #2262 measured it ~10 % faster prefill at equal VRAM.
+
 The fewest bytes from RAM are found the way `fitter fit` finds them (fitter.memory.fit_devices); the speed of each
 GPU is measured: moving layers from a slow GPU to a fast one, or the model onto one GPU, are the neighbours.
 """
@@ -31,7 +36,7 @@ from fitter.flags import LaunchConfig, TensorOverride
 from fitter.flags.overrides import FFN_EXPS_REGEX, override_flags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.devices import Device
-from fitter.memory.fit_devices import expert_ranges
+from fitter.memory.fit_devices import expert_layers, expert_ranges
 
 ORDER = "expert-order"
 MODE = "split-mode"
@@ -54,6 +59,22 @@ def is_split_key(key: str) -> bool:
     return key.startswith(("tensor-split[", "n-cpu-moe[")) or key in (ORDER, MODE, MAIN)
 
 
+def last_experts_rule(spec: ModelSpec, n_cpu_moe: int) -> TensorOverride | None:
+    """On one GPU, `-ncmoe n_cpu_moe`'s count of expert layers on the CPU taken from the model's last expert layers,
+    as one rule. None where that is `-ncmoe`'s own placement (none of them, or all)."""
+    layers = expert_layers(spec)
+    n = sum(1 for il in layers if il < n_cpu_moe)
+    if n == 0 or n == len(layers):
+        return None
+    return experts_rule(layers[len(layers) - n:])
+
+
+def experts_rule(layers: list[int]) -> TensorOverride:
+    """The experts of `layers` on the CPU: one rule for them all (std::regex alternation), not a rule per layer,
+    so the line is one a person can read."""
+    return TensorOverride(rf"blk\.({'|'.join(map(str, sorted(layers)))}){FFN_EXPS_REGEX}", "CPU")
+
+
 def split_dims(distributions: Mapping[str, BaseDistribution], n_devices: int, n_layer: int) -> \
         dict[str, BaseDistribution]:
     """The space on `n_devices` devices: `n-cpu-moe` (one GPU's placement) replaced by the keys above, in its place."""
@@ -66,7 +87,7 @@ def split_dims(distributions: Mapping[str, BaseDistribution], n_devices: int, n_
             out[split_key(i)] = IntDistribution(0, n_layer + 1)
         for i in range(n_devices):
             out[experts_key(i)] = IntDistribution(0, n_layer)
-        out[ORDER] = CategoricalDistribution(EXPERT_ORDERS)
+        out[ORDER] = distributions.get(ORDER, CategoricalDistribution(EXPERT_ORDERS))  # the space's, if it has one
         out[MODE] = CategoricalDistribution(SPLIT_MODES)
         out[MAIN] = IntDistribution(0, n_devices - 1)
     return out
@@ -122,9 +143,9 @@ def apply_split(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConf
     elif split.counts is not None:
         config = replace(config, tensor_split=tuple(float(c) for c in split.counts))
         flags += ["-ts", ",".join(map(str, split.counts))]
-    layers = sorted(experts_to_cpu(spec, devices, config, split))
-    if layers:  # one rule for them all (std::regex alternation), not a rule per layer: a line a person can read
-        rule = TensorOverride(rf"blk\.({'|'.join(map(str, layers))}){FFN_EXPS_REGEX}", "CPU")
+    layers = experts_to_cpu(spec, devices, config, split)
+    if layers:
+        rule = experts_rule(layers)
         config = replace(config, overrides=(*config.overrides, rule))
         flags += override_flags((rule,))
     return config, flags

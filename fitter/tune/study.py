@@ -34,6 +34,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from fitter.flags import resolve_context
 from fitter.measure.render import bench_json
 from fitter.measure.runner import TrialRunner
 from fitter.measure.types import TrialResult
@@ -41,7 +42,7 @@ from fitter.memory.devices import Device
 from fitter.tune.fleet import Claim, Claims, MemoryClaims, Worker, fail_trial, measured, wait_for_others
 from fitter.tune.plan import Screener, neighbours, structured_start
 from fitter.tune.pooling import SamplePool
-from fitter.tune.request import Candidate, TuneRequest, _choices, candidate
+from fitter.tune.request import STREAM_OBJECTIVES, Candidate, TuneRequest, _choices, candidate
 from fitter.tune.result import vram_bytes
 from fitter.tune.screen import Screen, device_totals
 from fitter.units import MIB
@@ -253,12 +254,15 @@ class Tuner:
         trial.set_user_attr("measurement", measurement)
         trial.set_user_attr("reason", m.reason)
         trial.set_user_attr("outcome", m.outcome)
-        if m.outcome == "ok" and all(isinstance(measurement.get(k), dict) for k in ("pp", "tg")):
+        needs = ("pp", "tg", *(STREAM_OBJECTIVES[o] for o in self.req.objectives if o in STREAM_OBJECTIVES))
+        if m.outcome == "ok" and all(isinstance(measurement.get(k), dict) for k in needs):
             vram = vram_bytes(measurement)  # the devices' measured peak, else their logged buffers
             trial.set_user_attr("vram_bytes", vram)
             for name, value in (s.constraints if s else {}).items():
                 trial.set_constraint(name, value)
-            values = [objective_value(measurement, o, vram) for o in self.req.objectives]
+            n_ctx = resolve_context(cand.config, self.req.spec.n_ctx_train).n_ctx
+            trial.set_user_attr("n_ctx", n_ctx)
+            values = [objective_value(measurement, o, vram, n_ctx) for o in self.req.objectives]
             self.study.tell(trial, values)
         elif m.outcome == "oom":
             self._learn_from_oom(trial, m, s)
@@ -480,9 +484,16 @@ def measurement_json(result: TrialResult, backend: str, plan: Any, emulated: boo
     return bench_json(result.measurement, backend, plan, emulated=emulated, peak_vram=result.peak_vram)
 
 
-def objective_value(measurement: dict[str, Any], objective: str, vram: int) -> float:
+def objective_value(measurement: dict[str, Any], objective: str, vram: int, n_ctx: int = 0) -> float:
+    """A trial's value of one objective: t/s measured, VRAM in MiB measured, or the context its cache holds."""
     if objective == "vram":
         return round(vram / MIB, 3)
+    if objective == "ctx":
+        return float(n_ctx)
+    if objective == "ttft":
+        return float(measurement["ttft"]["avg_ms"])
+    if objective == "tg-stream":
+        return float(measurement["tg_stream"]["avg_ts"])
     return float(measurement[objective]["avg_ts"])
 
 

@@ -5,7 +5,9 @@ A workload comes from the command line (`-p`, `-n`, `-d 0,32768`, `--concurrency
 (`--workload FILE`, or the name of one shipped in workloads/); the default is today's single test: -p 512 -n 128 at
 depth 0, one stream. How depths weigh: `weights` are the shares of the workload's tokens served at each depth, so
 its speed is its tokens over the time they take, Σw / Σ(w_d / speed_d) (a weighted harmonic mean), for prefill and
-decode alike. Nothing here measures; fitter.measure.served runs a workload through any runner.
+decode alike. `min_ctx` (`--min-ctx N`) makes the context a trade instead of a given: tune searches `-c` from N up
+(`context_choices`) with the context as a Pareto axis beside speed and VRAM. Nothing here measures;
+fitter.measure.served runs a workload through any runner.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from fitter.flags.parse import has_flag
 from fitter.paths import SOURCE_ROOT
 
 INT_MAX = 2**31 - 1  # llama-bench reads -p -n -d as C ints
-_KEYS = {"description", "prompt", "gen", "depths", "weights", "concurrency"}
+_KEYS = {"description", "prompt", "gen", "depths", "weights", "concurrency", "min_ctx"}
+MAX_CONTEXT_CHOICES = 8  # multiples of --min-ctx up to this many, else doublings: a search a dozen trials can cover
 _RANGE = re.compile(r"(\d+)(?:-(\d+)(?:([+*])(\d+))?)?")
 
 
@@ -41,6 +44,7 @@ class Workload:
     concurrency: int = 1  # streams served at once: that many concurrent requests, one llama-server slot each
     source: str = "flags"  # "flags", a file path, or "shipped:<name>"
     description: str = ""
+    min_ctx: int = 0  # > 0: tune searches -c >= this (context as a trade, a Pareto axis); 0: -c as given
 
     def __post_init__(self) -> None:
         where = self.source
@@ -58,6 +62,9 @@ class Workload:
                                 f"({len(self.depths)})")
         if not 1 <= self.concurrency <= 256:
             raise WorkloadError(f"{where}: concurrency {self.concurrency} must be 1..256 streams")
+        if not 0 <= self.min_ctx <= INT_MAX:
+            raise WorkloadError(f"{where}: min_ctx {self.min_ctx} must be a context of 1..{INT_MAX} cells (or 0: "
+                                "-c as given)")
 
     @property
     def is_default_shape(self) -> bool:
@@ -80,12 +87,15 @@ class Workload:
             text += f" (weights {','.join(f'{w:g}' for w in self.weights)})"
         if self.concurrency > 1:
             text += f" ×{self.concurrency} streams"
+        if self.min_ctx:
+            text += f", -c >= {self.min_ctx}"
         return text
 
     def to_json(self) -> dict[str, Any]:
-        return {"prompt": self.n_prompt, "gen": self.n_gen, "depths": list(self.depths),
-                "weights": list(self.weights), "concurrency": self.concurrency, "source": self.source,
-                "description": self.description}
+        out = {"prompt": self.n_prompt, "gen": self.n_gen, "depths": list(self.depths),
+               "weights": list(self.weights), "concurrency": self.concurrency, "source": self.source,
+               "description": self.description}
+        return {**out, "min_ctx": self.min_ctx} if self.min_ctx else out
 
     @staticmethod
     def from_json(data: Any, where: str) -> Workload:
@@ -109,6 +119,17 @@ def serving_config(w: Workload, config: LaunchConfig) -> LaunchConfig:
     return config
 
 
+def searched_context(w: Workload, config: LaunchConfig) -> LaunchConfig:
+    """`config` at the smallest context `w` accepts (`-c min_ctx`, the baseline's and the search's first), where
+    the workload searches the context; a -c given beside it is refused (it would fix what is searched)."""
+    if not w.min_ctx:
+        return config
+    if has_flag(config.flags, "ctx_size"):
+        raise WorkloadError(f"{w.source}: min_ctx {w.min_ctx} searches the context, and -c {config.ctx_size} fixes "
+                            "it: give one or the other")
+    return parse_launch_flags([*config.flags, "-c", str(w.min_ctx)], config.consumer)
+
+
 def context_problem(w: Workload, config: LaunchConfig, n_ctx_train: int) -> str | None:
     """Why `config`'s context cannot hold the workload's deepest test in every stream at once, or None."""
     ctx = resolve_context(config, n_ctx_train)
@@ -120,6 +141,19 @@ def context_problem(w: Workload, config: LaunchConfig, n_ctx_train: int) -> str 
         return (f"{w.source}: {w.concurrency} streams of {need} cells share the unified KV cache of {ctx.n_ctx} "
                 "cells; give a larger -c")
     return None
+
+
+def context_choices(min_ctx: int, n_ctx_train: int) -> tuple[int, ...]:
+    """The contexts `--min-ctx N` searches: N, 2N, 3N, … up to the training context when that is at most
+    MAX_CONTEXT_CHOICES of them (so the table reads as the cost of each extra N), else N, 2N, 4N, …; the training
+    context last either way (llama.cpp serves no more without rope scaling)."""
+    if min_ctx > n_ctx_train:
+        raise WorkloadError(f"--min-ctx {min_ctx}: more than the model's training context ({n_ctx_train})")
+    if n_ctx_train // min_ctx <= MAX_CONTEXT_CHOICES:
+        out = list(range(min_ctx, n_ctx_train + 1, min_ctx))
+    else:
+        out = [min_ctx << k for k in range((n_ctx_train // min_ctx).bit_length())]
+    return tuple(out) if out[-1] == n_ctx_train else (*out, n_ctx_train)
 
 
 def combined_rate(rates: list[float], weights: list[float]) -> float:
@@ -176,7 +210,7 @@ def parse_workload(data: dict[str, Any], where: str) -> Workload:
         raise WorkloadError(f"{where}: description = {description!r} must be a string")
     return Workload(n_prompt=count("prompt", 512), n_gen=count("gen", 128), depths=tuple(depths),
                     weights=tuple(float(w) for w in weights), concurrency=count("concurrency", 1), source=where,
-                    description=description)
+                    description=description, min_ctx=count("min_ctx", 0))
 
 
 def shipped_names() -> tuple[str, ...]:

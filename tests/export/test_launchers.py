@@ -66,7 +66,7 @@ CONFIGS = {
                      overrides=ncmoe_rules(24), parallel=2, kv_unified=True, swa_full=True, no_repack=True,
                      load_mode="mlock", fit=False), 1, 1),
 }
-PICKS = {"max-decode": 3, "max-prefill": 5, "balanced": 3, "min-vram": 7}
+PICKS = {"max-decode": 3, "max-prefill": 5, "balanced": 3, "min-vram": 7, "max-context": 5}
 
 
 def _result() -> dict[str, Any]:
@@ -377,7 +377,8 @@ def _error(result: dict[str, Any], policy: str = "max-decode", fmt: str = "serve
 
 def test_unknown_policy() -> None:
     assert _error(_result(), policy="fastest") == (
-        "--policy 'fastest': unknown policy; choose one of max-decode, max-prefill, balanced, min-vram")
+        "--policy 'fastest': unknown policy; choose one of max-decode, max-prefill, balanced, min-vram, "
+        "max-context")
 
 
 def test_unknown_format() -> None:
@@ -396,7 +397,8 @@ def test_policy_without_a_pick() -> None:
     result = _result()
     del result["picks"]["min-vram"]
     assert _error(result, policy="min-vram") == (
-        f"{SOURCE}: no min-vram pick (picks: balanced=3, max-decode=3, max-prefill=5); choose another --policy")
+        f"{SOURCE}: no min-vram pick (picks: balanced=3, max-context=5, max-decode=3, max-prefill=5); choose another "
+        "--policy")
 
 
 def test_pick_missing_from_pareto() -> None:

@@ -315,7 +315,8 @@ mts = 4800
 
 @pytest.mark.parametrize(("change", "message"), [
     (("description", "colour = 1\ndescription"),
-     "unknown key 'colour'; allowed: description, models, disk_gbps, noise, run_noise, seed, pace, gpu, cpu, ram"),
+     "unknown key 'colour'; allowed: description, models, disk_gbps, noise, run_noise, seed, routing_spread_first, "
+     "routing_spread_last, pace, gpu, cpu, ram"),
     (("tflops = 10", "tflops = 10\nwatts = 300"), "unknown key 'watts' in [gpu]; allowed: memory_gib, bandwidth_gbps"),
     (("memory_gib = 8", "memory_gib = -8"), "gpu.memory_gib = -8: must be a number > 0 (memory of each GPU)"),
     (("p_cores = 8", 'p_cores = "eight"'), "cpu.p_cores = 'eight': must be an integer >= 1"),
@@ -541,3 +542,41 @@ def test_more_streams_than_slots_is_refused() -> None:
         run(r, [*SEEDS_FLAGS, "-c", "65536", "-np", "2", "-ncmoe", "28"], BenchSpec(threads=8, streams=4))
     with pytest.raises(WorkerError, match=r"^4 streams of 16896 cells .* unified KV cache holds 65536$"):
         run(r, [*SEEDS_FLAGS, "-c", "65536", "-ncmoe", "28"], BenchSpec(threads=8, n_depth=16384, streams=4))
+
+
+# --- the model's routing: where the CPU's experts sit matters when layers route differently ---------------------
+
+
+def routed_machine(tmp_path: Path, first: float, last: float) -> Machine:
+    text = (MACHINES_DIR / "gpu-8gb.toml").read_text()
+    path = tmp_path / "routed.toml"
+    path.write_text(f"routing_spread_first = {first}\nrouting_spread_last = {last}\n{text}")
+    return load_machine(path)
+
+
+def order_speeds(machine: Machine) -> dict[str, tuple[float, float]]:
+    """(prefill, decode) with gpt-oss-20b's 8 first or 8 last layers' experts on the CPU of an 8 GB GPU."""
+    exps = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"
+    base = ["-c", "8192", "-fa", "on", "-ngl", "all"]
+    flags = {"first": [*base, "-ncmoe", "8"], "last": [*base, "-ot", rf"blk\.(16|17|18|19|20|21|22|23){exps}"]}
+    r = SimRunner(machine, spec("gpt-oss-20b"))
+    return {order: speeds(machine, r.plan(parse_launch_flags(f)), SEEDS_BENCH) for order, f in flags.items()}
+
+
+def test_with_uniform_routing_the_expert_order_changes_nothing(tmp_path: Path) -> None:
+    s = order_speeds(load_machine("gpu-8gb"))
+    assert s["first"][0] == pytest.approx(s["last"][0], rel=1e-12)
+    assert s["first"][1] == pytest.approx(s["last"][1], rel=1e-12)
+    assert order_speeds(routed_machine(tmp_path, 1.0, 1.0)) == s  # the stated default
+
+
+def test_routing_that_narrows_with_depth_makes_last_n_prefill_faster_and_decode_the_same(tmp_path: Path) -> None:
+    s = order_speeds(routed_machine(tmp_path, 1.0, 0.002))  # late layers' tokens share experts: fewer read
+    assert s["last"][0] / s["first"][0] == pytest.approx(1.0578, abs=1e-4)
+    assert s["first"][1] == pytest.approx(s["last"][1], rel=1e-12)  # one token reads k of E in any layer
+
+
+def test_a_routing_spread_outside_zero_to_one_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FitterError, match=r"routing_spread_last = 1.5: must be a number >= 0 and <= 1 \(the same in "
+                                          r"its last expert layer"):
+        routed_machine(tmp_path, 1.0, 1.5)

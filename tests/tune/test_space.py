@@ -22,7 +22,8 @@ from fitter.tune.space import (
 )
 
 ALLOWED_KEYS = (
-    "n-cpu-moe, n-gpu-layers, batch-size, ubatch-size, cache-type-k, cache-type-v, flash-attn, threads, threads-batch"
+    "n-cpu-moe, n-gpu-layers, expert-order, batch-size, ubatch-size, cache-type-k, cache-type-v, flash-attn, threads, "
+    "threads-batch"
 )
 NEEDS_FA = "needs flash-attn on/auto"
 KV_TYPES = "f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"
@@ -38,7 +39,8 @@ _COMMON: dict[str, BaseDistribution] = {
     "flash-attn": CategoricalDistribution(("on",)),
 }
 EXPECTED: dict[str, dict[str, BaseDistribution]] = {
-    "moe": {"n-cpu-moe": IntDistribution(0, 36), **_COMMON},
+    "moe": {"n-cpu-moe": IntDistribution(0, 36), **_COMMON,
+            "expert-order": CategoricalDistribution(("first", "last"))},
     "dense": {"n-gpu-layers": IntDistribution(0, 37), **_COMMON},  # + the output layer
     "cpu": {
         "ubatch-size": CategoricalDistribution((256, 512, 1024, 2048)),
@@ -131,6 +133,23 @@ def test_user_space_with_range_and_symbols(tmp_path: Path) -> None:
 def test_explicit_layer_list(tmp_path: Path) -> None:
     space = load_space(_write(tmp_path, "[params]\nn-cpu-moe = [28, 20, 24]\n"))
     assert resolve(space, **MOE_SHAPE) == {"n-cpu-moe": CategoricalDistribution((28, 20, 24))}
+
+
+def test_an_expert_order_is_a_list_of_first_and_last(tmp_path: Path) -> None:
+    space = load_space(_write(tmp_path, '[params]\nn-cpu-moe = "auto"\nexpert-order = ["last", "first"]\n'))
+    assert resolve(space, **MOE_SHAPE)["expert-order"] == CategoricalDistribution(("last", "first"))
+    bad = _write(tmp_path, '[params]\nexpert-order = ["middle"]\n', "bad.toml")
+    with pytest.raises(SearchSpaceError, match=re.escape(
+            f'{bad}: expert-order = ["middle"]: values must be one of last, first (got "middle")')):
+        load_space(bad)
+    with pytest.raises(SearchSpaceError, match=re.escape(
+            f'{bad}: expert-order = "last": must be a list of choices (e.g. expert-order = ["last"])')):
+        load_space(_write(tmp_path, '[params]\nexpert-order = "last"\n', "bad.toml"))
+
+
+def test_an_expert_order_has_no_flag_of_its_own() -> None:
+    with pytest.raises(ValueError, match=re.escape("expert-order: no flag of its own (fitter.tune.split writes")):
+        params_to_flags({"n-cpu-moe": 3, "expert-order": "last"})
 
 
 def test_errors_are_fitter_errors() -> None:

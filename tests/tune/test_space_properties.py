@@ -19,6 +19,7 @@ from fitter.flags import KV_CACHE_TYPES, parse_flags
 from fitter.paths import SOURCE_ROOT
 from fitter.tune.space import (
     FIXED_ON_COMMAND_LINE,
+    FLAGLESS,
     FLASH_ATTN_VALUES,
     KEYS,
     SHIPPED,
@@ -85,6 +86,7 @@ THREADS = st.lists(st.integers(1, 512) | st.sampled_from(THREAD_SYMBOLS), min_si
 PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "n-cpu-moe": st.just("auto") | RANGE | st.lists(COUNTS, min_size=1, max_size=5, unique=True),
     "n-gpu-layers": st.just("auto") | RANGE | st.lists(COUNTS, min_size=1, max_size=5, unique=True),
+    "expert-order": st.lists(st.sampled_from(["first", "last"]), min_size=1, max_size=2, unique=True),
     "batch-size": st.lists(st.integers(1, 2**40), min_size=1, max_size=5, unique=True),
     "ubatch-size": st.lists(st.integers(1, 2**40), min_size=1, max_size=5, unique=True),
     "cache-type-k": st.lists(st.sampled_from(list(KV_CACHE_TYPES)), min_size=1, max_size=4, unique=True),
@@ -138,7 +140,7 @@ def tune_reads(path: Path, text: str, machine: dict[str, int], data: st.DataObje
             else:
                 assert isinstance(d, IntDistribution)
                 params[key] = data.draw(st.integers(d.low, d.high))
-        flags = params_to_flags(params)
+        flags = params_to_flags({k: v for k, v in params.items() if k not in FLAGLESS})
         if is_valid_combination(params) is None:
             parse_flags(flags)
 

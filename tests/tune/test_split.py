@@ -149,3 +149,62 @@ def test_the_placements_neighbours_move_layers_flip_the_order_and_try_each_gpu_a
     assert ("layer", None, "last", ts - 3) in shapes and ("layer", None, "last", ts + 3) in shapes
     for p in moves:
         assert screener(candidate(req, p)).feasible
+
+
+# -- one GPU: which layers -ncmoe's count takes -----------------------------------------------------------------
+
+
+def one_gpu() -> TuneRequest:
+    return sim_request(load_machine("gpu-8gb"), spec(), spec().path)
+
+
+def test_on_one_gpu_the_shipped_space_orders_the_experts_first_or_last() -> None:
+    assert one_gpu().distributions["expert-order"] == CategoricalDistribution(("first", "last"))
+    assert split.last_experts_rule(spec(), 5) == split.experts_rule([19, 20, 21, 22, 23])
+    assert split.last_experts_rule(spec(), 0) is None  # -ncmoe 0 and -cmoe are the same either way
+    assert split.last_experts_rule(spec(), 24) is None
+    deepseek = load_model_spec(str(model_file("deepseek2-tiny")))  # layer 0 is dense: -ncmoe 2 moves layer 1's
+    assert split.last_experts_rule(deepseek, 2) == split.experts_rule([2])
+
+
+def test_last_keeps_as_many_expert_layers_on_the_cpu_as_ncmoe_the_last_ones_as_one_rule() -> None:
+    req = one_gpu()
+    screener = Screener(req)
+    first = candidate(req, {"n-cpu-moe": 5, "expert-order": "first", "threads": 8})
+    last = candidate(req, {"n-cpu-moe": 5, "expert-order": "last", "threads": 8})
+    assert first.flags == ("-fa", "on", "-ncmoe", "5", "-ngl", "all", "-t", "8", "-tb", "8")
+    assert last.flags == ("-fa", "on", "-ot", rf"blk\.(19|20|21|22|23){EXPS}=CPU", "-ngl", "all", "-t", "8", "-tb", "8")
+    plans = {order: screener(c).plan for order, c in (("first", first), ("last", last))}
+    on_cpu = {order: {p.tensor.layer for p in plan.placements if p.tensor.role is Role.EXPERT and p.buft == CPU}
+              for order, plan in plans.items() if plan is not None}
+    assert on_cpu == {"first": {0, 1, 2, 3, 4}, "last": {19, 20, 21, 22, 23}}
+    weights = {order: sum(p.tensor.n_bytes for p in plan.placements if p.buft == "CUDA0")
+               for order, plan in plans.items() if plan is not None}
+    assert weights["first"] == weights["last"]  # every layer's experts the same size: the same VRAM for weights
+    # as many on the CPU as there are, or none: -ncmoe's own placement, so one config (one key), not two
+    assert candidate(req, {"n-cpu-moe": 24, "expert-order": "last"}).key == \
+        candidate(req, {"n-cpu-moe": 24, "expert-order": "first"}).key
+
+
+def test_the_rule_tune_writes_for_last_is_the_one_the_golden_matrix_measured() -> None:
+    # tests/golden/rpc.json and cuda-emulated.json: <model>/ngl-all-ot-experts-last2, estimated exactly
+    # (tests/memory/test_golden.py)
+    demo = load_model_spec(str(model_file("demo")))  # 8 layers, experts in each
+    req = replace(one_gpu(), spec=demo, base=LaunchConfig(), distributions={"n-cpu-moe": IntDistribution(0, 8)})
+    cand = candidate(req, {"n-cpu-moe": 2, "expert-order": "last"})
+    assert cand.flags[cand.flags.index("-ot"):][:2] == ("-ot", r"blk\.(6|7)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU")
+
+
+def test_on_one_gpu_the_neighbours_flip_the_expert_order_at_the_same_count() -> None:
+    req = one_gpu()
+    screener = Screener(req)
+    placed = screener.placement({**combos(req)[0], "threads": 8})
+    assert placed is not None and placed["expert-order"] == "first"  # the structured start is -ncmoe's
+    moves = list(neighbours(req, screener, placed))
+    flipped = [p for p in moves if p.get("expert-order") == "last"]
+    assert flipped == [{**placed, "expert-order": "last"}]
+    # a move of another key keeps the order it is given
+    last = {**placed, "expert-order": "last"}
+    assert all(p.get("expert-order") in ("last", "first") for p in neighbours(req, screener, last))
+    assert {p.get("expert-order") for p in neighbours(req, screener, last)
+            if p.get("ubatch-size") != last.get("ubatch-size")} == {"last"}

@@ -93,6 +93,33 @@ def test_a_served_team_is_measured_as_concurrent_streams(tmp_path: Path) -> None
     assert f"{'trial':>5}  {'tg t/s':>9} {'per stream':>10} {'TTFT ms':>9}" in text
 
 
+def test_per_stream_decode_and_time_to_first_token_are_objectives_of_their_own(tmp_path: Path) -> None:
+    w = Workload(n_prompt=128, n_gen=32, concurrency=4)
+    outcome = run_tune(_options(tmp_path, w, ["-c", "8192"], backend="sim", machine="gpu-8gb",
+                                objectives=("tg", "tg-stream", "ttft")), None)
+    assert outcome.result is not None and outcome.folder is not None
+    doc = outcome.result.data
+    assert doc["objectives"] == ["tg", "tg-stream", "ttft"]
+    import optuna
+
+    study = optuna.load_study(study_name="fitter", storage=f"sqlite:///{outcome.folder / 'study.db'}")
+    done = [t for t in study.trials if t.values is not None]
+    assert done and all(len(t.values) == 3 for t in done)
+    for t in done:  # the study's values are the measured aggregate, per-stream decode and time to first token
+        m = t.user_attrs["measurement"]
+        assert t.values == [m["tg"]["avg_ts"], m["tg_stream"]["avg_ts"], m["ttft"]["avg_ms"]]
+    for e in doc["pareto"]:  # each round's per-stream decode and time to first token, for the front's noise test
+        confirm = e["measurement"]["confirm"]
+        assert len(confirm["round_avg_ts"]["tg_stream"]) == len(confirm["round_avg_ms"]["ttft"]) == ROUNDS
+
+
+def test_stream_objectives_without_streams_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(FitterError, match=r"^--objectives tg-stream,ttft: measured with several streams served at "
+                                          r"once: give --concurrency N \(N >= 2\) or a workload with concurrency$"):
+        run_tune(_options(tmp_path, Workload(), [], backend="sim", machine="gpu-8gb",
+                          objectives=("tg", "tg-stream", "ttft")), None)
+
+
 def test_streams_on_fitters_worker_are_refused_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(FitterError, match=r"^shipped:team-server: 4 concurrent streams are served by llama-server: "
                                           r"give your build with --llama-cpp DIR"):

@@ -12,9 +12,11 @@ from fitter.workload import (
     Workload,
     WorkloadError,
     combined_rate,
+    context_choices,
     context_problem,
     load_workload,
     parse_depths,
+    parse_workload,
     serving_config,
     shipped_names,
 )
@@ -69,7 +71,8 @@ def test_a_users_file_with_a_depth_range_and_defaults(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("depth = [0]\n", "unknown key 'depth' (a workload has concurrency, depths, description, gen, prompt, weights)"),
+    ("depth = [0]\n", "unknown key 'depth' (a workload has concurrency, depths, description, gen, min_ctx, prompt, "
+                     "weights)"),
     ("depths = [0, 4096]\nweights = [1]\n", "weights [1.0] must be one positive number per depth (2)"),
     ("weights = [0]\n", "weights [0.0] must be one positive number per depth (1)"),
     ("prompt = 0\ngen = 0\n", "prompt and gen are both 0: nothing to measure"),
@@ -124,3 +127,30 @@ def test_the_context_must_hold_the_deepest_test_in_every_stream() -> None:
     assert context_problem(two, parse_launch_flags(["-c", "8192", "-np", "2"]), 131072) == (
         "flags: depth 4096 + max(prompt 512, gen 128) = 4608 cells, but a slot of -c 8192 holds 4096; give a larger "
         "-c")
+
+
+# -- the context as a trade (--min-ctx) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("min_ctx", "train", "choices"), [
+    (32768, 131072, (32768, 65536, 98304, 131072)),  # each extra 32k, as the table reads it
+    (4096, 131072, (4096, 8192, 16384, 32768, 65536, 131072)),  # past 8 multiples: doublings
+    (5000, 16384, (5000, 10000, 15000, 16384)),  # the training context last, a multiple or not
+    (3000, 131072, (3000, 6000, 12000, 24000, 48000, 96000, 131072)),
+    (8192, 8192, (8192,)),
+])
+def test_the_contexts_min_ctx_searches(min_ctx: int, train: int, choices: tuple[int, ...]) -> None:
+    assert context_choices(min_ctx, train) == choices
+
+
+def test_min_ctx_is_recorded_and_labelled_only_when_given() -> None:
+    w = Workload(n_prompt=256, n_gen=32, min_ctx=32768)
+    assert w.to_json()["min_ctx"] == 32768 and "min_ctx" not in Workload().to_json()
+    assert w.label() == "-p 256 -n 32 -d 0, -c >= 32768"
+    assert Workload.from_json(w.to_json(), "pareto.json") == w
+    assert parse_workload({"min_ctx": 65536}, "w.toml").min_ctx == 65536
+    with pytest.raises(WorkloadError, match=r"^w.toml: min_ctx = '64k' must be a whole number$"):
+        parse_workload({"min_ctx": "64k"}, "w.toml")
+    with pytest.raises(WorkloadError, match=r"^w.toml: min_ctx -1 must be a context of 1\.\.2147483647 cells \(or 0: "
+                                            r"-c as given\)$"):
+        parse_workload({"min_ctx": -1}, "w.toml")
