@@ -215,3 +215,18 @@ def fixing(space_key: str) -> tuple[str, ...]:
 def short_flag(space_key: str) -> str:
     """The flag fitter writes for a search-space key, e.g. "ubatch-size" → "-ub"."""
     return BY_SPACE_KEY[space_key].canonical
+
+
+# Speculative decoding (common/arg.cpp: -md/--spec-draft-model and its --spec-draft-* family, --draft-max/-min,
+# --spec-type): llama-server loads a second model and one draft context every slot shares
+# (tools/server/server-context.cpp, common/speculative.cpp common_base_params_to_speculative). fitter's estimate
+# has no draft's weights, KV cache or compute yet, so every figure would be short by them: refused, by name.
+SPECULATIVE_SHORT = frozenset({"-md", "-ngld", "-ncmoed", "-cmoed", "-devd", "-ctkd", "-ctvd", "-otd", "-td", "-tbd",
+                               "-hfd", "-hfrd", "-Cd", "-Crd", "-Cbd", "-Crbd"})
+
+
+def speculative_flag(token: str) -> bool:
+    """A llama.cpp flag of speculative decoding (a draft model or its settings), in any spelling."""
+    name = token.split("=", 1)[0]
+    return name in SPECULATIVE_SHORT or name.startswith(("--spec-", "--draft")) or (
+        name.startswith("--") and name.endswith("-draft"))

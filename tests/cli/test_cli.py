@@ -86,3 +86,19 @@ def test_each_command_module_registers_the_commands_app_lists_for_it() -> None:
         assert tuple(sub.choices) == commands, module
         assert set(_subparsers(build_parser([commands[0], "--help"]))) == set(commands)
     assert set(_subparsers(build_parser())) == {c for commands in COMMANDS.values() for c in commands}
+
+
+@pytest.mark.parametrize(("argv", "name"), [
+    (["fit", "-md", "draft.gguf", "-ngld", "99"], "-md"),
+    (["tune", "--spec-draft-n-max=8"], "--spec-draft-n-max"),
+    (["estimate", "model.gguf", "-c", "4096", "--n-cpu-moe-draft", "3"], "--n-cpu-moe-draft"),
+    (["bench", "--draft-max", "16"], "--draft-max"),
+    (["tune", "--spec-type", "ngram-simple"], "--spec-type"),
+])
+def test_speculative_decoding_is_refused_by_name_not_misestimated(argv: list[str], name: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"fitter: error: {name}: speculative decoding (a draft model, MTP or n-gram drafts) is not modelled by fitter "
+        "yet: a draft's weights, KV cache and compute would be missing from every figure, and its speed depends on "
+        "your prompts; give the flags without it\n")
