@@ -60,6 +60,7 @@ from fitter.flags import KV_CACHE_TYPES
 from fitter.gguf.model_spec import Role
 from fitter.measure.types import BenchSpec, OomInfo
 from fitter.memory.estimator import CPU, KINDS, Buffer, MemoryPlan, model_devices, row_bytes
+from fitter.memory.fit_devices import expert_layers
 from fitter.sim.profile import Cpu, Machine
 from fitter.units import GIB, MIB
 
@@ -181,8 +182,7 @@ def expert_shares(m: Machine, plan: MemoryPlan, n_tokens: int) -> dict[int | Non
     taken linearly from the profile's first expert layer's to its last's."""
     spec = plan.model
     k_share = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
-    layers = sorted({p.tensor.layer for p in plan.placements
-                     if p.tensor.role is Role.EXPERT and p.tensor.layer is not None})
+    layers = expert_layers(spec)
     first, last = m.routing_spread_first, m.routing_spread_last
     out: dict[int | None, float] = {}
     for i, il in enumerate(layers):

@@ -314,12 +314,12 @@ def _order_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -
     for order in _choices(req.distributions[split.ORDER]):
         if order == current:
             continue
-        move: dict[str, Any] | None = {**params, split.ORDER: order}
-        s = screener(candidate(req, {**params, split.ORDER: order}))
-        if not s.feasible:
-            context = {k: v for k, v in params.items() if not is_placement_key(k)}
-            move = screener.placement({**context, split.ORDER: order})
-            if move is not None:
-                s = screener(candidate(req, move))
-        if move is not None and s.feasible and s.plan is not None:
+        move = {**params, split.ORDER: order}
+        s = screener(candidate(req, move))
+        if not s.feasible:  # that count does not fit in this order: the order's own fewest
+            alike = _placed_alike(screener, {k: v for k, v in params.items() if not is_placement_key(k)}, move)
+            if alike is None:
+                continue
+            move, s = alike, screener(candidate(req, alike))
+        if s.feasible and s.plan is not None:
             yield move, s.plan

@@ -117,13 +117,14 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
             if last is not None:
                 del searched["n-cpu-moe"]
     fixed = list(req.fixed_flags)
+    extra: dict[str, Any] = {}
     ctx = searched.pop(CTX_KEY, None)
     if ctx is not None:  # in the place of the -c min_ctx the base was given (fitter.workload.searched_context)
         fixed = [*without(fixed, "ctx_size"), "-c", str(ctx)]
+        extra["ctx_size"] = int(ctx)
     flags = [*fixed, *params_to_flags(searched)]
     if last is not None:
         flags += override_flags((last,))
-    extra: dict[str, Any] = {}
     if req.spec.n_expert and "n-gpu-layers" not in params and not has_flag(req.fixed_flags, "n_gpu_layers"):
         flags += ["-ngl", "all"]  # experts placed explicitly: every layer on the GPU, as the seeds' recipe
         extra["n_gpu_layers"] = -2
@@ -134,8 +135,6 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
         extra["rpc"] = req.rpc
     config, error = LaunchConfig(), None
     try:
-        if ctx is not None:
-            extra["ctx_size"] = int(ctx)
         config = with_params(replace(req.base, **extra), searched)
         if last is not None:
             config = replace(config, overrides=(*config.overrides, last))
