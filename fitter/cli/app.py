@@ -15,7 +15,7 @@ from typing import NoReturn
 from fitter import __version__
 from fitter.cli.common import llama_flags, own_options
 from fitter.errors import FitterError
-from fitter.flags.vocabulary import launch_flags, speculative_flag
+from fitter.flags.vocabulary import launch_flags, speculative_flag, unmodelled_speculation
 
 # The modules that register the commands, and the commands each registers: a command line naming one of them builds
 # only that module's parsers, so `fitter estimate` does not import what `fitter tune` needs.
@@ -45,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     draft = next((t for t in argv[1:] if speculative_flag(t)), None)
     if draft is not None:
-        print(f"fitter: error: {draft.split('=', 1)[0]}: speculative decoding (a draft model, MTP or n-gram drafts) "
-              "is not modelled by fitter yet: a draft's weights, KV cache and compute would be missing from every "
-              "figure, and its speed depends on your prompts; give the flags without it", file=sys.stderr)
+        print(f"fitter: error: {unmodelled_speculation(draft)}", file=sys.stderr)
         return 2
     parser = build_parser(argv)
     ns = parser.parse_args(argv)

@@ -74,7 +74,7 @@ def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
     config, process = launch_args(ns, flags)  # bad flags stop here, before any process starts
     workload, config = workload_from_args(ns, config)
     model = model_path(ns.model)
-    spec = load_model(model)
+    spec = load_model(model, config)
     if ns.backend == "sim":
         return _bench_sim(ns, model, spec, config, process, workload)
     if ns.backend == "replay":
@@ -196,6 +196,13 @@ def workload_from_args(ns: argparse.Namespace, config: LaunchConfig, tune: bool 
     elif w.min_ctx and not tune:
         raise FitterError(f"{w.source}: min_ctx {w.min_ctx} asks for a search of the context, which only "
                           "`fitter tune` does; bench measures the -c you give")
+    if getattr(ns, "prompts", None):
+        from fitter.workload.prompts import read_prompts
+
+        if w.prompts is not None:
+            raise FitterError(f"--workload {ns.workload} and --prompts: the workload file sets its prompts; give one "
+                              "or the other")
+        w = replace(w, prompts=read_prompts(ns.prompts))
     ns.n_prompt, ns.n_gen, ns.n_depth = w.n_prompt, w.n_gen, max(w.depths)
     config = with_bench_context(serving_config(w, searched_context(w, config)), w.tokens_per_stream())
     return w, config
@@ -222,6 +229,10 @@ def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
                    "(--llama-cpp DIR) or a simulated machine; tg is their aggregate decode (default 1)")
     g.add_argument("--workload", metavar="NAME|FILE", help="the workload as a TOML file (prompt, gen, depths, "
                    "weights, concurrency), or a shipped one: " + ", ".join(workload_names()))
+    g.add_argument("--prompts", metavar="FILE", help="decode on your text instead of synthetic tokens: JSON lines "
+                   "(strings or {\"prompt\": ...}) or one prompt per paragraph; each repetition decodes -n tokens "
+                   "after every prompt, through llama-server (--llama-cpp DIR). A speculation (-md with --spec-type "
+                   "draft-simple) is measured only this way: its speed depends on the text")
     g.add_argument("-r", "--repetitions", dest="repetitions", type=int, default=3, metavar="N")
     add_process_arguments(g, names=("-C", "-Cr"))
     g.add_argument("--backend", choices=("llama-cpp-python", "sim", "replay"), default="llama-cpp-python",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fitter.errors import LaunchConfigError
@@ -69,19 +70,36 @@ def model_path(arg: str | None) -> str:
     return str(demo_model_path())
 
 
-def load_model(path: str) -> ModelSpec:
-    """The model's spec, its warnings (an architecture fitter has not matched, …) printed once."""
+def load_model(path: str, config: LaunchConfig | None = None) -> ModelSpec:
+    """The model's spec, its warnings (an architecture fitter has not matched, …) printed once; with a config that
+    names a draft model (-md), the draft's spec with it, and what llama-server will make of the pair."""
+    from fitter.flags.draft import draft_notes
     from fitter.gguf.model_spec import load_model_spec
 
-    spec = load_model_spec(path)
-    for w in spec.warnings:
+    draft = config.draft_model if config is not None else ""
+    spec = load_model_spec(path, draft)
+    drafts = spec.draft.warnings if spec.draft is not None else ()
+    for w in (*spec.warnings, *(f"the draft model {draft}: {w}" for w in drafts)):
         warn(w)
+    if config is not None and spec.draft is not None:
+        for w in draft_notes(config, spec.n_vocab, spec.draft.n_vocab):
+            warn(w)
     return spec
 
 
 def launch_args(ns: argparse.Namespace, flags: list[str]) -> tuple[LaunchConfig, ProcessFlags]:
-    """The llama.cpp flags parsed once, at the edge: the launch config and the process-level flags."""
-    return launch_config_from_args(ns, flags), process_flags_from_args(ns)
+    """The llama.cpp flags parsed once, at the edge: the launch config and the process-level flags. A draft model's
+    path is made absolute, as the model's is, so results and exports name the same file from anywhere."""
+    config = launch_config_from_args(ns, flags)
+    if config.draft_model and not Path(config.draft_model).is_absolute():
+        import dataclasses
+
+        from fitter.flags.parse import without
+
+        absolute = str(Path(config.draft_model).resolve())
+        config = dataclasses.replace(config, draft_model=absolute,
+                                     flags=(*without(config.flags, "draft_model"), "-md", absolute))
+    return config, process_flags_from_args(ns)
 
 
 def devices_and_cpu(ns: argparse.Namespace, config: LaunchConfig) -> tuple[tuple[Device, ...], CpuProfile]:

@@ -26,7 +26,7 @@ def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
     from fitter.memory.render import plan_json, plan_table
 
     config, _ = launch_args(ns, flags)
-    spec = load_model(model_path(ns.model))
+    spec = load_model(model_path(ns.model), config)
     devices, cpu = devices_and_cpu(ns, config)
     plan = estimate(spec, config, devices, cpu)
     projector = build_projector(ns, spec)

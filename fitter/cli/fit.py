@@ -34,7 +34,7 @@ def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
     config, _ = launch_args(ns, flags)
     targets = parse_fit_targets(ns.fit_target)
     model = model_path(ns.model)
-    spec = load_model(model)
+    spec = load_model(model, config)
     with contextlib.ExitStack() as stack:
         gpu = None
         if ns.emulated_gpu is not None:

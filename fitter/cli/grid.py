@@ -37,8 +37,10 @@ def cmd_grid(ns: argparse.Namespace, flags: list[str]) -> int:
     if not workload.is_default_shape:
         raise FitterError(f"fitter grid records one test per config: {workload.label()} has several depths or "
                           "streams; give one -d and no --concurrency")
+    if workload.prompts is not None or config.draft_model:
+        raise FitterError("fitter grid records synthetic tests for a replayed landscape: drop --prompts and -md")
     model = model_path(ns.model)
-    spec = load_model(model)
+    spec = load_model(model, config)
     snapshot = take_snapshot() if ns.backend != "sim" else None
     if ns.cpu_only and snapshot is not None and snapshot.gpus:
         raise FitterError(f"--cpu-only: this machine has {len(snapshot.gpus)} NVIDIA GPU(s), which trials would "

@@ -34,7 +34,12 @@ def cmd_export(ns: argparse.Namespace, flags: list[str]) -> int:
     note = None
     if target != doc.consumer:
         p = pick(doc, ns.policy)
-        plan = replan(doc, p.entry, p.config, target, _result_model(doc, ns.model))
+        spec = _result_model(doc, ns.model)
+        if p.config.draft_model:  # the draft's memory is the pick's too (fitter.gguf.model_spec.with_draft)
+            from fitter.gguf.model_spec import with_draft
+
+            spec = with_draft(spec, p.config.draft_model)
+        plan = replan(doc, p.entry, p.config, target, spec)
         note = plan.note()
         log(f"fitter: export: {note}")
         if not plan.fits:

@@ -101,7 +101,7 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
     config, process = launch_args(ns, flags)  # bad flags stop here, before anything starts
     workload, config = workload_from_args(ns, config, tune=True)
     model = model_path(ns.model)
-    spec = load_model(model)
+    spec = load_model(model, config)
     options = TuneOptions(
         model=model, spec=spec, base=config, demo=ns.model is None, process=process,
         objectives=parse_objectives(ns.objectives),

@@ -320,6 +320,9 @@ def _not_in_kwargs(p: Pick) -> list[str]:
         out.append(f"--rpc {','.join(c.rpc)}: register the RPC servers (ggml_backend_rpc_add_server) before loading")
     if p.cpu_mask or p.cpu_range:
         out.append("-C/-Cr: set the process's CPU affinity (os.sched_setaffinity) before loading")
+    if c.draft_model:
+        out.append(f"-md {c.draft_model}: llama-cpp-python loads no draft model (its draft_model is a prompt-lookup "
+                   "object); the measured memory counted the draft's weights, KV cache and compute")
     return out
 
 

@@ -72,6 +72,17 @@ class LaunchConfig:
     split_mode: str = "layer"  # -sm: none | layer | row | tensor (SPLIT_MODES)
     rpc: tuple[str, ...] = ()
     consumer: str = DEFAULT_CONSUMER  # the program that runs it (`--for`, fitter.flags.consumers)
+    # Speculative decoding with a draft model (common/arg.cpp --spec-draft-*, common/common.h
+    # common_params_speculative_draft): a second model llama-server loads beside this one, with one draft context
+    # every slot shares (fitter.flags.draft)
+    draft_model: str = ""  # -md: the draft model's path as given ("" = none)
+    draft_n_gpu_layers: int = -1  # -ngld: -1 auto, <= -2 all, else a count from the last layer backwards
+    draft_overrides: tuple[TensorOverride, ...] = ()  # -otd, -cmoed, -ncmoed: the draft's own rules, in order
+    draft_cache_type_k: str = "f16"  # -ctkd (the draft's cache is f16 whatever -ctk says)
+    draft_cache_type_v: str = "f16"  # -ctvd
+    spec_type: str = "none"  # --spec-type: none (the draft is loaded, nothing drafts) | draft-simple
+    spec_draft_n_max: int = 3  # --spec-draft-n-max: tokens drafted per step (the target reserves logits for them)
+    spec_draft_n_min: int = 0  # --spec-draft-n-min
     flags: tuple[str, ...] = field(default=(), compare=False)  # the flags as the user gave them
 
     @property
@@ -149,9 +160,10 @@ def resolve_context(config: LaunchConfig, n_ctx_train: int) -> ContextParams:
         n_batch=n_batch,
         n_ubatch=n_ubatch,
         # llama-server and llama-cli: server_output_limits (tools/server/server-context.cpp) → min(n_batch,
-        # n_parallel * (1 + n_draft)), no speculative decoding here; the C API (llama-cpp-python, llama-bench): 0,
-        # which llama_context reads as n_batch.
-        n_outputs_max=consumer(config.consumer).n_outputs_max(n_batch, n_seq_max),
+        # n_parallel * (1 + n_draft)), n_draft = --spec-draft-n-max with --spec-type draft-simple, else 0
+        # (common/speculative.cpp common_speculative_n_max); the C API (llama-cpp-python, llama-bench): 0, which
+        # llama_context reads as n_batch.
+        n_outputs_max=consumer(config.consumer).n_outputs_max(n_batch, n_seq_max, drafted_tokens(config)),
         flash_attn=flash_attn,
         auto_fa=auto_fa,
         v_trans=not flash_attn,
@@ -160,8 +172,17 @@ def resolve_context(config: LaunchConfig, n_ctx_train: int) -> ContextParams:
     )
 
 
+def drafted_tokens(config: LaunchConfig) -> int:
+    """The tokens a slot drafts per step (common/speculative.cpp common_speculative_n_max): --spec-draft-n-max for a
+    draft-simple speculation, 0 without one (`-md` alone loads the draft and drafts nothing)."""
+    return config.spec_draft_n_max if config.spec_type == "draft-simple" and config.draft_model else 0
+
+
 def validate(config: LaunchConfig) -> None:
     """The rules llama.cpp enforces before it loads anything, as errors naming flag, rule and value."""
+    from fitter.flags.draft import validate_draft
+
+    validate_draft(config)
     if config.ctx_size < 0:
         raise LaunchConfigError(f"-c {config.ctx_size}: must be >= 0 (0 = the model's training context)")
     if config.batch_size < 1 or config.ubatch_size < 1:
@@ -219,8 +240,19 @@ def parse_cpu_mask(mask: str | None, cpu_range: str | None) -> tuple[int, ...] |
     return tuple(sorted(cpus)) or None
 
 
+# Fields added after keys were recorded, left out of `recorded_repr` at their defaults
+_LATER_FIELDS = ("split_mode", "draft_model", "draft_n_gpu_layers", "draft_overrides", "draft_cache_type_k",
+                 "draft_cache_type_v", "spec_type", "spec_draft_n_max", "spec_draft_n_min")
+
+
 def recorded_repr(config: LaunchConfig) -> str:
-    """repr(config) as keys recorded before `split_mode` existed spell it: the field is left out at its default
-    (`-sm layer`), so seeded simulations and recorded landscapes keep matching (fitter.sim)."""
-    return repr(config).replace(", split_mode='layer'", "")
+    """repr(config) as keys recorded before `split_mode` and the draft's fields existed spell it: each is left out at
+    its default (`-sm layer`, no draft), so seeded simulations and recorded landscapes keep matching (fitter.sim)."""
+    text = repr(config)
+    defaults = LaunchConfig()
+    for name in _LATER_FIELDS:
+        value = getattr(defaults, name)
+        if getattr(config, name) == value:
+            text = text.replace(f", {name}={value!r}", "", 1)
+    return text
 

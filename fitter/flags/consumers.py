@@ -43,9 +43,10 @@ class Consumer:
     fixed: Mapping[str, Any]  # fields the program sets whatever the flags say; a flag asking otherwise is refused
     source: str  # where its rules live
 
-    def n_outputs_max(self, n_batch: int, n_seq_max: int) -> int:
-        """The outputs llama_context reserves logits for in the worst-case graph (src/llama-context.cpp)."""
-        return max(1, min(n_batch, n_seq_max)) if self.outputs_per_slot else n_batch
+    def n_outputs_max(self, n_batch: int, n_seq_max: int, n_draft: int = 0) -> int:
+        """The outputs llama_context reserves logits for in the worst-case graph (src/llama-context.cpp): a server's
+        slot verifies its `n_draft` drafted tokens and one more in one batch (server_output_limits)."""
+        return max(1, min(n_batch, n_seq_max * (1 + n_draft))) if self.outputs_per_slot else n_batch
 
 
 CONSUMERS: dict[str, Consumer] = {
@@ -104,9 +105,14 @@ def apply_defaults(values: dict[str, Any], given: set[str], name: str) -> dict[s
 
 def retarget(config: Any, name: str) -> Any:
     """A resolved LaunchConfig (every field explicit, as a tuned result's) run by another program: the fields it
-    can take stay, the ones it fixes take its value (llama-bench: one sequence, no full SWA cache)."""
+    can take stay, the ones it fixes take its value (llama-bench: one sequence, no full SWA cache; the C API's
+    programs: no draft model)."""
     c = consumer(name)
     changes = {field: value for field, value in c.fixed.items() if getattr(config, field) != value}
+    if not c.outputs_per_slot and config.draft_model:  # the C API's programs load no draft model: it is left out
+        from fitter.flags.draft import without_draft
+
+        return dataclasses.replace(without_draft(config), consumer=name, **changes)
     return dataclasses.replace(config, consumer=name, **changes)
 
 

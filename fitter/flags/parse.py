@@ -19,18 +19,20 @@ from fitter.flags.vocabulary import BARE, BY_NAME, BY_SPACE_KEY, Flag, Kind, Lev
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
 _FIELDS = tuple(dict.fromkeys(f.field for f in launch_flags()))  # the LaunchConfig fields flags set
+_RULE_FIELDS = tuple(dict.fromkeys(f.field for f in launch_flags() if f.kind in (Kind.RULE, Kind.RULE_SWITCH)))
 
 
 class _AppendOverride(argparse.Action):
-    """-ot, -cmoe and -ncmoe share one ordered rule list, as in common/arg.cpp (first match wins)."""
+    """-ot, -cmoe and -ncmoe share one ordered rule list, as in common/arg.cpp (first match wins); the draft's
+    -otd, -cmoed and -ncmoed another."""
 
     def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        rules: list[TensorOverride] = list(ns.overrides or [])
+        rules: list[TensorOverride] = list(getattr(ns, self.dest) or [])
         kind = BY_NAME[self.option_strings[0]].kind
         if kind is Kind.RULE_SWITCH:
             rules.append(CPU_MOE_RULE)
-        elif self.option_strings[0] == "-ncmoe":
+        elif self.option_strings[0] in ("-ncmoe", "-ncmoed"):
             try:
                 n = int(values)
             except (TypeError, ValueError):
@@ -40,7 +42,7 @@ class _AppendOverride(argparse.Action):
             rules.extend(ncmoe_rules(n))  # llm_add_n_cpu_ffn_overrides: the *first* n layers
         else:
             rules.extend(_ot_rules(str(values), option_string))
-        ns.overrides = rules
+        setattr(ns, self.dest, rules)
 
 
 def _ot_rules(value: str, option_string: str | None) -> list[TensorOverride]:
@@ -68,8 +70,8 @@ def _add(target: Any, f: Flag, default: Any, help_text: str | None = None) -> No
         target.add_argument(*f.names, dest=f.field, action="store_false", help=text)
     elif f.kind is Kind.CONST:
         target.add_argument(*f.names, dest=f.field, action="store_const", const=f.const, help=text)
-    else:  # RULE, RULE_SWITCH: one ordered list
-        target.add_argument(*f.names, dest="overrides", action=_AppendOverride,
+    else:  # RULE, RULE_SWITCH: one ordered list (the target's, the draft's)
+        target.add_argument(*f.names, dest=f.field, action=_AppendOverride,
                             nargs=0 if f.kind is Kind.RULE_SWITCH else None, metavar=f.metavar, help=text)
 
 
@@ -83,7 +85,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     groups: dict[str, Any] = {}
     for f in launch_flags():
         shared = [o for o in launch_flags() if o.field == f.field]
-        if len(shared) > 1 and f.field != "overrides":
+        if len(shared) > 1 and f.field not in _RULE_FIELDS:
             if f.field not in groups:
                 groups[f.field] = g.add_mutually_exclusive_group()
             target = groups[f.field]
@@ -91,7 +93,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
             target = g
         default = None if f.field == "kv_unified" else _DEFAULTS[f.field]  # None: llama-server decides
         _add(target, f, default)
-    parser.set_defaults(overrides=None)
+    parser.set_defaults(**dict.fromkeys(_RULE_FIELDS))
 
 
 def add_process_arguments(parser: argparse.ArgumentParser | Any, help_text: dict[str, str] | None = None,
@@ -106,7 +108,8 @@ def launch_config_from_args(ns: argparse.Namespace, flags: Sequence[str], check:
     """The LaunchConfig of parsed arguments (`flags`: the llama.cpp flags as the user gave them), with the
     defaults of the program `--for` names where no flag set a field."""
     values = {name: getattr(ns, name) for name in _FIELDS}
-    values["overrides"] = tuple(values["overrides"] or ())
+    for name in _RULE_FIELDS:
+        values[name] = tuple(values[name] or ())
     values = apply_defaults(values, fields_given(flags), getattr(ns, "consumer", None) or DEFAULT_CONSUMER)
     config = LaunchConfig(**values, flags=tuple(flags))
     if check:  # False: leave llama.cpp's own rules to llama.cpp (golden data records what it does)
@@ -120,7 +123,7 @@ def process_flags_from_args(ns: argparse.Namespace) -> ProcessFlags:
 
 class _Parser(argparse.ArgumentParser):
     def __init__(self, flags: Sequence[str]) -> None:
-        super().__init__(add_help=False)
+        super().__init__(add_help=False, allow_abbrev=False)  # llama.cpp takes no abbreviation: -m is not -mg
         self._flags = flags
 
     def error(self, message: str) -> Any:  # argparse would print usage and exit

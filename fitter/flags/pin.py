@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 
 from fitter.flags.config import ContextParams, LaunchConfig, ProcessFlags
+from fitter.flags.draft import draft_flags
 from fitter.flags.overrides import override_flags
 
 
@@ -30,6 +31,7 @@ def pin(config: LaunchConfig, context: ContextParams | None = None, process: Pro
     flags += placement_flags(config)
     if config.rpc:
         flags += ["--rpc", ",".join(config.rpc)]
+    flags += draft_flags(config)
     flags += ["-fit", "off"]  # the placement is explicit: llama-server's --fit must not second-guess it
     return flags + (process.flags() if process is not None else [])
 

@@ -117,6 +117,23 @@ def _endpoints(value: str) -> tuple[str, ...]:
     return tuple(x for x in value.split(",") if x)
 
 
+def _spec_type(value: str) -> str:
+    """--spec-type's comma list (common/arg.cpp appends each to the default `none`): the one type fitter models."""
+    from fitter.flags.draft import OTHER_SPEC_TYPES, SPEC_TYPES
+
+    types = [t for t in value.split(",") if t]
+    other = next((t for t in types if t in OTHER_SPEC_TYPES), None)
+    if other is not None:
+        raise argparse.ArgumentTypeError(
+            f"{other!r}: fitter models a draft model's speculation (draft-simple) only; what {other} allocates (an "
+            "MTP, EAGLE3 or DFlash context, an n-gram cache) is not in its estimate")
+    unknown = next((t for t in types if t not in SPEC_TYPES), None)
+    if unknown is not None or not types:
+        raise argparse.ArgumentTypeError(f"unknown speculative type {unknown or value!r}; allowed: "
+                                         f"{', '.join(SPEC_TYPES)}")
+    return "draft-simple" if "draft-simple" in types else "none"
+
+
 _C, _M, _P = Level.CONTEXT, Level.MODEL, Level.PROCESS
 FLAGS: tuple[Flag, ...] = (
     Flag(("-c", "--ctx-size"), "ctx_size", Kind.VALUE, _C, preset_key="ctx-size", parse=int, metavar="N",
@@ -169,6 +186,30 @@ FLAGS: tuple[Flag, ...] = (
          help="CPU affinity mask (hex), as llama.cpp"),
     Flag(("-Cr", "--cpu-range"), "cpu_range", Kind.VALUE, _P, preset_key="cpu-range", metavar="lo-hi",
          help="CPU range, as llama.cpp"),
+    # the draft model (fitter.flags.draft): llama-server's spellings, the short one first
+    Flag(("-md", "--model-draft", "--spec-draft-model"), "draft_model", Kind.VALUE, _M, preset_key="model-draft",
+         metavar="FNAME", help="draft model for speculative decoding (its memory is estimated beside the model's)"),
+    Flag(("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl"), "draft_n_gpu_layers",
+         Kind.VALUE, _M, preset_key="n-gpu-layers-draft", parse=_ngl, metavar="N|auto|all",
+         help="the draft's layers on the GPU (default auto: all)"),
+    Flag(("-cmoed", "--cpu-moe-draft", "--spec-draft-cpu-moe"), "draft_overrides", Kind.RULE_SWITCH, _M,
+         preset_key="cpu-moe-draft", preset_value="true", help="keep every draft layer's expert tensors on the CPU"),
+    Flag(("-ncmoed", "--n-cpu-moe-draft", "--spec-draft-n-cpu-moe", "--spec-draft-ncmoe"), "draft_overrides",
+         Kind.RULE, _M, preset_key="n-cpu-moe-draft", metavar="N",
+         help="keep the expert tensors of the draft's first N layers on the CPU"),
+    Flag(("-otd", "--override-tensor-draft", "--spec-draft-override-tensor"), "draft_overrides", Kind.RULE, _M,
+         preset_key="override-tensor-draft", metavar="PATTERN=BUFT[,...]", help="the draft's tensor overrides"),
+    Flag(("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k"), "draft_cache_type_k", Kind.VALUE, _C,
+         preset_key="cache-type-k-draft", parse=_cache_type, metavar="TYPE", help="the draft's K cache type"),
+    Flag(("-ctvd", "--cache-type-v-draft", "--spec-draft-type-v"), "draft_cache_type_v", Kind.VALUE, _C,
+         preset_key="cache-type-v-draft", parse=_cache_type, metavar="TYPE", help="the draft's V cache type"),
+    Flag(("--spec-type",), "spec_type", Kind.VALUE, _C, preset_key="spec-type", parse=_spec_type,
+         metavar="none|draft-simple", help="speculative decoding type (default none: -md loads the draft, and "
+         "nothing drafts)"),
+    Flag(("--spec-draft-n-max",), "spec_draft_n_max", Kind.VALUE, _C, preset_key="spec-draft-n-max", parse=int,
+         metavar="N", help="tokens to draft per step (default 3)"),
+    Flag(("--spec-draft-n-min",), "spec_draft_n_min", Kind.VALUE, _C, preset_key="spec-draft-n-min", parse=int,
+         metavar="N", help="fewest draft tokens to use (default 0)"),
     Flag(("-m", "--model"), "model", Kind.VALUE, Level.MODEL_PATH, preset_key="model"),
     Flag(("-fitt", "--fit-target"), "fit_target", Kind.VALUE, Level.FIT),
     Flag(("-fitc", "--fit-ctx"), "fit_ctx", Kind.VALUE, Level.FIT),
@@ -217,16 +258,30 @@ def short_flag(space_key: str) -> str:
     return BY_SPACE_KEY[space_key].canonical
 
 
-# Speculative decoding (common/arg.cpp: -md/--spec-draft-model and its --spec-draft-* family, --draft-max/-min,
-# --spec-type): llama-server loads a second model and one draft context every slot shares
-# (tools/server/server-context.cpp, common/speculative.cpp common_base_params_to_speculative). fitter's estimate
-# has no draft's weights, KV cache or compute yet, so every figure would be short by them: refused, by name.
-SPECULATIVE_SHORT = frozenset({"-md", "-ngld", "-ncmoed", "-cmoed", "-devd", "-ctkd", "-ctvd", "-otd", "-td", "-tbd",
-                               "-hfd", "-hfrd", "-Cd", "-Crd", "-Cbd", "-Crbd"})
+# Speculative decoding beyond a draft model's (fitter.flags.draft): the draft's own devices, threads and affinity, a
+# draft from Hugging Face, and every --spec-* setting of the types fitter does not model (MTP, EAGLE3, n-gram
+# drafts). llama.cpp's removed spellings (--draft-max, --draft-min) are refused with its own advice.
+SPECULATIVE_SHORT = frozenset({"-devd", "-td", "-tbd", "-hfd", "-hfrd", "-Cd", "-Crd", "-Cbd", "-Crbd"})
+REMOVED = {"--draft": "--spec-draft-n-max", "--draft-n": "--spec-draft-n-max", "--draft-max": "--spec-draft-n-max",
+           "--draft-min": "--spec-draft-n-min", "--draft-n-min": "--spec-draft-n-min"}  # common/arg.cpp arg_removed
 
 
 def speculative_flag(token: str) -> bool:
-    """A llama.cpp flag of speculative decoding (a draft model or its settings), in any spelling."""
+    """A llama.cpp flag of speculative decoding that fitter does not model, in any spelling."""
     name = token.split("=", 1)[0]
+    if name in BY_NAME:
+        return False
     return name in SPECULATIVE_SHORT or name.startswith(("--spec-", "--draft")) or (
         name.startswith("--") and name.endswith("-draft"))
+
+
+def unmodelled_speculation(token: str) -> str:
+    """The one-line refusal of a `speculative_flag`."""
+    name = token.split("=", 1)[0]
+    if name in REMOVED:
+        return (f"{name}: the argument has been removed from llama.cpp; use {REMOVED[name]} (common/arg.cpp), "
+                "which fitter reads")
+    return (f"{name}: fitter models a draft model (-md, -ngld, -ncmoed, -cmoed, -otd, -ctkd, -ctvd, --spec-type "
+            "draft-simple, --spec-draft-n-max/-min) on the target's devices; this setting's memory or placement (the "
+            "draft's own devices or threads, MTP, EAGLE3, n-gram drafts, a draft from Hugging Face) is not in its "
+            "estimate; give the flags without it")

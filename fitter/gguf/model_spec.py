@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from fitter.errors import GGUFError
+from fitter.errors import FitterError, GGUFError
 from fitter.gguf._constants import MODEL_TENSOR, TENSOR_NAMES
 from fitter.gguf.archs import ARCHS, Arch, Indexer, Memory, RecurrentBy, SwaWhen
 from fitter.gguf.header import GGUFHeader, SkippedArray, TensorInfo
@@ -121,6 +121,9 @@ class ModelSpec:
     n_embd_r: int = 0  # llama_hparams::n_embd_r / n_embd_s: a recurrent layer's conv and SSM state per sequence
     n_embd_s: int = 0
     skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
+    # The draft model llama-server loads beside this one (`-md`, read at the edge: fitter.memory.draft), whose
+    # buffers every estimate of a config with `-md` adds
+    draft: ModelSpec | None = None
     # What every command prints about this model ("fitter: warning: …"), e.g. an architecture fitter has not matched
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -441,7 +444,21 @@ def _tensor_spec(t: TensorInfo) -> TensorSpec:
     return TensorSpec(t.name, t.type_name, t.ne, t.n_bytes, layer, role, t.shard, t.offset)
 
 
-def load_model_spec(path: str) -> ModelSpec:
+def load_model_spec(path: str, draft: str = "") -> ModelSpec:
+    """The model's spec from its header; with `draft` (-md's path) the draft model's spec rides along
+    (ModelSpec.draft), so every estimate of a config with that -md counts its buffers."""
     from fitter.gguf.header import read_header
 
-    return model_spec(read_header(path))
+    spec = model_spec(read_header(path))
+    return with_draft(spec, draft) if draft else spec
+
+
+def with_draft(spec: ModelSpec, draft: str) -> ModelSpec:
+    """`spec` with the draft model's spec riding along (`-md`'s path, its header read)."""
+    from fitter.gguf.header import read_header
+
+    try:
+        draft_spec = model_spec(read_header(draft))
+    except FitterError as e:  # name the flag: the path alone reads as the model's
+        raise type(e)(f"-md {e}") from None
+    return replace(spec, draft=draft_spec)

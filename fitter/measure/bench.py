@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig
 from fitter.flags.consumers import server_flags
+from fitter.flags.draft import measuring_problem
 from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.render import bench_json
 from fitter.measure.runner import TrialRunner, with_rpc
 from fitter.measure.types import BenchSpec
 from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.estimator import estimate
+from fitter.workload import prompts_problem
 
 
 def bench(model: str, spec: ModelSpec, config: LaunchConfig, bench_spec: BenchSpec, runner: TrialRunner,
@@ -22,6 +25,12 @@ def bench(model: str, spec: ModelSpec, config: LaunchConfig, bench_spec: BenchSp
     config llama.cpp would refuse stops here (LaunchConfigError) before anything is measured."""
     if runner.backend == "llama-server":
         server_flags(config)  # a program llama-server cannot stand in for stops here, before anything starts
+    workload = getattr(runner, "workload", None)  # a WorkloadRunner's: its prompts are sent as text
+    prompts = workload.prompts.file if workload is not None and workload.prompts is not None else None
+    if (problem := prompts_problem(workload, runner.backend) if workload is not None else None) is not None:
+        raise LaunchConfigError(problem)
+    if (problem := measuring_problem(config, runner.backend, prompts)) is not None:
+        raise LaunchConfigError(problem)
     with runner:
         config = with_rpc(config, runner.rpc)
         plan = estimate(spec, config, runner.devices() or devices, runner.cpu_profile() or cpu)

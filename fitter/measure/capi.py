@@ -45,7 +45,8 @@ def config_to_json(config: LaunchConfig) -> dict[str, Any]:
 
 def config_from_json(data: dict[str, Any]) -> LaunchConfig:
     data = dict(data)
-    data["overrides"] = tuple(TensorOverride(o["pattern"], o["buft"]) for o in data.get("overrides", ()))
+    for key in ("overrides", "draft_overrides"):
+        data[key] = tuple(TensorOverride(o["pattern"], o["buft"]) for o in data.get(key, ()))
     for key in ("tensor_split", "rpc", "flags"):
         data[key] = tuple(data.get(key, ()))
     return LaunchConfig(**data)

@@ -78,11 +78,17 @@ def bench_table(result: dict[str, Any]) -> str:
             s = result[key]
             where = (f"over depths {depths}" if "," in depths else f"at depth {s['depth']}") + (
                 f", {streams} streams{' aggregate' if key != 'tg_stream' else ''}" if streams > 1 else "")
+            if key == "tg" and (prompts := w.get("prompts")):
+                where = f"after each of {prompts['count']} prompts of {prompts['file']}"
             lines.append(f"{label:<8} {s['avg_ts']:10.2f} ± {s['stddev_ts']:.2f} t/s  ({s['n']} tokens {where}, "
                          f"{len(s['samples_ts'])} runs{', NOISY' if s.get('noisy') else ''})")
     if "ttft" in result:
         lines.append(f"{'TTFT':<8} {result['ttft']['avg_ms']:10.2f} ± {result['ttft']['stddev_ms']:.2f} ms  (first "
                      f"token of {streams} prompts sent at once)")
+    if "draft" in result:
+        d = result["draft"]
+        lines.append(f"{'draft':<8} {d['accepted']} of {d['drafted']} drafted tokens accepted"
+                     + (f" ({d['acceptance']:.1%})" if d["acceptance"] is not None else ""))
     if "," in depths:
         for d in result.get("depths") or []:
             cells = "   ".join(f"{k} {d[k]['avg_ts']:.2f} t/s" for k in ("pp", "tg", "tg_stream") if k in d)

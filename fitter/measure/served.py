@@ -61,7 +61,11 @@ class WorkloadRunner:
             plan: MemoryPlan | None = None) -> TrialResult:
         w = self.workload
         if w.is_default_shape:
-            return self.inner.run(model, config, replace(spec, n_depth=w.depths[0]), timeout, plan)
+            if w.prompts is None:
+                return self.inner.run(model, config, replace(spec, n_depth=w.depths[0]), timeout, plan)
+            r = self.inner.run(model, config, replace(spec, n_depth=w.depths[0], prompts=w.prompts.texts), timeout,
+                               plan)
+            return TrialResult(replace(r.measurement, workload=w.to_json()), r.peak_vram)  # which prompts it decoded
         results: list[TrialResult] = []
         for depth in w.depths:
             r = self.inner.run(model, config, replace(spec, n_depth=depth, streams=w.concurrency), timeout, plan)

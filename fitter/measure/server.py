@@ -192,6 +192,8 @@ def measure_server(
         load_s = time.perf_counter() - t0
         if spec.streams > 1:
             return _measure_streams(binary, proc, port, flags, spec, timeout, vocab_size, log_path, t0, load_s)
+        if spec.prompts:
+            return _measure_prompts(binary, proc, port, flags, spec, timeout, vocab_size, log_path, t0, load_s)
         # token ids from the byte range every generated vocabulary has; deterministic
         depth_tokens = [(7 * i) % (vocab_size - 10) + 10 for i in range(n_depth)]
         prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(n_prompt)]
@@ -224,6 +226,44 @@ def measure_server(
         if proc is not None:
             process.stop(proc)
         log_path.unlink(missing_ok=True)
+
+
+def _measure_prompts(binary: str, proc: subprocess.Popen[bytes], port: int, flags: list[str], spec: BenchSpec,
+                     timeout: float, vocab_size: int, log_path: Path, t0: float, load_s: float) -> Measurement:
+    """Prefill as a single test measures it (-p synthetic tokens); decode on the user's text: each repetition
+    decodes -n tokens after every prompt, greedily (a speculation's acceptance then depends on the text alone), and
+    its rate is their tokens over their time. The drafted and accepted tokens llama-server reports (`draft_n`,
+    `draft_n_accepted`, tools/server/server-common.cpp) are summed over the recorded repetitions."""
+    prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(spec.n_prompt)]
+    pp: list[float] = []
+    tg: list[float] = []
+    drafted = accepted = 0
+    try:
+        for r in range(-1, spec.repetitions):  # r = -1: the warm-up (the first prompt), not recorded
+            if spec.n_prompt:
+                new = [(prompt[0] + r + 2) % (vocab_size - 10) + 10, *prompt[1:]]
+                out = _post(port, "/completion", completion_request(new, 1), timeout)
+                if r >= 0:
+                    pp.append(float(out["timings"]["prompt_per_second"]))
+            tokens, ms = 0, 0.0
+            for text in spec.prompts[:1] if r < 0 else spec.prompts:
+                out = _post(port, "/completion", {**completion_request([], spec.n_gen), "prompt": text}, timeout)
+                timings = out["timings"]
+                tokens += int(timings["predicted_n"])
+                ms += float(timings["predicted_ms"])
+                if r >= 0:
+                    drafted += int(timings.get("draft_n", 0))
+                    accepted += int(timings.get("draft_n_accepted", 0))
+            if r >= 0:
+                tg.append(tokens * 1000.0 / ms)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        rc, outcome, reason = _request_failed(proc, e, log_path, timeout)
+        return _failed(outcome, reason, log_path.read_text(errors="replace"), t0, spec, flags, rc)
+    log = log_path.read_text(errors="replace")
+    return Measurement("ok", "", spec, tuple(flags), _stats(spec.n_prompt, 0, pp) if pp else None,
+                       _stats(spec.n_gen, 0, tg), buffers=tuple(parse_buffer_lines(log)), load_s=load_s,
+                       wall_s=time.perf_counter() - t0, llama_cpp=server_build(binary), peak_rss=peak_rss(proc.pid),
+                       log=log[-3000:], drafted=(drafted, accepted) if drafted else None)
 
 
 def _measure_streams(binary: str, proc: subprocess.Popen[bytes], port: int, flags: list[str], spec: BenchSpec,

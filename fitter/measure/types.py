@@ -47,6 +47,7 @@ class BenchSpec:
     warmup: bool = True
     seed: int = 0  # random tokens (llama-bench uses std::rand() unseeded, i.e. seed 1)
     streams: int = 1  # concurrent requests, one slot each (llama-server and simulated machines only)
+    prompts: tuple[str, ...] = field(default=(), repr=False)  # decode on the user's text (llama-server only)
 
     def __post_init__(self) -> None:
         if min(self.n_prompt, self.n_gen, self.n_depth) < 0 or min(self.repetitions, self.threads, self.streams) < 1:
@@ -141,6 +142,7 @@ class Measurement:
     ttft: Latency | None = None  # several streams: time to first token of a prefill request
     depths: tuple[AtDepth, ...] = ()  # a workload of several depths: each one's speeds (pp/tg combine them)
     workload: dict[str, Any] | None = None  # the workload measured, when it is not a single llama-bench test
+    drafted: tuple[int, int] | None = None  # speculative decoding: (tokens drafted, tokens accepted) over the decodes
     oom: OomInfo | None = None
     buffers: tuple[LoggedBuffer, ...] = ()
     load_s: float | None = None  # model load of this trial; 0.0 when the loaded model was reused
@@ -167,6 +169,9 @@ class Measurement:
             out["depths"] = [d.to_json() for d in self.depths]
         if self.workload is not None:
             out["workload"] = dict(self.workload)
+        if self.drafted is not None:
+            n, accepted = self.drafted
+            out["draft"] = {"drafted": n, "accepted": accepted, "acceptance": round(accepted / n, 4) if n else None}
         out.update({
             "load_s": self.load_s, "wall_s": self.wall_s, "reused_model": self.reused_model,
             "buffers": [{"buft": b.buft, "kind": b.kind, "bytes": round(b.mib * MIB)} for b in self.buffers],

@@ -19,6 +19,7 @@ class Buffer:
     kind: str  # model | kv | compute | output
     device: str  # "CPU" for every host buffer type, else the device name
     bytes: int
+    model: str = ""  # whose buffer: "" the model's, "draft" the draft model's (-md)
 
 
 @dataclass(frozen=True)

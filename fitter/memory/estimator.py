@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from fitter.errors import LaunchConfigError
 from fitter.flags import KV_CACHE_TYPES, ContextParams, LaunchConfig, TensorOverride, resolve_context
+from fitter.flags.draft import draft_context_config
 from fitter.gguf.archs import ARCHS
 from fitter.gguf.model_spec import ModelSpec, Role, TensorSpec
 from fitter.memory.buffers import CPU, KINDS, Buffer, Placement, alloc_size, row_bytes
@@ -54,6 +55,7 @@ class MemoryPlan:
     warnings: tuple[str, ...]
     pipelined: bool = False  # the scheduler pipelines ubatches across the devices (n_copies > 1)
     projected: tuple[str, ...] = ()  # kinds taken from llama.cpp's own projection (fitter.memory.projected)
+    draft: MemoryPlan | None = None  # the draft model's own plan (-md); its buffers are in `buffers` too
 
     def totals(self) -> dict[str, DeviceTotals]:
         sums: dict[str, dict[str, int]] = {CPU: dict.fromkeys(KINDS, 0)}
@@ -305,14 +307,16 @@ def output_buffer(spec: ModelSpec, ctx: ContextParams, layer_dev: tuple[Device |
 
 def first_failure(plan: MemoryPlan, device: str, cap_bytes: int) -> str | None:
     """The stage at which a device with cap_bytes runs out, in llama.cpp's order of allocation: model buffers
-    (load_tensors), then each KV buffer (llama_kv_cache), then compute (sched_reserve). None if everything fits."""
+    (load_tensors), then each KV buffer (llama_kv_cache), then compute (sched_reserve); the model's, then a draft's
+    (tools/server/server-context.cpp `load_model`). None if everything fits."""
     used = 0
-    for kind in ("model", "kv", "compute"):
-        for b in plan.buffers:
-            if b.kind == kind and b.device == device:
-                used += b.bytes
-                if used > cap_bytes:
-                    return kind
+    for model in ("", "draft"):
+        for kind in ("model", "kv", "compute"):
+            for b in plan.buffers:
+                if b.model == model and b.kind == kind and b.device == device:
+                    used += b.bytes
+                    if used > cap_bytes:
+                        return kind
     return None
 
 
@@ -327,6 +331,7 @@ class Placed:
     layer_dev: tuple[Device | None, ...]
     placements: tuple[Placement, ...]
     buffers: tuple[Buffer, ...]  # model, then KV
+    cpu: CpuProfile = CPU_AVX2  # a draft model is placed with it too
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes per device so far: a lower bound of the plan's device totals (compute buffers only add)."""
@@ -359,7 +364,7 @@ def place(
     layer_dev = layer_devices(spec, config, devices)
     placements = place_tensors(spec, config, devices, layer_dev, cpu)
     buffers = model_buffers(placements, config, devices) + kv_buffers(spec, config, ctx, layer_dev)
-    return Placed(ctx, tuple(warnings), devices, layer_dev, tuple(placements), tuple(buffers))
+    return Placed(ctx, tuple(warnings), devices, layer_dev, tuple(placements), tuple(buffers), cpu)
 
 
 def _short_of_pipeline(placed: Placed, devices: tuple[Device, ...], compute: list[Buffer]) -> str | None:
@@ -413,6 +418,10 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
                         "retries without it (one copy of the scheduler's inputs)")
     buffers += compute
     buffers.append(output_buffer(spec, ctx, layer_dev))
+    draft = _draft_plan(spec, config, devices, ctx, buffers, placed.cpu, prompt_only)
+    if draft is not None:
+        buffers += [replace(b, model="draft") for b in draft.buffers]
+        warnings += [f"the draft model (-md): {w}" for w in draft.warnings if w not in warnings]  # its own only
     return MemoryPlan(
         model=spec,
         config=config,
@@ -423,7 +432,27 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
         layer_devices=tuple(d.name if d else CPU for d in layer_dev),
         warnings=tuple(warnings),
         pipelined=backends.n_copies > 1,
+        draft=draft,
     )
+
+
+def _draft_plan(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...], ctx: ContextParams,
+                buffers: list[Buffer], cpu: CpuProfile, prompt_only: bool) -> MemoryPlan | None:
+    """The draft model's plan (-md): llama-server loads it once the model and its context are made
+    (tools/server/server-context.cpp `load_model`), so its layers split over what the devices have left
+    (llama_model_load reads their free memory then), and its context is the model's (fitter.flags.draft)."""
+    if not config.draft_model:
+        return None
+    if spec.draft is None:
+        raise LaunchConfigError(f"-md {config.draft_model}: the draft model's header was not read, so its memory "
+                                "cannot be estimated")
+    used: dict[str, int] = defaultdict(int)
+    for b in buffers:
+        used[b.device] += b.bytes
+    left = tuple(replace(d, free_bytes=max(0, d.free_bytes - used[d.name])) if d.free_bytes is not None else d
+                 for d in devices)
+    draft_config = draft_context_config(config, ctx.n_ctx)
+    return complete(spec.draft, draft_config, left, place(spec.draft, draft_config, left, cpu), prompt_only)
 
 
 def estimate(

@@ -39,7 +39,8 @@ def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
         },
         "device_profiles": {d.name: {"kind": d.profile.kind, "validated": d.profile.validated}
                             for d in plan.devices},
-        "buffers": [{"buft": b.buft, "kind": b.kind, "bytes": b.bytes} for b in plan.buffers],
+        "buffers": [{"buft": b.buft, "kind": b.kind, "bytes": b.bytes, **({"model": b.model} if b.model else {})}
+                    for b in plan.buffers],
         "projected": list(plan.projected),  # kinds whose buffers are llama.cpp's own projection, not fitter's rules
         "tensors": [
             {
@@ -55,6 +56,21 @@ def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
         ],
         "warnings": list(plan.warnings),
         "llama_cpp": dict(llama_cpp),
+        **({"draft": _draft_json(plan.draft)} if plan.draft is not None else {}),
+    }
+
+
+def _draft_json(draft: MemoryPlan) -> dict[str, Any]:
+    """The draft model (-md): what it is, its context and its tensors' buffer types; its buffers are the plan's
+    ones marked "model": "draft", and the devices' totals count them."""
+    spec, ctx = draft.model, draft.context
+    return {
+        "model": {"path": spec.path, "arch": spec.arch, "n_params": spec.n_params, "tensor_bytes": spec.tensor_bytes,
+                  "identity": spec.identity},
+        "context": {"n_ctx": ctx.n_ctx, "n_ctx_seq": ctx.n_ctx_seq, "n_seq_max": ctx.n_seq_max,
+                    "kv_unified": ctx.n_stream == 1, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch,
+                    "n_outputs_max": ctx.n_outputs_max, "flash_attn": ctx.flash_attn},
+        "tensors": [{"name": p.tensor.name, "buft": p.buft} for p in draft.placements],
     }
 
 
@@ -85,11 +101,16 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
         f"{'unified' if ctx.n_stream == 1 else 'per-slot'} KV of {ctx.n_ctx_seq} cells), -b {ctx.n_batch}, "
         f"-ub {ctx.n_ubatch}, flash attention {'on' if ctx.flash_attn else 'off'}",
         f"flags   {' '.join(plan.config.flags) or f'({plan.config.consumer} defaults)'}  (for {plan.config.consumer})",
-        "",
-        f"{'buffer':<28}{'kind':<9}{'MiB':>10}",
     ]
+    if plan.draft is not None:
+        draft, dctx = plan.draft.model, plan.draft.context
+        lines.append(f"draft   {draft.path}  ({draft.arch}, {draft.n_layer} layers, "
+                     f"{draft.tensor_bytes / MIB:.2f} MiB; its context n_ctx {dctx.n_ctx} for {dctx.n_seq_max} "
+                     f"slot{'s' if dctx.n_seq_max > 1 else ''}, logits for {dctx.n_outputs_max} outputs; the model "
+                     f"reserves {ctx.n_outputs_max})")
+    lines += ["", f"{'buffer':<28}{'kind':<9}{'MiB':>10}"]
     for b in plan.buffers:
-        lines.append(f"{b.buft:<28}{b.kind:<9}{_mib(b.bytes)}")
+        lines.append(f"{b.buft:<28}{b.kind:<9}{_mib(b.bytes)}" + ("  (draft)" if b.model else ""))
     if plan.projected:
         lines.append(f"({' and '.join(plan.projected)}: llama.cpp's own projection per device, rounded up to the MiB)")
     lines += ["", f"{'device':<28}{'model':>10}{'kv':>10}{'compute':>10}{'output':>10}{'total':>10}"]

@@ -125,6 +125,12 @@ def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, 
                    "llama-fit-params not found (python -m fitter.measure.tools llama-fit-params, or "
                    "--llama-fit-params PATH)")
             return None, why, f"{why}: no baseline, so no ratios over llama.cpp's own choice"
+        if req.base.draft_model:
+            # llama-server's own --fit counts the draft (common/common.cpp passes it to common_fit_params as an extra
+            # model); llama-fit-params parses no -md (tools/fit-params), so that fit cannot be projected alone
+            why = (f"-md {req.base.draft_model}: llama-fit-params takes no draft model, so llama-server's own --fit "
+                   "of the pair (which counts the draft) cannot be projected")
+            return None, why, f"{why}: no baseline, so no ratios over llama.cpp's own choice"
         # the deployed context, explicitly: the fit must place the model for the context every trial runs with
         # (with -c 0 llama-fit-params resolves a context of its own, not llama-server's)
         n_ctx = estimate(req.spec, req.base, (), req.cpu).context.n_ctx

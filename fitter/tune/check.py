@@ -36,7 +36,7 @@ from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import ProcessFlags, parse_launch_flags, split_process_flags
 from fitter.flags.consumers import retarget
 from fitter.flags.parse import flag_value, process_flags_of, with_endpoints
-from fitter.gguf.model_spec import ModelSpec, load_model_spec
+from fitter.gguf.model_spec import ModelSpec, load_model_spec, with_draft
 from fitter.machine.gpu_order import gpu_map_text
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.noise import between_run_sd
@@ -325,6 +325,8 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
             config = parse_launch_flags(launch, doc.consumer)
             if consumer is not None and consumer != doc.consumer:
                 config = retarget(config, consumer)
+            if config.draft_model:  # the draft's memory is the config's too
+                model_spec = with_draft(model_spec, config.draft_model)
         except FitterError as e:
             raise FitterError(f"{where}: {e}") from None
         devices = tuple(runner.devices()) or (rpc_devices(list(config.rpc)) if config.rpc else machine_devices())

@@ -62,7 +62,7 @@ from fitter.tune.study import StudyCallback, Tuner
 from fitter.tune.targets import Target, local_target, replay_target, sim_target
 from fitter.tune.trials import write_trials_csv
 from fitter.units import MIB
-from fitter.workload import Workload, context_choices, context_problem
+from fitter.workload import Workload, context_choices, context_problem, measure_problem
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def bench_settings(o: TuneOptions) -> dict[str, Any]:
     is more than one test (a study measured under one workload is not resumed under another)."""
     w = o.workload
     out: dict[str, Any] = {"p": w.n_prompt, "n": w.n_gen, "d": max(w.depths), "r": o.repetitions}
-    if not w.is_default_shape or w.min_ctx:
+    if not w.is_default_shape or w.min_ctx or w.prompts is not None:
         out["workload"] = {k: v for k, v in w.to_json().items() if k not in ("source", "description")}
     return out
 
@@ -305,6 +305,8 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     baseline_unavailable = emulated_gpu_problem(tool) if target.sim is not None and planned.devices else None
 
     runner = WorkloadRunner(target.make_runner(), o.workload)
+    if (problem := measure_problem(o.workload, o.base, runner.backend)) is not None:
+        raise FitterError(problem)
     build = runner.build()
     folder = result_dir(o.results, o.model, target.machine_dir, build["commit"])
     ensure_writable(folder)

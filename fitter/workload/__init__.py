@@ -24,9 +24,10 @@ from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, parse_launch_flags, resolve_context
 from fitter.flags.parse import has_flag
 from fitter.paths import SOURCE_ROOT
+from fitter.workload.prompts import Prompts, read_prompts
 
 INT_MAX = 2**31 - 1  # llama-bench reads -p -n -d as C ints
-_KEYS = {"description", "prompt", "gen", "depths", "weights", "concurrency", "min_ctx"}
+_KEYS = {"description", "prompt", "gen", "depths", "weights", "concurrency", "min_ctx", "prompts"}
 MAX_CONTEXT_CHOICES = 8  # multiples of --min-ctx up to this many, else doublings: a search a dozen trials can cover
 _RANGE = re.compile(r"(\d+)(?:-(\d+)(?:([+*])(\d+))?)?")
 
@@ -45,6 +46,7 @@ class Workload:
     source: str = "flags"  # "flags", a file path, or "shipped:<name>"
     description: str = ""
     min_ctx: int = 0  # > 0: tune searches -c >= this (context as a trade, a Pareto axis); 0: -c as given
+    prompts: Prompts | None = None  # the user's text decode runs on (fitter.workload.prompts); None: synthetic tokens
 
     def __post_init__(self) -> None:
         where = self.source
@@ -65,6 +67,11 @@ class Workload:
         if not 0 <= self.min_ctx <= INT_MAX:
             raise WorkloadError(f"{where}: min_ctx {self.min_ctx} must be a context of 1..{INT_MAX} cells (or 0: "
                                 "-c as given)")
+        if self.prompts is not None and not self.is_default_shape:
+            raise WorkloadError(f"{where}: prompts {self.prompts.file} are decoded from their own text, in one "
+                                "stream: drop the depth list and the concurrency")
+        if self.prompts is not None and not self.n_gen:
+            raise WorkloadError(f"{where}: prompts {self.prompts.file} with gen 0: nothing is decoded from them")
 
     @property
     def is_default_shape(self) -> bool:
@@ -89,13 +96,19 @@ class Workload:
             text += f" ×{self.concurrency} streams"
         if self.min_ctx:
             text += f", -c >= {self.min_ctx}"
+        if self.prompts is not None:
+            text += f", decode on {len(self.prompts.texts)} prompts of {self.prompts.file}"
         return text
 
     def to_json(self) -> dict[str, Any]:
         out = {"prompt": self.n_prompt, "gen": self.n_gen, "depths": list(self.depths),
                "weights": list(self.weights), "concurrency": self.concurrency, "source": self.source,
                "description": self.description}
-        return {**out, "min_ctx": self.min_ctx} if self.min_ctx else out
+        if self.min_ctx:
+            out["min_ctx"] = self.min_ctx
+        if self.prompts is not None:
+            out["prompts"] = self.prompts.to_json()
+        return out
 
     @staticmethod
     def from_json(data: Any, where: str) -> Workload:
@@ -104,6 +117,24 @@ class Workload:
             raise WorkloadError(f"{where}: \"workload\" must be a table, got {type(data).__name__}")
         body = {k: v for k, v in data.items() if k != "source"}
         return parse_workload(body, str(data.get("source") or where))
+
+
+def prompts_problem(w: Workload, backend: str) -> str | None:
+    """Why `backend` cannot decode on the workload's prompts, or None: llama-server takes text; llama-bench, fitter's
+    worker and a simulated machine take token counts."""
+    if w.prompts is None or backend == "llama-server":
+        return None
+    return (f"--prompts {w.prompts.file}: {backend} measures synthetic tokens, not text; decode on your prompts runs "
+            "through llama-server (--llama-cpp DIR)")
+
+
+def measure_problem(w: Workload, config: LaunchConfig, backend: str) -> str | None:
+    """What keeps `backend` from measuring `config` under `w` (prompts it cannot send, a draft it cannot load or a
+    speculation without text), or None."""
+    from fitter.flags.draft import measuring_problem
+
+    return prompts_problem(w, backend) or measuring_problem(config, backend,
+                                                             w.prompts.file if w.prompts is not None else None)
 
 
 def serving_config(w: Workload, config: LaunchConfig) -> LaunchConfig:
@@ -210,7 +241,22 @@ def parse_workload(data: dict[str, Any], where: str) -> Workload:
         raise WorkloadError(f"{where}: description = {description!r} must be a string")
     return Workload(n_prompt=count("prompt", 512), n_gen=count("gen", 128), depths=tuple(depths),
                     weights=tuple(float(w) for w in weights), concurrency=count("concurrency", 1), source=where,
-                    description=description, min_ctx=count("min_ctx", 0))
+                    description=description, min_ctx=count("min_ctx", 0), prompts=_prompts(data, where))
+
+
+def _prompts(data: dict[str, Any], where: str) -> Prompts | None:
+    """A file's `prompts = "FILE"` (relative to the workload file), or a result's record of them."""
+    value = data.get("prompts")
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return Prompts.from_json(value, where)
+    if not isinstance(value, str) or not value:
+        raise WorkloadError(f"{where}: prompts = {value!r} must be the path of a prompts file")
+    path = Path(value)
+    if not path.is_absolute() and not where.startswith(("shipped:", "flags")) and Path(where).parent != Path():
+        path = Path(where).parent / path
+    return read_prompts(str(path))
 
 
 def shipped_names() -> tuple[str, ...]:

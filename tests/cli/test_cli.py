@@ -26,6 +26,31 @@ def test_estimate_json_follows_the_contract(capsys: pytest.CaptureFixture[str]) 
     assert kv == [2048 * 2 * 64 * 2, 768 * 2 * 64 * 2]  # one full and one SWA layer, K+V f16, 2 heads x 32
 
 
+def test_estimate_with_a_draft_counts_its_buffers_and_says_it_drafts_nothing(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    draft = model_file("llama-tiny")
+    monkeypatch.chdir(draft.parent)  # a relative -md is read from here and recorded as an absolute path
+    assert main(["estimate", str(model_file("qwen3-tiny")), "--devices", "none", "-c", "1024", "-md", draft.name,
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    drafts = [b for b in out["buffers"] if b.get("model") == "draft"]
+    assert [(b["buft"], b["kind"]) for b in drafts] == [("CPU_Mapped", "model"), ("CPU", "kv"), ("CPU", "compute"),
+                                                         ("CPU", "output")]
+    assert sum(b["bytes"] for b in out["buffers"]) == out["devices"]["CPU"]["total"]
+    assert out["draft"]["model"]["path"] == str(draft) and out["draft"]["context"]["n_ctx"] == 1024
+    assert f"-md {draft} without --spec-type draft-simple: llama-server loads the draft" in captured.err
+
+
+def test_a_tune_with_a_draft_through_fitters_worker_is_refused_before_anything_starts(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    draft = str(model_file("llama-tiny"))
+    assert main(["tune", str(model_file("qwen3-tiny")), "-md", draft, "--trials", "1", "--results", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"fitter: error: -md {draft}: llama-cpp-python loads no draft model; measure through llama-server "
+        "(--llama-cpp DIR, your build's bin/ folder or the pinned one)\n")
+
+
 def test_estimate_table_names_buffers(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", str(model_file("gpt-oss-tiny")), "--devices", "cuda:8192", "-ncmoe", "1"]) == 0
     out = capsys.readouterr().out
@@ -88,17 +113,32 @@ def test_each_command_module_registers_the_commands_app_lists_for_it() -> None:
     assert set(_subparsers(build_parser())) == {c for commands in COMMANDS.values() for c in commands}
 
 
-@pytest.mark.parametrize(("argv", "name"), [
-    (["fit", "-md", "draft.gguf", "-ngld", "99"], "-md"),
-    (["tune", "--spec-draft-n-max=8"], "--spec-draft-n-max"),
-    (["estimate", "model.gguf", "-c", "4096", "--n-cpu-moe-draft", "3"], "--n-cpu-moe-draft"),
-    (["bench", "--draft-max", "16"], "--draft-max"),
-    (["tune", "--spec-type", "ngram-simple"], "--spec-type"),
+_UNMODELLED = ("fitter models a draft model (-md, -ngld, -ncmoed, -cmoed, -otd, -ctkd, -ctvd, --spec-type "
+               "draft-simple, --spec-draft-n-max/-min) on the target's devices; this setting's memory or placement "
+               "(the draft's own devices or threads, MTP, EAGLE3, n-gram drafts, a draft from Hugging Face) is not in "
+               "its estimate; give the flags without it")
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["fit", "-md", "draft.gguf", "-devd", "none"], f"-devd: {_UNMODELLED}"),
+    (["tune", "--spec-ngram-mod-n-max=8"], f"--spec-ngram-mod-n-max: {_UNMODELLED}"),
+    (["estimate", "model.gguf", "-c", "4096", "--threads-draft", "3"], f"--threads-draft: {_UNMODELLED}"),
+    (["bench", "--draft-max", "16"], "--draft-max: the argument has been removed from llama.cpp; use "
+     "--spec-draft-n-max (common/arg.cpp), which fitter reads"),
+    (["tune", "--draft-min=2"], "--draft-min: the argument has been removed from llama.cpp; use --spec-draft-n-min "
+     "(common/arg.cpp), which fitter reads"),
 ])
-def test_speculative_decoding_is_refused_by_name_not_misestimated(argv: list[str], name: str,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_speculation_fitter_does_not_model_is_refused_by_name_not_misestimated(
+        argv: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
+    assert capsys.readouterr().err == f"fitter: error: {error}\n"
+
+
+def test_a_speculative_type_other_than_a_draft_models_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["estimate", "--spec-type", "ngram-simple", "--devices", "none"])
+    assert stop.value.code == 2
     assert capsys.readouterr().err == (
-        f"fitter: error: {name}: speculative decoding (a draft model, MTP or n-gram drafts) is not modelled by fitter "
-        "yet: a draft's weights, KV cache and compute would be missing from every figure, and its speed depends on "
-        "your prompts; give the flags without it\n")
+        "fitter: error: fitter estimate: argument --spec-type: 'ngram-simple': fitter models a draft model's "
+        "speculation (draft-simple) only; what ngram-simple allocates (an MTP, EAGLE3 or DFlash context, an n-gram "
+        "cache) is not in its estimate\n")

@@ -534,3 +534,47 @@ GOLIB_POSIX_CASES = [  # golib's own table (shlex/shlex_test.go TestPosix), for 
 @pytest.mark.parametrize(("line", "words"), GOLIB_POSIX_CASES)
 def test_the_llama_swap_splitter_port_reads_golibs_own_cases(line: str, words: list[str]) -> None:
     assert golib_posix_split(line) == words
+
+
+# -- a draft model -----------------------------------------------------------------------------------------------
+
+DRAFT_FLAGS = ["-md", "/home/me/models/draft.gguf", "-ngld", "all", "-ncmoed", "2", "-ctkd", "q8_0", "-ctvd", "q8_0",
+               "--spec-type", "draft-simple", "--spec-draft-n-max", "8"]
+
+
+def _with_draft() -> tuple[dict[str, Any], LaunchConfig]:
+    config = parse_launch_flags(["-c", "4096", "-fa", "on", "-ngl", "all", "-ncmoe", "12", "-np", "1", *DRAFT_FLAGS])
+    result = _result()
+    result["pareto"][0]["flags"] = _flags(config, 2, 2)
+    return result, config
+
+
+def test_every_format_pins_the_draft_model_and_reads_back_as_the_entry() -> None:
+    result, config = _with_draft()
+    argv = shlex.split(render(result, "max-decode", "server", SOURCE))
+    assert argv[argv.index("-md"):] == [
+        "-md", "/home/me/models/draft.gguf", "-ngld", "all", "-ncmoed", "2", "-ctkd", "q8_0", "-ctvd", "q8_0",
+        "--spec-type", "draft-simple", "--spec-draft-n-max", "8", "--spec-draft-n-min", "0", "-fit", "off", "-t", "2",
+        "-tb", "2"]
+    launch, _ = _split_threads(argv[3:])
+    section = llama_cpp_ini(render(result, "max-decode", "preset-ini", SOURCE))["fitter-demo-gpt-oss"]
+    assert {k: section[k] for k in ("model-draft", "n-gpu-layers-draft", "n-cpu-moe-draft", "cache-type-k-draft",
+                                    "spec-type", "spec-draft-n-max")} == {
+        "model-draft": "/home/me/models/draft.gguf", "n-gpu-layers-draft": "all", "n-cpu-moe-draft": "2",
+        "cache-type-k-draft": "q8_0", "spec-type": "draft-simple", "spec-draft-n-max": "8"}
+    from_ini, _ = _split_threads(_preset_argv(section)[2:])
+    swap = yaml.safe_load(render(result, "max-decode", "llama-swap", SOURCE))
+    from_swap, _ = _split_threads(_swap_argv(next(iter(swap["models"].values()))["cmd"])[5:])
+    for flags in (launch, from_ini, from_swap):
+        again = parse_launch_flags(flags)
+        assert (again.draft_model, again.draft_n_gpu_layers, again.draft_overrides, again.draft_cache_type_k,
+                again.draft_cache_type_v, again.spec_type, again.spec_draft_n_max) == (
+            config.draft_model, -2, ncmoe_rules(2), "q8_0", "q8_0", "draft-simple", 8)
+
+
+def test_the_python_export_says_llama_cpp_python_loads_no_draft() -> None:
+    result, _ = _with_draft()
+    doc = json.loads(render(result, "max-decode", "python", SOURCE))
+    assert doc["not_in_kwargs"][-1] == (
+        "-md /home/me/models/draft.gguf: llama-cpp-python loads no draft model (its draft_model is a prompt-lookup "
+        "object); the measured memory counted the draft's weights, KV cache and compute")

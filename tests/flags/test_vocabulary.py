@@ -16,7 +16,7 @@ from fitter.flags.vocabulary import BARE, FLAGS, MODEL_LEVEL, SEARCHED, fixing, 
 def test_the_tables_derived_from_the_one_table() -> None:
     # what llama-bench's equal_mparams compares (plus --rpc: RPC devices stay registered for a process's life)
     assert MODEL_LEVEL == ("n_gpu_layers", "overrides", "no_repack", "load_mode", "tensor_split", "main_gpu",
-                           "split_mode", "rpc")
+                           "split_mode", "rpc", "draft_model", "draft_n_gpu_layers", "draft_overrides")
     assert fixing("n-cpu-moe") == ("-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe")
     assert fixing("ubatch-size") == ("-ub", "--ubatch-size")
     assert short_flag("cache-type-k") == "-ctk" and short_flag("threads-batch") == "-tb"
@@ -31,13 +31,20 @@ def test_every_spelling_of_a_flag_parses_alike(row: object) -> None:
     values = {"ctx_size": "4096", "batch_size": "1024", "ubatch_size": "256", "cache_type_k": "q8_0",
               "cache_type_v": "q8_0", "flash_attn": "on", "n_gpu_layers": "all", "parallel": "2",
               "load_mode": "none", "fit": "off", "tensor_split": "3,1", "main_gpu": "1", "split_mode": "none",
-              "rpc": "h:1",
+              "rpc": "h:1", "draft_model": "d.gguf", "draft_n_gpu_layers": "3", "draft_cache_type_k": "q8_0",
+              "draft_cache_type_v": "q4_0", "spec_type": "draft-simple", "spec_draft_n_max": "8",
+              "spec_draft_n_min": "1",
+              "draft_overrides": "3" if "-ncmoed" in row.names else r"exps=CPU",  # type: ignore[attr-defined]
               "overrides": "3" if "-ncmoe" in row.names else r"exps=CPU"}  # type: ignore[attr-defined]
+    # a draft's setting comes with the draft (fitter.flags.draft)
+    field = str(row.field)  # type: ignore[attr-defined]
+    draft = ["-md", "d.gguf"] if field.startswith(("draft_", "spec_")) and field != "draft_model" else []
     configs = []
     for name in row.names:  # type: ignore[attr-defined]
         flags = [name] if name in BARE else [name, values[row.field]]  # type: ignore[attr-defined]
-        configs.append(parse_launch_flags(flags))
-    assert all(c == configs[0] for c in configs) and configs[0] != LaunchConfig()
+        configs.append(parse_launch_flags([*draft, *flags]))
+    assert all(c == configs[0] for c in configs) and configs[0] != (parse_launch_flags(draft) if draft else
+                                                                    LaunchConfig())
 
 
 def test_pinned_flags_parse_back_to_the_config() -> None:

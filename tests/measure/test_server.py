@@ -142,3 +142,29 @@ def test_fitters_worker_and_llama_bench_measure_one_stream() -> None:
         WorkerRunner().run("m.gguf", parse_launch_flags([]), two, None)
     with pytest.raises(WorkerError, match=r"^llama-bench measures one stream"):
         LlamaBenchRunner("/bin/llama-bench").run("m.gguf", parse_launch_flags([]), two, None)
+
+
+PROMPTS = ("Once upon a time, in a village by the sea, there lived", "The three laws of thermodynamics are")
+
+
+@pytest.mark.tools("llama-server")
+def test_decode_on_prompts_counts_what_a_draft_drafted_and_the_model_accepted(llama_tools: dict[str, Path]) -> None:
+    # greedy decoding: a model drafting for itself is right but where a batch's arithmetic breaks a near-tie of its
+    # random weights; another tiny model of weights of its own is nearly never right
+    from tests.models import model_file
+
+    target = str(model_file("qwen3-tiny"))
+    spec = BenchSpec(n_prompt=16, n_gen=24, repetitions=2, threads=1, prompts=PROMPTS)
+    flags = ["-c", "1024", "-np", "1", "-t", "1", "--spec-type", "draft-simple", "-fit", "off"]
+    own = measure_server(SERVER, target, [*flags, "-md", target], spec, timeout=120, vocab_size=512)
+    other = measure_server(SERVER, target, [*flags, "-md", str(model_file("llama-tiny"))], spec, timeout=120,
+                           vocab_size=512)
+    for m in (own, other):
+        assert (m.outcome, m.reason) == ("ok", "")
+        assert m.tg is not None and len(m.tg.samples_ts) == 2 and m.tg.n == 24
+        assert m.pp is not None and len(m.pp.samples_ts) == 2
+        assert sum(b.kind == "model" for b in m.buffers) >= 2  # the model's buffers, then the draft's
+    assert own.drafted is not None and own.drafted[0] > 0 and own.drafted[1] >= 0.9 * own.drafted[0]
+    assert other.drafted is not None and other.drafted[0] > 0 and other.drafted[1] <= 0.1 * other.drafted[0]
+    n, accepted = own.drafted
+    assert own.to_json()["draft"] == {"drafted": n, "accepted": accepted, "acceptance": round(accepted / n, 4)}
