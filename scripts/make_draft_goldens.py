@@ -36,6 +36,12 @@ from fitter.measure.tools import ensure_tools
 
 REPO = Path(__file__).resolve().parent.parent
 CANONICAL_RPC = "127.0.0.1:50052"
+
+
+def canonical_endpoints(n: int) -> list[str]:
+    """The names several emulated GPUs are recorded under, whatever ports a run used (scripts/make_goldens.py's)."""
+    return [f"127.0.0.1:{50052 + i}" for i in range(n)]
+
 DRAFT_LINE = "loading draft model"  # common/speculative.cpp common_speculative_init_result
 # the context parameters llama_context logs (src/llama-context.cpp, the constructor's "%s: n_ctx = %u" lines)
 CONTEXT_KEYS = ("n_seq_max", "n_ctx", "n_ctx_seq", "n_batch", "n_ubatch", "n_outputs_max")
@@ -71,15 +77,25 @@ RPC_FLAGS: dict[str, list[str]] = {
     "ngl-all-otd": ["-c", "1024", "-ngl", "all", "-otd", r"blk\.1\.ffn_down_exps=CPU"],
     "ngl-all-ncmoe2-np2": ["-c", "2048", "-ngl", "all", "-ncmoe", "2", "-np", "2"],  # the model's rule
 }
+# Two emulated GPUs of equal caps: the model's layers split 1:1 by free memory, and fill the first more (5 of the
+# demo's 8 layers, the second holds the output layer), so the draft, loaded after, splits by what each has left,
+# not by their caps (src/llama-model.cpp reads ggml_backend_dev_memory when a model loads)
+RPC2_CAPS_MIB = (96, 96)
+RPC2_PAIRS = {"demo+gpt-oss": ("demo", "gpt-oss-tiny")}
+RPC2_FLAGS: dict[str, list[str]] = {
+    "ngl-all": ["-c", "1024", "-ngl", "all", "-fa", "on"],
+    "ngl-all-ngld2": ["-c", "1024", "-ngl", "all", "-fa", "on", "-ngld", "2"],
+    "ngl-all-ts1,1": ["-c", "1024", "-ngl", "all", "-fa", "on", "-ts", "1,1"],  # the draft takes the model's -ts
+}
 MOE_ONLY = ("cmoed", "ncmoed1", "otd")  # flag ids that need an MoE draft
 # vocabularies too far apart for draft-simple (2048 vs 512): the pair loads a draft that drafts nothing
 NO_SPEC = ("demo+llama",)
 
 
 def cases(device: str) -> list[dict[str, Any]]:
-    flags = RPC_FLAGS if device == "rpc" else CPU_FLAGS
+    flags = {"rpc": RPC_FLAGS, "rpc2": RPC2_FLAGS}.get(device, CPU_FLAGS)
     out = []
-    for pair, (model, draft) in PAIRS.items():
+    for pair, (model, draft) in (RPC2_PAIRS if device == "rpc2" else PAIRS).items():
         for fid, fl in flags.items():
             if pair in NO_SPEC and "--spec-type" in fl:
                 continue
@@ -89,12 +105,13 @@ def cases(device: str) -> list[dict[str, Any]]:
     return out
 
 
-def run(case: dict[str, Any], paths: dict[str, Path], binary: str, endpoint: str | None, folder: Path
+def run(case: dict[str, Any], paths: dict[str, Path], binary: str, endpoints: list[str], folder: Path
         ) -> dict[str, Any]:
+    endpoint = endpoints[0] if endpoints else None
     flags = [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in case["flags"]]
     flags += ["-md", str(paths[case["draft"]]), "-t", "2", "-fit", "off"]  # the placement as given
-    if endpoint is not None:
-        flags += ["--rpc", endpoint]
+    if endpoints:
+        flags += ["--rpc", ",".join(endpoints)]
     log_path = folder / "server.log"
     t0 = time.perf_counter()
     proc, _, problem = start_server(binary, str(paths[case["model"]]), flags, log_path, t0 + 120)
@@ -109,9 +126,9 @@ def run(case: dict[str, Any], paths: dict[str, Path], binary: str, endpoint: str
     for key, part in (("buffers", head), ("draft_buffers", tail if sep else "")):
         record[key.replace("buffers", "context")] = {m.group(1): int(m.group(2)) for m in _CONTEXT_RE.finditer(part)}
         buffers = [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in parse_buffer_lines(part)]
-        if endpoint is not None:
+        for real, canonical in zip(endpoints, canonical_endpoints(len(endpoints)), strict=True):
             for b in buffers:
-                b["buft"] = str(b["buft"]).replace(endpoint, CANONICAL_RPC)
+                b["buft"] = str(b["buft"]).replace(real, canonical)
         record[key] = buffers
     print(f"{case['id']:<40} {time.perf_counter() - t0:5.1f} s  {record['outcome']}", file=sys.stderr)
     return record
@@ -119,33 +136,38 @@ def run(case: dict[str, Any], paths: dict[str, Path], binary: str, endpoint: str
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cpu", "rpc"), default="cpu")
-    ap.add_argument("--out", type=Path, default=None, help="default tests/golden/draft.json (draft-rpc.json)")
+    ap.add_argument("--device", choices=("cpu", "rpc", "rpc2"), default="cpu")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default tests/golden/draft.json (draft-rpc.json, draft-rpc2.json)")
     args = ap.parse_args(argv)
-    out: Path = args.out or REPO / "tests" / "golden" / ("draft.json" if args.device == "cpu" else "draft-rpc.json")
+    out: Path = args.out or REPO / "tests" / "golden" / (
+        "draft.json" if args.device == "cpu" else f"draft-{args.device}.json")
     binary = str(ensure_tools(["llama-server"])["llama-server"])
-    gpu = None
-    if args.device == "rpc":
-        from fitter.measure.emulated_gpu import EmulatedGpu
+    gpus = None
+    if args.device != "cpu":
+        from fitter.measure.emulated_gpu import EmulatedGpus
 
-        gpu = EmulatedGpu(cap_mib=20000).start()
-    endpoint = gpu.endpoint if gpu is not None else None
+        # rpc: big enough never to refuse; rpc2: caps the split follows
+        gpus = EmulatedGpus(RPC2_CAPS_MIB if args.device == "rpc2" else (20000,)).start()
+    endpoints = list(gpus.endpoints) if gpus is not None else []
     todo = cases(args.device)
     with tempfile.TemporaryDirectory(prefix="fitter-draft-goldens-") as tmp:
         folder = Path(tmp)
-        names = {name for pair in PAIRS.values() for name in pair}
+        names = {name for pair in (*PAIRS.values(), *RPC2_PAIRS.values()) for name in pair}
         paths = {name: write_model(SHAPES[name], folder / f"{name}.gguf")[0] for name in sorted(names)}
-        records = [run(c, paths, binary, endpoint, folder) for c in todo]
-    if gpu is not None:
-        gpu.stop()
+        records = [run(c, paths, binary, endpoints, folder) for c in todo]
+    if gpus is not None:
+        gpus.stop()
     golden: dict[str, Any] = {
-        "generated_by": "scripts/make_draft_goldens.py" + (" --device rpc" if endpoint else ""),
+        "generated_by": "scripts/make_draft_goldens.py" + (f" --device {args.device}" if endpoints else ""),
         "llama_cpp": server_build(binary),
-        "models": {name: {"shape": name, "n_shards": 1, "sparse": False} for pair in PAIRS.values() for name in pair},
         "cases": records,
     }
-    if endpoint is not None:
+    if args.device == "rpc":
         golden["device"] = {"kind": "rpc", "endpoint": CANONICAL_RPC, "emulated": True}
+    elif args.device == "rpc2":
+        golden["device"] = {"kind": "rpc-multi", "endpoints": canonical_endpoints(len(endpoints)),
+                            "caps_mib": list(RPC2_CAPS_MIB), "emulated": True}
     out.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
     n_err = sum(r["outcome"] != "ok" for r in records)
     print(f"{len(records)} cases ({n_err} error) -> {out}", file=sys.stderr)

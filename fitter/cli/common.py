@@ -82,7 +82,8 @@ def load_model(path: str, config: LaunchConfig | None = None) -> ModelSpec:
     for w in (*spec.warnings, *(f"the draft model {draft}: {w}" for w in drafts)):
         warn(w)
     if config is not None and spec.draft is not None:
-        for w in draft_notes(config, spec.n_vocab, spec.draft.n_vocab):
+        inferred = "draft-mtp" if spec.draft.n_layer_nextn else "draft-dflash" if spec.draft.arch == "dflash" else None
+        for w in draft_notes(config, spec.n_vocab, spec.draft.n_vocab, inferred):
             warn(w)
     return spec
 

@@ -87,10 +87,20 @@ def override_pairs(config: LaunchConfig) -> list[tuple[str, str]]:
     return [(spelled[flags[i]], flags[i + 1]) for i in range(0, len(flags), 2)]
 
 
-def draft_notes(config: LaunchConfig, target_vocab: int, draft_vocab: int) -> list[str]:
+def draft_notes(config: LaunchConfig, target_vocab: int, draft_vocab: int, inferred: str | None = None) -> list[str]:
     """What llama-server will make of this draft, as warnings: a draft that drafts nothing (`-md` without
-    `--spec-type draft-simple`), and an error for one draft-simple refuses by its vocabulary size (the token texts
-    it also compares are not in a model spec: common/speculative.cpp common_speculative_are_compatible)."""
+    `--spec-type draft-simple`), and errors for a draft whose header makes llama-server pick a type fitter does not
+    model (`inferred`: without --spec-type, common/arg.cpp takes draft-mtp from a draft with NextN layers and
+    draft-dflash from a dflash one, common_speculative_types_from_gguf) and one draft-simple refuses by its
+    vocabulary size (the token texts it also compares are not in a model spec: common/speculative.cpp
+    common_speculative_are_compatible)."""
+    from fitter.flags.parse import fields_given
+
+    if inferred is not None and "spec_type" not in fields_given(config.flags):
+        raise LaunchConfigError(
+            f"-md {config.draft_model}: without --spec-type llama-server speculates with {inferred}, which its header "
+            f"asks for (common/arg.cpp common_speculative_types_from_gguf), and fitter does not model {inferred}'s "
+            "memory; give --spec-type draft-simple or none to choose")
     if config.spec_type == "none":
         return [f"-md {config.draft_model} without --spec-type draft-simple: llama-server loads the draft and its "
                 "context (counted here) and drafts nothing; add --spec-type draft-simple to speculate"]

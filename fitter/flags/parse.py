@@ -59,9 +59,23 @@ def _ot_rules(value: str, option_string: str | None) -> list[TensorOverride]:
     return rules
 
 
+class _Merge(argparse.Action):
+    """A flag whose repeated values combine as llama.cpp combines them, starting from the default (Flag.merge:
+    --spec-type's types add up to the default `none`)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        merge = BY_NAME[self.option_strings[0]].merge
+        assert merge is not None
+        setattr(ns, self.dest, merge(getattr(ns, self.dest), values))
+
+
 def _add(target: Any, f: Flag, default: Any, help_text: str | None = None) -> None:
     text = help_text or f.help
-    if f.kind is Kind.VALUE:
+    if f.kind is Kind.VALUE and f.merge is not None:
+        target.add_argument(*f.names, dest=f.field, type=f.parse, default=default, metavar=f.metavar,
+                            action=_Merge, help=text)
+    elif f.kind is Kind.VALUE:
         target.add_argument(*f.names, dest=f.field, type=f.parse, default=default, metavar=f.metavar,
                             choices=f.choices, help=text)
     elif f.kind is Kind.SWITCH:

@@ -59,6 +59,7 @@ class Flag:
     metavar: str | None = None
     help: str | None = None
     choices: tuple[str, ...] | None = None
+    merge: Callable[[Any, Any], Any] | None = None  # a repeated flag's values combine (else the last one wins)
 
     @property
     def canonical(self) -> str:
@@ -118,20 +119,29 @@ def _endpoints(value: str) -> tuple[str, ...]:
 
 
 def _spec_type(value: str) -> str:
-    """--spec-type's comma list (common/arg.cpp appends each to the default `none`): the one type fitter models."""
-    from fitter.flags.draft import OTHER_SPEC_TYPES, SPEC_TYPES
+    """One --spec-type value as common/speculative.cpp `common_speculative_types_from_names` reads its comma list: in
+    order, `none` ends it as none alone, an unknown name is an error; of the types it names, fitter models
+    draft-simple (what the others allocate is refused)."""
+    from fitter.flags.draft import OTHER_SPEC_TYPES
 
-    types = [t for t in value.split(",") if t]
-    other = next((t for t in types if t in OTHER_SPEC_TYPES), None)
-    if other is not None:
-        raise argparse.ArgumentTypeError(
-            f"{other!r}: fitter models a draft model's speculation (draft-simple) only; what {other} allocates (an "
-            "MTP, EAGLE3 or DFlash context, an n-gram cache) is not in its estimate")
-    unknown = next((t for t in types if t not in SPEC_TYPES), None)
-    if unknown is not None or not types:
-        raise argparse.ArgumentTypeError(f"unknown speculative type {unknown or value!r}; allowed: "
-                                         f"{', '.join(SPEC_TYPES)}")
-    return "draft-simple" if "draft-simple" in types else "none"
+    found = "none"
+    for name in value.split(","):
+        if name == "none":
+            return "none"
+        if name in OTHER_SPEC_TYPES:
+            raise argparse.ArgumentTypeError(
+                f"{name!r}: fitter models a draft model's speculation (draft-simple) only; what {name} allocates (an "
+                "MTP, EAGLE3 or DFlash context, an n-gram cache) is not in its estimate")
+        if name != "draft-simple":
+            raise argparse.ArgumentTypeError(f"unknown speculative type: {name!r} (common/speculative.cpp); fitter "
+                                             "reads none and draft-simple")
+        found = name
+    return found
+
+
+def _any_draft_simple(old: str, new: str) -> str:
+    """Two --spec-type flags: common/arg.cpp appends each one's types to the list, so draft-simple in either is on."""
+    return "draft-simple" if "draft-simple" in (old, new) else "none"
 
 
 _C, _M, _P = Level.CONTEXT, Level.MODEL, Level.PROCESS
@@ -205,7 +215,7 @@ FLAGS: tuple[Flag, ...] = (
          preset_key="cache-type-v-draft", parse=_cache_type, metavar="TYPE", help="the draft's V cache type"),
     Flag(("--spec-type",), "spec_type", Kind.VALUE, _C, preset_key="spec-type", parse=_spec_type,
          metavar="none|draft-simple", help="speculative decoding type (default none: -md loads the draft, and "
-         "nothing drafts)"),
+         "nothing drafts)", merge=_any_draft_simple),
     Flag(("--spec-draft-n-max",), "spec_draft_n_max", Kind.VALUE, _C, preset_key="spec-draft-n-max", parse=int,
          metavar="N", help="tokens to draft per step (default 3)"),
     Flag(("--spec-draft-n-min",), "spec_draft_n_min", Kind.VALUE, _C, preset_key="spec-draft-n-min", parse=int,

@@ -246,8 +246,14 @@ def _measure_prompts(binary: str, proc: subprocess.Popen[bytes], port: int, flag
                 if r >= 0:
                     pp.append(float(out["timings"]["prompt_per_second"]))
             tokens, ms = 0, 0.0
-            for text in spec.prompts[:1] if r < 0 else spec.prompts:
-                out = _post(port, "/completion", {**completion_request([], spec.n_gen), "prompt": text}, timeout)
+            for i, text in enumerate(spec.prompts[:1] if r < 0 else spec.prompts):
+                try:
+                    out = _post(port, "/completion", {**completion_request([], spec.n_gen), "prompt": text}, timeout)
+                except urllib.error.HTTPError as e:  # answered, and refused: a prompt the slot cannot hold
+                    detail = e.read().decode(errors="replace").strip()[:300]
+                    return _failed("crash", f"llama-server refused prompt {i + 1} (HTTP {e.code}: {detail}); the "
+                                   "slot's context must hold each prompt and -n tokens after it",
+                                   log_path.read_text(errors="replace"), t0, spec, flags)
                 timings = out["timings"]
                 tokens += int(timings["predicted_n"])
                 ms += float(timings["predicted_ms"])
@@ -255,7 +261,7 @@ def _measure_prompts(binary: str, proc: subprocess.Popen[bytes], port: int, flag
                     drafted += int(timings.get("draft_n", 0))
                     accepted += int(timings.get("draft_n_accepted", 0))
             if r >= 0:
-                tg.append(tokens * 1000.0 / ms)
+                tg.append(tokens * 1000.0 / max(ms, 1e-3))  # a decode faster than llama-server's ms clock: 1 µs
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         rc, outcome, reason = _request_failed(proc, e, log_path, timeout)
         return _failed(outcome, reason, log_path.read_text(errors="replace"), t0, spec, flags, rc)

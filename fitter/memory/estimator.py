@@ -357,6 +357,11 @@ def place(
                   "forces it off")
         ctx = replace(ctx, flash_attn=False, auto_fa=False, v_trans=True, warnings=(*ctx.warnings, forced))
     check_cache_types(spec, config, ctx)
+    if ctx.n_outputs_max < ctx.n_seq_max:
+        # src/llama-context.cpp: the constructor's output_reserve(n_seq_max) asserts n_seq_max <= n_outputs_max
+        raise LaunchConfigError(
+            f"-b {ctx.n_batch} with {ctx.n_seq_max} sequences (-np): llama.cpp aborts making the context, its logits "
+            "reserved for fewer outputs than sequences (src/llama-context.cpp output_reserve); give -b >= -np")
     warnings = list(ctx.warnings)
     if devices and config.n_gpu_layers == -1 and config.fit:
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
@@ -440,7 +445,10 @@ def _draft_plan(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ..
                 buffers: list[Buffer], cpu: CpuProfile, prompt_only: bool) -> MemoryPlan | None:
     """The draft model's plan (-md): llama-server loads it once the model and its context are made
     (tools/server/server-context.cpp `load_model`), so its layers split over what the devices have left
-    (llama_model_load reads their free memory then), and its context is the model's (fitter.flags.draft)."""
+    (llama_model_load reads their free memory then), and its context is the model's (fitter.flags.draft). Under
+    llama-server's own --fit the draft takes the per-device layer counts the fit wrote into -ts instead
+    (common/fit.cpp set_ngl_tensor_split_tbo), which this estimate, like every one with -ngl auto, does not know;
+    fitter's plans and exports pin -fit off."""
     if not config.draft_model:
         return None
     if spec.draft is None:

@@ -254,7 +254,7 @@ def _prompts(data: dict[str, Any], where: str) -> Prompts | None:
     if not isinstance(value, str) or not value:
         raise WorkloadError(f"{where}: prompts = {value!r} must be the path of a prompts file")
     path = Path(value)
-    if not path.is_absolute() and not where.startswith(("shipped:", "flags")) and Path(where).parent != Path():
+    if not path.is_absolute() and Path(where).is_file():  # beside the workload file that names it
         path = Path(where).parent / path
     return read_prompts(str(path))
 

@@ -58,7 +58,8 @@ def read_prompts(path: str) -> Prompts:
     texts = _json_lines(text, path) if path.endswith(".jsonl") else _paragraphs(text)
     if not texts:
         raise PromptsError(f"{path}: no prompts (JSON lines, or text with one prompt per paragraph)")
-    return Prompts(path, hashlib.sha256(raw).hexdigest(), tuple(texts))
+    # recorded absolute, as the model's path is: a check run from another folder reads the same file
+    return Prompts(str(Path(path).resolve()), hashlib.sha256(raw).hexdigest(), tuple(texts))
 
 
 def _json_lines(text: str, path: str) -> list[str]:

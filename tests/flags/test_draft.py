@@ -17,7 +17,8 @@ DRAFT = ["-md", "draft.gguf"]
 def test_every_spelling_of_the_drafts_flags_sets_its_field() -> None:
     long = parse_launch_flags(["--model-draft", "d.gguf", "--gpu-layers-draft", "all", "--n-cpu-moe-draft", "2",
                                "--override-tensor-draft", "x=CPU", "--cache-type-k-draft", "q8_0",
-                               "--spec-draft-type-v", "q4_0", "--spec-type", "none,draft-simple",
+                               "--spec-draft-type-v", "q4_0", "--spec-type", "draft-simple,none",
+                               "--spec-type", "draft-simple",
                                "--spec-draft-n-max", "8", "--spec-draft-n-min", "2", "-fa", "on"])
     assert (long.draft_model, long.draft_n_gpu_layers, long.draft_cache_type_k, long.draft_cache_type_v,
             long.spec_type, long.spec_draft_n_max, long.spec_draft_n_min) == (
@@ -27,6 +28,15 @@ def test_every_spelling_of_the_drafts_flags_sets_its_field() -> None:
     short = parse_launch_flags(["-md", "d.gguf", "-ngld", "3", "-cmoed"])
     assert (short.draft_n_gpu_layers, short.draft_overrides) == (
         3, (TensorOverride(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps", "CPU"),))
+
+
+@pytest.mark.parametrize(("flags", "spec_type"), [
+    (["--spec-type", "none,draft-simple"], "none"),  # `none` in a list ends it (common_speculative_types_from_names)
+    (["--spec-type", "draft-simple", "--spec-type", "none"], "draft-simple"),  # each flag appends (common/arg.cpp)
+    (["--spec-type", "none,draft-mtp"], "none"),  # what follows none is never read
+])
+def test_spec_type_is_read_as_llama_cpp_reads_its_list(flags: list[str], spec_type: str) -> None:
+    assert parse_launch_flags([*DRAFT, *flags]).spec_type == spec_type
 
 
 def test_pin_writes_every_draft_setting_and_reads_back_to_the_same_config() -> None:
@@ -113,6 +123,13 @@ def test_a_draft_that_drafts_nothing_is_said_and_one_of_another_vocabulary_refus
     with pytest.raises(LaunchConfigError, match=r"the model's vocabulary has 512 tokens and the draft's 641, more than "
                                                 r"128 apart"):
         draft_notes(drafting, 512, 641)
+
+
+def test_a_draft_whose_header_asks_for_mtp_is_refused_unless_the_type_is_given() -> None:
+    with pytest.raises(LaunchConfigError, match=r"^-md draft\.gguf: without --spec-type llama-server speculates with "
+                                                r"draft-mtp, which its header asks for"):
+        draft_notes(parse_launch_flags(DRAFT), 512, 512, "draft-mtp")
+    assert draft_notes(parse_launch_flags([*DRAFT, "--spec-type", "draft-simple"]), 512, 512, "draft-mtp") == []
 
 
 def test_a_draft_is_measured_by_llama_server_and_a_speculation_only_on_text() -> None:

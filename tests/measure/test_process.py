@@ -66,7 +66,10 @@ def test_children_die_when_fitter_exits_or_is_terminated(how: str) -> None:
 
 
 def test_the_first_ctrl_c_only_asks_to_stop_and_the_second_stops_the_children() -> None:
-    code = ("import time\nfrom fitter.measure import process\n"
+    # Ctrl-C enabled in the child whatever this test was started with: a background shell starts everything with
+    # SIGINT ignored, the child inherits that, and fitter rightly keeps an ignored Ctrl-C ignored
+    code = ("import signal, time\nfrom fitter.measure import process\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "child = process.spawn(['sleep', '300'])\nprint(child.pid, flush=True)\n"
             "try:\n    with process.first_interrupt_deferred(lambda: print('asked', flush=True)):\n"
             "        while True:\n            time.sleep(0.05)\n"

@@ -161,9 +161,9 @@ def test_decode_on_prompts_counts_what_a_draft_drafted_and_the_model_accepted(ll
                            vocab_size=512)
     for m in (own, other):
         assert (m.outcome, m.reason) == ("ok", "")
-        assert m.tg is not None and len(m.tg.samples_ts) == 2 and m.tg.n == 24
+        assert m.tg is not None and len(m.tg.samples_ts) == 2
         assert m.pp is not None and len(m.pp.samples_ts) == 2
-        assert sum(b.kind == "model" for b in m.buffers) >= 2  # the model's buffers, then the draft's
+        assert [b.buft for b in m.buffers if b.kind == "kv"] == ["CPU", "CPU"]  # the model's cache, then the draft's
     assert own.drafted is not None and own.drafted[0] > 0 and own.drafted[1] >= 0.9 * own.drafted[0]
     assert other.drafted is not None and other.drafted[0] > 0 and other.drafted[1] <= 0.1 * other.drafted[0]
     n, accepted = own.drafted

@@ -9,7 +9,6 @@ import pytest
 
 from fitter.errors import LaunchConfigError
 from fitter.flags import parse_launch_flags
-from fitter.flags.draft import draft_context_config
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.memory.devices import CUDA, Device
 from fitter.memory.estimator import estimate, first_failure
@@ -38,7 +37,11 @@ def test_a_plan_with_a_draft_is_the_models_plus_the_drafts_own() -> None:
     alone = estimate(target, parse_launch_flags(flags), devices)
     assert [b for b in plan.buffers if not b.model] == list(alone.buffers)
     assert plan.draft is not None
-    own = estimate(draft, draft_context_config(config, alone.context.n_ctx), plan.draft.devices)
+    # the draft alone as llama-server would run it with the model's flags and the draft's own: its context is the
+    # model's 4096 cells for the 4 slots, its layers, rules and cache the draft's
+    free = 400 * MIB - sum(b.bytes for b in alone.buffers if b.device == "CUDA0")
+    own = estimate(draft, parse_launch_flags(["-c", "4096", "-fa", "on", "-ngl", "all", "-ctk", "q8_0", "-ctv", "q8_0",
+                                              "-fit", "off"]), (replace(devices[0], free_bytes=free),))
     assert [replace(b, model="") for b in plan.buffers if b.model == "draft"] == list(own.buffers)
     for name, t in plan.totals().items():
         assert t.total == alone.totals()[name].total + own.totals()[name].total, name

@@ -1,5 +1,6 @@
 """A model with a draft model (-md) against what llama-server itself logged (tests/golden/draft.json on the CPU,
-draft-rpc.json with the emulated GPU; scripts/make_draft_goldens.py). The model's buffers and the draft's are
+draft-rpc.json with the emulated GPU, draft-rpc2.json on two, where the draft's layers split by what the model
+left free; scripts/make_draft_goldens.py). The model's buffers and the draft's are
 compared apart, each as test_golden compares them (model, KV and output to the logged 0.01 MiB, compute within
 5 %), and both contexts' parameters (slots, cells, batch sizes, logits reserved) exactly."""
 
@@ -22,7 +23,8 @@ from tests.models import model_file
 
 MIB = 1024 * 1024
 _DIR = Path(__file__).resolve().parents[1] / "golden"
-GOLDENS = {p.stem: json.loads(p.read_text()) for p in (_DIR / "draft.json", _DIR / "draft-rpc.json")}
+GOLDENS = {p.stem: json.loads(p.read_text()) for p in (_DIR / "draft.json", _DIR / "draft-rpc.json",
+                                                        _DIR / "draft-rpc2.json")}
 CASES = [(name, c) for name, g in GOLDENS.items() for c in g["cases"]]
 IDS = [f"{name}:{c['id']}" for name, c in CASES]
 
@@ -38,7 +40,11 @@ def _plan(golden: str, case_id: str) -> MemoryPlan:
     flags = [*case["flags"], "-md", str(model_file(case["draft"])), "-fit", "off"]
     devices: tuple[Any, ...] = ()
     device = GOLDENS[golden].get("device")
-    if device is not None:
+    if device is not None and device["kind"] == "rpc-multi":  # several emulated GPUs: each one's free memory its cap
+        flags += ["--rpc", ",".join(device["endpoints"])]
+        devices = tuple(replace(d, total_bytes=cap * MIB, free_bytes=cap * MIB)
+                        for d, cap in zip(rpc_devices(device["endpoints"]), device["caps_mib"], strict=True))
+    elif device is not None:
         endpoint = device["endpoint"]
         flags = [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint]
         devices = rpc_devices([endpoint])
@@ -61,7 +67,7 @@ def _logged(buffers: list[dict[str, Any]]) -> dict[tuple[str, str], list[float]]
 
 
 def test_every_case_loaded_and_logged_a_draft() -> None:
-    assert len(CASES) == 66
+    assert len(CASES) == 69
     assert all(c["outcome"] == "ok" and c["draft_buffers"] for _, c in CASES)
 
 
@@ -90,6 +96,9 @@ def test_compute_buffers_within_5_percent(golden: str, case: dict[str, Any], mod
 def test_both_contexts_match_what_llama_server_made(golden: str, case: dict[str, Any]) -> None:
     plan = _plan(golden, case["id"])
     assert plan.draft is not None
+    if case["id"] == "demo+gpt-oss/ngl-all":  # split by what is left free: not as the caps (-ts 1,1) would split it
+        assert plan.draft.layer_devices != estimate(plan.model, replace(plan.config, tensor_split=(1.0, 1.0)),
+                                                    plan.devices, CPU_AVX2).draft.layer_devices  # type: ignore[union-attr]
     for ctx, logged in ((plan.context, case["context"]), (plan.draft.context, case["draft_context"])):
         assert {"n_seq_max": ctx.n_seq_max, "n_ctx": ctx.n_ctx, "n_ctx_seq": ctx.n_ctx_seq, "n_batch": ctx.n_batch,
                 "n_ubatch": ctx.n_ubatch, "n_outputs_max": ctx.n_outputs_max} == logged

@@ -186,3 +186,12 @@ def test_every_rpc_server_serves_its_own_device_0() -> None:
     assert [d.name for d in rpc_devices(["127.0.0.1:1", "127.0.0.1:2"])] == ["RPC0[127.0.0.1:1]", "RPC0[127.0.0.1:2]"]
     with pytest.raises(LaunchConfigError, match="named twice"):
         rpc_devices(["127.0.0.1:1", "127.0.0.1:1"])
+
+
+def test_fewer_logits_than_sequences_is_refused_as_llama_cpp_aborts() -> None:
+    # llama-server -np 5 -b 4: GGML_ASSERT(n_outputs_max <= cparams.n_outputs_max) in output_reserve; -np 4 starts
+    spec = load_model_spec(str(model_file("qwen3-tiny")))
+    assert estimate(spec, parse_launch_flags(["-c", "2048", "-np", "4", "-b", "4", "-ub", "4"])).context.n_seq_max == 4
+    with pytest.raises(LaunchConfigError, match=r"^-b 4 with 5 sequences \(-np\): llama\.cpp aborts making the "
+                                                r"context"):
+        estimate(spec, parse_launch_flags(["-c", "2048", "-np", "5", "-b", "4", "-ub", "4"]))

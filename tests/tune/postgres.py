@@ -1,7 +1,8 @@
 """A real PostgreSQL server for the fleet tests, started by the tests themselves: Debian's server binaries
 (`.ci/setup` installs the package when they are missing), a fresh cluster in a temporary folder, listening on
 127.0.0.1 on a free port, trust authentication, stopped at the end. PostgreSQL refuses to run as root, so as root
-the cluster belongs to the package's `postgres` user and every server command runs as it (runuser)."""
+the cluster belongs to the package's `postgres` user and every server command runs as it (subprocess's own user
+switch: no runuser, which a PATH without /usr/sbin does not find)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,13 @@ class PostgresServer:
     user: str | None  # the OS user the server runs as (None: this one)
 
     def _run(self, *argv: str) -> subprocess.CompletedProcess[str]:
-        prefix = ["runuser", "-u", self.user, "--"] if self.user else []
-        return subprocess.run([*prefix, *argv], capture_output=True, text=True, timeout=120, check=False)
+        as_user: dict[str, object] = {}
+        if self.user:
+            entry = pwd.getpwnam(self.user)
+            as_user = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": [],
+                       "env": {**os.environ, "HOME": entry.pw_dir, "USER": self.user, "LOGNAME": self.user}}
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=120, check=False,
+                              cwd=self.folder, **as_user)  # type: ignore[call-overload]
 
     @property
     def admin_url(self) -> str:

@@ -18,7 +18,7 @@ def test_a_text_file_holds_one_prompt_per_paragraph(tmp_path: Path) -> None:
     prompts = read_prompts(str(path))
     assert prompts.texts == ("Once upon a time\nthere was", "def f(n):\n    return n")
     assert prompts.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert prompts.to_json() == {"file": str(path), "count": 2, "sha256": prompts.sha256}
+    assert prompts.to_json() == {"file": str(path.resolve()), "count": 2, "sha256": prompts.sha256}
 
 
 def test_json_lines_hold_strings_or_prompt_objects(tmp_path: Path) -> None:
@@ -55,18 +55,25 @@ def test_a_workload_records_its_prompts_and_a_check_refuses_changed_ones(tmp_pat
     record = w.to_json()
     assert record["prompts"]["count"] == 2
     assert Workload.from_json(record, "pareto.json").prompts == w.prompts
-    assert w.label() == f"-p 64 -n 32 -d 0, decode on 2 prompts of {path}"
+    assert w.label() == f"-p 64 -n 32 -d 0, decode on 2 prompts of {path.resolve()}"
     path.write_text("one\n\nthree\n")
     with pytest.raises(PromptsError, match=r"p\.txt: not the prompts the result was measured with \(SHA-256 "
                                            r"[0-9a-f]{64}, recorded "):
         Workload.from_json(record, "pareto.json")
 
 
-def test_a_workload_file_names_its_prompts_beside_it(tmp_path: Path) -> None:
-    (tmp_path / "chat.txt").write_text("hello\n")
-    (tmp_path / "w.toml").write_text('gen = 64\nprompts = "chat.txt"\n')
-    w = load_workload(str(tmp_path / "w.toml"))
+def test_a_workload_file_names_its_prompts_beside_it_and_a_result_records_them_absolute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "flags"  # a folder of any name: not the "flags" a workload from the command line says
+    folder.mkdir()
+    (folder / "chat.txt").write_text("hello\n")
+    (folder / "w.toml").write_text('gen = 64\nprompts = "chat.txt"\n')
+    monkeypatch.chdir(tmp_path)
+    w = load_workload("flags/w.toml")
     assert w.prompts is not None and w.prompts.texts == ("hello",)
+    assert w.prompts.file == str(folder / "chat.txt")
+    monkeypatch.chdir(folder)  # a check from elsewhere reads the same file
+    assert Workload.from_json(w.to_json(), "pareto.json").prompts == w.prompts
 
 
 def test_prompts_are_decoded_at_depth_0_in_one_stream() -> None:
