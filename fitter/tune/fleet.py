@@ -434,3 +434,42 @@ def wait_for_others(study: optuna.Study, claims: Claims, worker: str, stop: thre
             log("fitter: waiting for " + ", ".join(
                 f"trial {t.number} ({t.user_attrs.get('worker')})" for t in new) + " before the confirm rounds")
         time.sleep(1.0)
+
+
+def launch_slot(claim: Callable[[str], Claim], launched: int, n_trials: int) -> str | None:
+    """One of a study's `n_trials` launches ("launch K", K from the `launched` so far), claimed, or None when the
+    fleet holds them all: every worker checks the count before it screens, and workers that check at once would
+    otherwise launch past it. The holder finishes its slot once its launch is told; a dead worker's goes stale and is
+    taken over (its trial, launched, is counted: the scan starts past it)."""
+    for k in range(launched, n_trials):
+        if claim(f"launch {k}").granted:
+            return f"launch {k}"
+    return None
+
+
+def heartbeat(storage: Any, trial_id: int, claims: Claims, worker: str, interval: float) -> Callable[[], None]:
+    """Record a running trial's heartbeat (RDB storages; a journal has only the claims' beat) and beat the worker's
+    claims every `interval` s until the returned function is called: a killed tune leaves a stale trial the next one
+    fails (optuna.storages.fail_stale_trials), never a trial RUNNING forever."""
+    stop = threading.Event()
+    record = getattr(storage, "record_heartbeat", None)
+
+    def beat() -> None:
+        while True:
+            try:
+                if record is not None:
+                    record(trial_id)
+                claims.beat(worker)
+            except Exception:
+                return
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name="fitter-heartbeat", daemon=True)
+    thread.start()
+
+    def done() -> None:
+        stop.set()
+        thread.join()
+
+    return done

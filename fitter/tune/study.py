@@ -39,7 +39,17 @@ from fitter.measure.render import bench_json
 from fitter.measure.runner import TrialRunner
 from fitter.measure.types import TrialResult
 from fitter.memory.devices import Device
-from fitter.tune.fleet import Claim, Claims, MemoryClaims, Worker, fail_trial, measured, wait_for_others
+from fitter.tune.fleet import (
+    Claim,
+    Claims,
+    MemoryClaims,
+    Worker,
+    fail_trial,
+    heartbeat,
+    launch_slot,
+    measured,
+    wait_for_others,
+)
 from fitter.tune.plan import Screener, neighbours, structured_start
 from fitter.tune.pooling import SamplePool
 from fitter.tune.request import STREAM_OBJECTIVES, Candidate, TuneRequest, _choices, candidate
@@ -167,39 +177,37 @@ class Tuner:
         return trial
 
     def _heartbeat(self, trial: optuna.Trial) -> Callable[[], None]:
-        """Record the running trial's heartbeat while it runs, so a killed tune leaves a stale trial that the next
-        one fails (optuna.storages.fail_stale_trials) instead of a trial RUNNING forever."""
-        storage = self.study._storage
-        interval = self._heartbeat_s
-        if interval is None:
+        """Beat for the running trial while it runs (fitter.tune.fleet.heartbeat); the stop function."""
+        if self._heartbeat_s is None:
             return lambda: None
-        stop = threading.Event()
-        record = getattr(storage, "record_heartbeat", None)  # RDB storages; a journal has only the claims' beat
+        return heartbeat(self.study._storage, trial._trial_id, self.claims, self.worker.name, self._heartbeat_s)
 
-        def beat() -> None:
-            while True:
-                try:
-                    if record is not None:
-                        record(trial._trial_id)
-                    self.claims.beat(self.worker.name)
-                except Exception:
-                    return
-                if stop.wait(interval):
-                    return
-
-        thread = threading.Thread(target=beat, name="fitter-heartbeat", daemon=True)
-        thread.start()
-
-        def done() -> None:
-            stop.set()
-            thread.join()
-
-        return done
+    def launch_slot(self) -> str | None:
+        """One of the study's --trials launches for this worker, or None (fitter.tune.fleet.launch_slot)."""
+        return launch_slot(self.claim, self.launched_so_far(), self.req.n_trials)
 
     def launch(self, trial: optuna.Trial, cand: Candidate, s: Screen | None, phase: str,
-               claim: str | None = None) -> TrialResult:
-        """Run the trial this worker claimed (`claim`: the config's key unless told otherwise) and tell the study."""
+               claim: str | None = None) -> TrialResult | None:
+        """Run the trial this worker claimed (`claim`: the config's key unless told otherwise) and tell the study.
+        None, the trial failed unlaunched, when the fleet launched --trials while this worker screened it."""
         claim = claim or cand.key
+        slot = self.launch_slot()
+        if slot is None:
+            self.claims.release(claim, self.worker.name)
+            self._attrs(trial, cand, phase)
+            trial.set_user_attr("reason", f"not launched: the fleet's workers launched the study's {self.req.n_trials} "
+                                "trials (--trials) while this one screened it")
+            self.study.tell(trial, state=TrialState.FAIL)
+            return None
+        try:
+            result = self._launch(trial, cand, s, phase, claim)
+        except BaseException:
+            self.claims.release(slot, self.worker.name)
+            raise
+        self.claims.finish(slot, self.worker.name, trial.number)
+        return result
+
+    def _launch(self, trial: optuna.Trial, cand: Candidate, s: Screen | None, phase: str, claim: str) -> TrialResult:
         self._attrs(trial, cand, phase)
         trial.set_user_attr("launched", True)
         trial.set_user_attr("worker", self.worker.name)

@@ -73,10 +73,11 @@ def test_an_emulated_gpu_killed_mid_trial_is_a_crash_and_the_next_trial_gets_a_f
         old_pid, endpoint = gpu.pid, gpu.endpoint
 
         def kill_once_loaded() -> None:
+            # the trial's context is made once the device holds its model, KV and compute buffers: the trial runs
+            # then, however fast this machine loads (no guess of how long that takes)
             deadline = time.monotonic() + 60
-            while gpu.stats().used_bytes == 0 and time.monotonic() < deadline:
+            while gpu.stats().live_buffers < 3 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            time.sleep(0.3)  # into the trial's decoding
             os.kill(old_pid, signal.SIGKILL)
 
         killer = threading.Thread(target=kill_once_loaded)

@@ -16,8 +16,9 @@ import pytest
 
 from fitter.flags import parse_launch_flags
 from fitter.measure import ports, process
+from fitter.measure import server as server_module
 from fitter.measure.runner import ServerRunner
-from fitter.measure.server import _healthy, measure_server, server_argv, start_server
+from fitter.measure.server import measure_server, server_argv, start_server
 from fitter.measure.types import BenchSpec
 from tests.conftest import BUILT_TOOLS
 from tests.ports import OCCUPANTS, first_pick_taken
@@ -96,14 +97,20 @@ def test_a_port_taken_before_the_server_holds_it_is_given_up_for_another(
 
 @pytest.mark.tools("llama-server")
 def test_a_server_killed_mid_trial_is_a_crash_and_the_next_trial_gets_a_fresh_one(
-        llama_tools: dict[str, Path], demo: str, servers: list[subprocess.Popen[bytes]]) -> None:
+        llama_tools: dict[str, Path], demo: str, servers: list[subprocess.Popen[bytes]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     killed: list[int] = []
+    first_request = threading.Event()
+    post = server_module._post
+
+    def posting(*args: Any, **kw: Any) -> Any:  # the trial's first request is on its way: the server is serving it
+        first_request.set()
+        return post(*args, **kw)
+
+    monkeypatch.setattr(server_module, "_post", posting)
 
     def kill_once_serving() -> None:
-        deadline = time.monotonic() + 60
-        while not (servers and _healthy(_port(servers[0]))) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # into the trial's requests
+        first_request.wait(60)
         os.kill(servers[0].pid, signal.SIGKILL)
         killed.append(servers[0].pid)
 

@@ -31,13 +31,19 @@ _DIR = Path(__file__).resolve().parents[1] / "golden"
 # cuda.json exists once scripts/make_goldens.py --device cuda has run on a GPU
 GOLDENS = {p.stem: json.loads(p.read_text()) for p in sorted(_DIR.glob("*.json"))
            if p.stem.split(".")[0] in ("cpu", "rpc", "rpc2", "rpc3", "cuda-emulated", "cuda")}
-CASES = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "ok"]
-ERRORS = [(name, c) for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "error"]
+# Another program's goldens (<device>.<program>.json) run under -m slow: the default run keeps llama-server's, on every
+# device
+_SLOW = [pytest.mark.slow]
+CASES = [pytest.param(name, c, marks=_SLOW if "." in name else (), id=f"{name}:{c['id']}")
+         for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "ok"]
+ERRORS = [pytest.param(name, c, marks=_SLOW if "." in name else (), id=f"{name}:{c['id']}")
+          for name, g in GOLDENS.items() for c in g["cases"] if c["outcome"] == "error"]
 _specs: dict[str, ModelSpec] = {}
 
 
-def _ids(cases: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    return [f"{name}:{c['id']}" for name, c in cases]
+@pytest.fixture(autouse=True)
+def _fitter_home() -> None:
+    """The golden cases read and write nothing in fitter's home: no folder of their own (tests/conftest.py's)."""
 
 
 def _spec(golden: str, model: str) -> ModelSpec:
@@ -86,24 +92,31 @@ def _consumer(golden: str) -> str:
     return str(GOLDENS[golden].get("for", "llama-server"))
 
 
+_ESTIMATED: dict[tuple[str, str], dict[tuple[str, str], list[float]]] = {}
+
+
 def estimated(golden: str, case: dict[str, Any]) -> dict[tuple[str, str], list[float]]:
-    flags, devices = _target(golden, case["flags"])
-    plan = estimate(_spec(golden, case["model"]), parse_launch_flags(flags, _consumer(golden)), devices, CPU_AVX2)
-    return _by_kind([(b.buft, b.kind, b.bytes / MIB) for b in plan.buffers])
+    """The estimate's buffers of a case, estimated once for both of the case's tests."""
+    key = (golden, case["id"])
+    if key not in _ESTIMATED:
+        flags, devices = _target(golden, case["flags"])
+        plan = estimate(_spec(golden, case["model"]), parse_launch_flags(flags, _consumer(golden)), devices, CPU_AVX2)
+        _ESTIMATED[key] = _by_kind([(b.buft, b.kind, b.bytes / MIB) for b in plan.buffers])
+    return _ESTIMATED[key]
 
 
 def logged(case: dict[str, Any]) -> dict[tuple[str, str], list[float]]:
     return _by_kind([(b["buft"], b["kind"], b["mib"]) for b in case["buffers"]])
 
 
-@pytest.mark.parametrize(("golden", "case"), CASES, ids=_ids(CASES))
+@pytest.mark.parametrize(("golden", "case"), CASES)
 def test_model_kv_and_output_buffers_match_llama_cpp_exactly(golden: str, case: dict[str, Any]) -> None:
     est, gold = estimated(golden, case), logged(case)
     exact = {k: v for k, v in gold.items() if k[1] != "compute"}
     assert {k: [round(x, 2) for x in v] for k, v in est.items() if k[1] != "compute"} == exact
 
 
-@pytest.mark.parametrize(("golden", "case"), CASES, ids=_ids(CASES))
+@pytest.mark.parametrize(("golden", "case"), CASES)
 def test_compute_buffers_within_5_percent(golden: str, case: dict[str, Any]) -> None:
     est, gold = estimated(golden, case), logged(case)
     gold_compute = {k: v for k, v in gold.items() if k[1] == "compute"}
@@ -114,7 +127,7 @@ def test_compute_buffers_within_5_percent(golden: str, case: dict[str, Any]) -> 
         assert abs(e - g) <= 0.05 * g + 0.005, f"{key}: estimated {e:.2f} MiB, llama.cpp {g:.2f} MiB"
 
 
-@pytest.mark.parametrize(("golden", "case"), ERRORS, ids=_ids(ERRORS))
+@pytest.mark.parametrize(("golden", "case"), ERRORS)
 def test_configs_llama_cpp_refused_are_refused_before_loading(golden: str, case: dict[str, Any]) -> None:
     flags, devices = _target(golden, case["flags"])
     with pytest.raises(LaunchConfigError):

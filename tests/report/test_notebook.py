@@ -77,6 +77,7 @@ def test_notebook_runs_on_the_example_result(monkeypatch: pytest.MonkeyPatch) ->
     assert "max_abs_error_MiB" in shown  # the per-buffer table, read from study.db
 
 
+@pytest.mark.slow  # the notebook's second run (-m slow); the default run executes it once, on the example result
 def test_notebook_takes_fitter_result_and_runs_without_the_study(monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
     """FITTER_RESULT overrides the parameter cell, a pareto.json path is accepted, and without study.db (a

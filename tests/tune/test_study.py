@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.types import BenchSpec, Measurement, OomInfo, SpeedStats, TrialResult
 from fitter.memory.devices import CPU_AVX2, RPC, Device
 from fitter.memory.estimator import estimate
+from fitter.tune.fleet import MemoryClaims, Row, Worker
 from fitter.tune.request import OBJECTIVES, TuneRequest, _choices, candidate
 from fitter.tune.result import Entry, picks
 from fitter.tune.screen import Budgets, cpu_bytes_per_token, device_totals
@@ -267,3 +269,33 @@ def test_a_trial_killed_before_it_launched_is_failed_when_the_study_resumes(tmp_
     resumed = open_study(url, StudyKey("id", "fp", "fake"), ["maximize", "maximize", "minimize"],
                          optuna.samplers.TPESampler(seed=0), {}, heartbeat_s=1, grace_s=1)
     assert resumed.trials[trial.number].state == TrialState.FAIL
+
+
+def test_workers_that_check_the_budget_at_once_never_launch_past_trials(tmp_path: Path, demo_spec: Any) -> None:
+    # three workers of a fleet on one study, --trials 3: each launch takes one of the study's 3 launch claims first
+    study = _study(tmp_path)
+    req = _request(demo_spec, n_trials=3)
+    claims = MemoryClaims()  # the study's claims, as every worker sees them
+    a, b, c = (Tuner(req, study, FakeRunner(demo_spec), claims=claims, worker=Worker(f"host-{x}", 1)) for x in "abc")
+    grid = _grid(req)
+    first = candidate(req, next(grid))
+    assert a.launch(a.ask(), first, None, "tpe") is not None  # launch 0: run and told
+    assert claims.row("launch 0") == Row("launch 0", "host-a:1", 0, claims.row("launch 0").beat_at, True)
+    assert b.launch_slot() == "launch 1"  # b's launch runs
+    assert a.launch_slot() == "launch 2"  # and a's next one
+    # c passed its budget check (one launch so far) and screened a config: no launch is left for it, and its
+    # trial fails unlaunched, saying why
+    cand = candidate(req, next(grid))
+    trial = c.ask()
+    assert c.launch(trial, cand, None, "tpe") is None
+    failed = study.trials[trial.number]
+    assert failed.state == TrialState.FAIL and not failed.user_attrs.get("launched")
+    assert failed.user_attrs["reason"] == ("not launched: the fleet's workers launched the study's 3 trials (--trials) "
+                                           "while this one screened it")
+    assert c.runner.runs == [] and claims.row(cand.key) is None  # nothing ran; the config is free for whoever
+
+
+def _grid(req: TuneRequest) -> Iterator[dict[str, Any]]:
+    keys = list(req.distributions)
+    for values in itertools.product(*(_choices(req.distributions[k]) for k in keys)):
+        yield dict(zip(keys, values, strict=True))
