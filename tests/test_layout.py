@@ -81,3 +81,12 @@ def test_no_import_cycle() -> None:
 def test_no_module_is_much_over_500_lines() -> None:
     long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_only_the_storage_adapter_reaches_optunas_private_api() -> None:
+    # Study._storage, Study._study_id, Trial._trial_id: fitter.tune.storage's adapter holds every use
+    private = {"_storage", "_study_id", "_trial_id"}
+    users = {m for m, p in _modules().items() if m != "fitter.tune.storage"
+             for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in private}
+    assert users == set()

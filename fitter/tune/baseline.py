@@ -19,6 +19,7 @@ from fitter.memory.devices import Device, rpc_device_name
 from fitter.memory.estimator import estimate
 from fitter.tune.fleet import measured
 from fitter.tune.request import Candidate, TuneRequest
+from fitter.tune.storage import frozen
 from fitter.tune.study import Tuner
 from fitter.units import MIB
 
@@ -177,7 +178,7 @@ def _launch(req: TuneRequest, tuner: Tuner, cand: Candidate) -> Baseline:
     trial = tuner.ask()
     # Measured even when fitter predicts it over the fit target: it is llama.cpp's choice, the reference point.
     tuner.launch(trial, cand, s, "baseline", claim=CLAIM)
-    t = tuner.study._storage.get_trial(trial._trial_id)
+    t = frozen(tuner.study, trial)
     return Baseline({"name": NAME, "trial": t.number, "flags": t.user_attrs.get("flags"),
                      "measurement": t.user_attrs.get("measurement")}, cand)
 

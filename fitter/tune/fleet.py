@@ -401,13 +401,9 @@ def measured(t: FrozenTrial) -> bool:
 def fail_trial(study: optuna.Study, number: int, reason: str) -> None:
     """Fail a RUNNING trial another worker left behind; a trial already finished (by its worker, or failed by a third
     one) is left as it is."""
-    storage = study._storage
-    trial_id = storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
-    try:
-        storage.set_trial_user_attr(trial_id, "reason", reason)
-        storage.set_trial_state_values(trial_id, state=TrialState.FAIL)
-    except optuna.exceptions.UpdateFinishedTrialError:
-        pass
+    from fitter.tune.storage import fail_running
+
+    fail_running(study, number, reason)
 
 
 def wait_for_others(study: optuna.Study, claims: Claims, worker: str, stop: threading.Event,

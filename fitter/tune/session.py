@@ -57,7 +57,16 @@ from fitter.tune.request import CTX_KEY, OBJECTIVES, STREAM_OBJECTIVES, TuneRequ
 from fitter.tune.result import RESULT_FILE, ParetoDoc, load_result, write_result
 from fitter.tune.screen import Budgets
 from fitter.tune.space import default_space_name, load_space, resolve, shipped_space
-from fitter.tune.storage import StudyKey, ensure_writable, journal_path, open_study, result_dir, storage_url, study_name
+from fitter.tune.storage import (
+    StudyKey,
+    ensure_writable,
+    journal_path,
+    open_study,
+    result_dir,
+    storage_url,
+    study_name,
+    study_storage,
+)
 from fitter.tune.study import StudyCallback, Tuner
 from fitter.tune.targets import Target, local_target, replay_target, sim_target
 from fitter.tune.trials import write_trials_csv
@@ -318,7 +327,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     sampler = optuna.samplers.TPESampler(seed=o.seed, multivariate=True, constant_liar=True)
     key = StudyKey(o.spec.identity, target.machine["fingerprint"], build["commit"])
     study = open_study(url, key, [OBJECTIVES[x] for x in planned.objectives], sampler, settings, name=name)
-    worker, claims = Worker.this(), claims_for(study._storage, name, journal_path(url))
+    worker, claims = Worker.this(), claims_for(study_storage(study), name, journal_path(url))
     log(f"fitter: study {name!r} at {url} ({len(study.trials)} trials so far); space {planned.space_source}; "
         f"{planned.n_trials} launched trials; this worker is {worker.name}")
 

@@ -55,6 +55,7 @@ from fitter.tune.pooling import SamplePool
 from fitter.tune.request import STREAM_OBJECTIVES, Candidate, TuneRequest, _choices, candidate
 from fitter.tune.result import vram_bytes
 from fitter.tune.screen import Screen, device_totals
+from fitter.tune.storage import frozen, record_heartbeat, set_params, study_storage, trial_id
 from fitter.units import MIB
 
 
@@ -171,16 +172,15 @@ class Tuner:
         with warnings.catch_warnings():  # Optuna warns that heartbeats are meant for optimize(); fitter beats itself
             warnings.filterwarnings("ignore", message="Heartbeat of storage")
             trial = self.study.ask(distributions)
-        storage = self.study._storage
-        if self._heartbeat_s is not None and hasattr(storage, "record_heartbeat"):
-            storage.record_heartbeat(trial._trial_id)
+        if self._heartbeat_s is not None:
+            record_heartbeat(self.study, trial)
         return trial
 
     def _heartbeat(self, trial: optuna.Trial) -> Callable[[], None]:
         """Beat for the running trial while it runs (fitter.tune.fleet.heartbeat); the stop function."""
         if self._heartbeat_s is None:
             return lambda: None
-        return heartbeat(self.study._storage, trial._trial_id, self.claims, self.worker.name, self._heartbeat_s)
+        return heartbeat(study_storage(self.study), trial_id(trial), self.claims, self.worker.name, self._heartbeat_s)
 
     def launch_slot(self) -> str | None:
         """One of the study's --trials launches for this worker, or None (fitter.tune.fleet.launch_slot)."""
@@ -244,9 +244,9 @@ class Tuner:
             self.progress.failed += 1
             return result
         self.claims.finish(claim, self.worker.name, trial.number)
-        frozen = self.study._storage.get_trial(trial._trial_id)
-        self._done[cand.key] = frozen
-        self._absorbed.add(frozen.number)
+        told = frozen(self.study, trial)
+        self._done[cand.key] = told
+        self._absorbed.add(told.number)
         self.on_event("end", self.progress, self.study)
         self._probe_drift()
         return result
@@ -359,10 +359,7 @@ class Tuner:
             return None
         trial = self.ask()
         self.progress.asked += 1
-        storage = self.study._storage
-        for name, value in params.items():  # the trial's params, as Trial.suggest_* would store them
-            d = self.req.distributions[name]
-            storage.set_trial_param(trial._trial_id, name, d.to_internal_repr(value), d)
+        set_params(self.study, trial, params, self.req.distributions)
         return self._settle(trial, cand, s, phase)
 
     def _ask_and_run(self, phase: str) -> FrozenTrial | None:
@@ -388,7 +385,7 @@ class Tuner:
             self._tell_screened(trial, cand, s, phase)
         else:
             self.launch(trial, cand, s, phase)
-        return self.study._storage.get_trial(trial._trial_id)
+        return frozen(self.study, trial)
 
     def _held_elsewhere(self, what: str, wait: bool) -> bool:
         """Claim `what` (a config's key) for this worker. True: another worker holds it and `wait` is False. Else this
