@@ -18,7 +18,7 @@ from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import demo_model_path
 from fitter.measure.tools import ensure_tools
 from fitter.measure.types import BenchSpec
-from fitter.measure.worker import Worker
+from fitter.measure.worker import LlamaWorker
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     ctx = -(-(args.p + args.n) // 256) * 256
     config = parse_launch_flags(["-c", str(ctx), "-np", "1", "-fa", "on", "-b", "2048", "-ub", "512"])
     spec = BenchSpec(n_prompt=args.p, n_gen=args.n, repetitions=args.r, threads=args.t)
-    with Worker() as worker:
+    with LlamaWorker() as worker:
         first = worker.run(model, config, spec)
         again = worker.run(model, config, spec)
     assert first.pp and first.tg and again.pp and again.tg, (first.reason, again.reason)

@@ -77,11 +77,11 @@ def cmd_report(ns: argparse.Namespace, flags: list[str]) -> int:
     """`fitter report RESULT [--out DIR] [--json]`."""
     import optuna
 
-    from fitter.report import dashboard_command, load_result, write_report
+    from fitter.report import dashboard_command, load_study_result, write_report
     from fitter.report.tables import pareto_text, trials_text
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # fitter says what it skipped itself
-    result = load_result(Path(ns.result))
+    result = load_study_result(Path(ns.result))
     out = Path(ns.out) if ns.out else result.folder / "report"
     report = write_report(result, out)
     dashboard = dashboard_command(result)

@@ -22,10 +22,10 @@ import numpy as np
 import numpy.typing as npt
 
 from fitter.errors import FitterError
-from fitter.gguf.shapes import GENERATED_TYPES, MERGES, SHAPES, ModelShape, TensorSpec
+from fitter.gguf.shapes import GENERATED_TYPES, MERGES, SHAPES, ModelShape, ShapeTensor
 from fitter.paths import fitter_home
 
-__all__ = ["DEMO_FILENAME", "SHAPES", "ModelShape", "TensorSpec", "demo_model_path", "shard_paths", "write_model"]
+__all__ = ["DEMO_FILENAME", "SHAPES", "ModelShape", "ShapeTensor", "demo_model_path", "shard_paths", "write_model"]
 
 DEMO_FILENAME = "fitter-demo-gpt-oss.gguf"
 _WEIGHT_STD = 0.02  # GPT-2-style init scale: keeps activations and logits finite through RMS norms
@@ -159,7 +159,7 @@ def _blocks(rng: np.random.Generator, nb: int, head: bytes, payload: int) -> npt
     return out.reshape(-1)
 
 
-def _tensor_data(t: TensorSpec, seed: int) -> npt.NDArray[Any]:
+def _tensor_data(t: ShapeTensor, seed: int) -> npt.NDArray[Any]:
     # Seeded per tensor name, so bytes do not depend on tensor order, sharding or earlier tensors.
     rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
     n = t.n_elements
@@ -202,10 +202,10 @@ def shard_paths(path: Path, n_shards: int) -> list[Path]:
     return [path.with_name(f"{stem}-{i + 1:05d}-of-{n_shards:05d}.gguf") for i in range(n_shards)]
 
 
-def _split_tensors(specs: list[TensorSpec], n_shards: int) -> list[list[TensorSpec]]:
+def _split_tensors(specs: list[ShapeTensor], n_shards: int) -> list[list[ShapeTensor]]:
     """Consecutive runs of about equal bytes, each non-empty (gguf-split refuses empty shards)."""
     total = sum(t.nbytes for t in specs)
-    shards: list[list[TensorSpec]] = [[] for _ in range(n_shards)]
+    shards: list[list[ShapeTensor]] = [[] for _ in range(n_shards)]
     done, k = 0, 0
     for i, t in enumerate(specs):
         left = len(specs) - i  # tensors still to place, this one included
@@ -246,7 +246,7 @@ def write_model(
 def _write_shard(
     shape: ModelShape,
     path: Path,
-    specs: list[TensorSpec],
+    specs: list[ShapeTensor],
     index: int,
     n_shards: int,
     n_tensors: int,

@@ -26,7 +26,7 @@ MERGES = (
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class ShapeTensor:
     """One tensor of a model: name, ggml shape (``ne``, fastest dimension first), ggml type, role."""
 
     name: str
@@ -120,25 +120,25 @@ class ModelShape:
         """Tensor data bytes, without GGUF padding or header."""
         return sum(t.nbytes for t in self.tensors())
 
-    def tensors(self) -> list[TensorSpec]:
+    def tensors(self) -> list[ShapeTensor]:
         """Every tensor llama.cpp requires for this arch, in file order."""
         wt = self.weight_type
-        specs = [TensorSpec("token_embd.weight", (self.n_embd, self.n_vocab), wt)]
+        specs = [ShapeTensor("token_embd.weight", (self.n_embd, self.n_vocab), wt)]
         for il in range(self.n_layer):
             specs += self._block_tensors(il)
         for il in range(self.n_layer, self.n_layer + self.n_nextn):
             specs += self._block_tensors(il) + self._nextn_tensors(il)
-        specs.append(TensorSpec("output_norm.weight", (self.n_embd,), "F32", "norm"))
+        specs.append(ShapeTensor("output_norm.weight", (self.n_embd,), "F32", "norm"))
         if not self.tied_output:
-            specs.append(TensorSpec("output.weight", (self.n_embd, self.n_vocab), wt))
+            specs.append(ShapeTensor("output.weight", (self.n_embd, self.n_vocab), wt))
         return specs
 
     # --- tensor lists per arch -----------------------------------------------------------------------
 
-    def _block_tensors(self, il: int) -> list[TensorSpec]:
+    def _block_tensors(self, il: int) -> list[ShapeTensor]:
         p = f"blk.{il}."
         e, wt = self.n_embd, self.weight_type
-        out = [TensorSpec(p + "attn_norm.weight", (e,), "F32", "norm")]
+        out = [ShapeTensor(p + "attn_norm.weight", (e,), "F32", "norm")]
         if self.arch == "qwen3next":
             return out + self._qwen3next_block(il)
         if self.is_mla:
@@ -146,38 +146,38 @@ class ModelShape:
         else:
             q, kv = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
             out += [
-                TensorSpec(p + "attn_q.weight", (e, q), wt),
-                TensorSpec(p + "attn_k.weight", (e, kv), wt),
-                TensorSpec(p + "attn_v.weight", (e, kv), wt),
-                TensorSpec(p + "attn_output.weight", (q, e), wt),
+                ShapeTensor(p + "attn_q.weight", (e, q), wt),
+                ShapeTensor(p + "attn_k.weight", (e, kv), wt),
+                ShapeTensor(p + "attn_v.weight", (e, kv), wt),
+                ShapeTensor(p + "attn_output.weight", (q, e), wt),
             ]
             if self.arch in ("gpt-oss", "qwen2moe", "glm4moe"):  # q/k/v biases; gpt-oss also an o bias
                 out += [
-                    TensorSpec(p + "attn_q.bias", (q,), "F32", "bias"),
-                    TensorSpec(p + "attn_k.bias", (kv,), "F32", "bias"),
-                    TensorSpec(p + "attn_v.bias", (kv,), "F32", "bias"),
+                    ShapeTensor(p + "attn_q.bias", (q,), "F32", "bias"),
+                    ShapeTensor(p + "attn_k.bias", (kv,), "F32", "bias"),
+                    ShapeTensor(p + "attn_v.bias", (kv,), "F32", "bias"),
                 ]
             if self.arch == "gpt-oss":
                 out += [
-                    TensorSpec(p + "attn_output.bias", (e,), "F32", "bias"),
-                    TensorSpec(p + "attn_sinks.weight", (self.n_head,), "F32", "sinks"),
+                    ShapeTensor(p + "attn_output.bias", (e,), "F32", "bias"),
+                    ShapeTensor(p + "attn_sinks.weight", (self.n_head,), "F32", "sinks"),
                 ]
             if self.arch in ("qwen3", "qwen3moe", "gemma3"):
                 out += [
-                    TensorSpec(p + "attn_q_norm.weight", (self.head_dim,), "F32", "norm"),
-                    TensorSpec(p + "attn_k_norm.weight", (self.head_dim,), "F32", "norm"),
+                    ShapeTensor(p + "attn_q_norm.weight", (self.head_dim,), "F32", "norm"),
+                    ShapeTensor(p + "attn_k_norm.weight", (self.head_dim,), "F32", "norm"),
                 ]
             if self.arch == "minimax-m2":  # QK norms over every head at once (src/models/minimax-m2.cpp)
                 out += [
-                    TensorSpec(p + "attn_q_norm.weight", (q,), "F32", "norm"),
-                    TensorSpec(p + "attn_k_norm.weight", (kv,), "F32", "norm"),
+                    ShapeTensor(p + "attn_q_norm.weight", (q,), "F32", "norm"),
+                    ShapeTensor(p + "attn_k_norm.weight", (kv,), "F32", "norm"),
                 ]
         # gpt-oss and glm4moe name their pre-FFN norm post_attention_norm; the others ffn_norm.
         norm = "post_attention_norm" if self.arch in ("gpt-oss", "glm4moe") else "ffn_norm"
         if self.arch == "gemma3":  # a norm after attention, before the FFN and after it (src/models/gemma3.cpp)
-            out.append(TensorSpec(p + "post_attention_norm.weight", (e,), "F32", "norm"))
-            out.append(TensorSpec(p + "post_ffw_norm.weight", (e,), "F32", "norm"))
-        out.append(TensorSpec(p + norm + ".weight", (e,), "F32", "norm"))
+            out.append(ShapeTensor(p + "post_attention_norm.weight", (e,), "F32", "norm"))
+            out.append(ShapeTensor(p + "post_ffw_norm.weight", (e,), "F32", "norm"))
+        out.append(ShapeTensor(p + norm + ".weight", (e,), "F32", "norm"))
         if not self.is_moe or il < self.n_leading_dense:
             out += self._dense_ffn(p, self.n_ff)
         else:
@@ -187,105 +187,105 @@ class ModelShape:
     def is_recurrent(self, il: int) -> bool:
         return self.arch == "qwen3next" and (il + 1) % self.full_attention_interval != 0
 
-    def _qwen3next_block(self, il: int) -> list[TensorSpec]:
+    def _qwen3next_block(self, il: int) -> list[ShapeTensor]:
         """src/models/qwen3next.cpp load_arch_tensors: gated attention (Q twice as wide: query and gate) or a gated
         DeltaNet layer, then routed experts and a sigmoid-gated shared expert."""
         p, e, wt = f"blk.{il}.", self.n_embd, self.weight_type
-        out = [TensorSpec(p + "post_attention_norm.weight", (e,), "F32", "norm")]
+        out = [ShapeTensor(p + "post_attention_norm.weight", (e,), "F32", "norm")]
         if not self.is_recurrent(il):
             q, kv = self.n_head * self.head_dim, self.n_head_kv * self.head_dim
             out += [
-                TensorSpec(p + "attn_q.weight", (e, 2 * q), wt),
-                TensorSpec(p + "attn_k.weight", (e, kv), wt),
-                TensorSpec(p + "attn_v.weight", (e, kv), wt),
-                TensorSpec(p + "attn_output.weight", (q, e), wt),
-                TensorSpec(p + "attn_q_norm.weight", (self.head_dim,), "F32", "norm"),
-                TensorSpec(p + "attn_k_norm.weight", (self.head_dim,), "F32", "norm"),
+                ShapeTensor(p + "attn_q.weight", (e, 2 * q), wt),
+                ShapeTensor(p + "attn_k.weight", (e, kv), wt),
+                ShapeTensor(p + "attn_v.weight", (e, kv), wt),
+                ShapeTensor(p + "attn_output.weight", (q, e), wt),
+                ShapeTensor(p + "attn_q_norm.weight", (self.head_dim,), "F32", "norm"),
+                ShapeTensor(p + "attn_k_norm.weight", (self.head_dim,), "F32", "norm"),
             ]
         else:
             key_dim, value_dim = self.ssm_d_state * self.ssm_n_group, self.ssm_d_state * self.ssm_dt_rank
             out += [
-                TensorSpec(p + "attn_qkv.weight", (e, 2 * key_dim + value_dim), wt),
-                TensorSpec(p + "attn_gate.weight", (e, value_dim), wt),
-                TensorSpec(p + "ssm_conv1d.weight", (self.ssm_d_conv, 2 * key_dim + value_dim), "F32", "norm"),
-                TensorSpec(p + "ssm_dt.bias", (self.ssm_dt_rank,), "F32", "bias"),
-                TensorSpec(p + "ssm_a", (self.ssm_dt_rank,), "F32", "norm"),
-                TensorSpec(p + "ssm_ba.weight", (e, 2 * self.ssm_dt_rank), wt),
-                TensorSpec(p + "ssm_norm.weight", (self.ssm_d_state,), "F32", "norm"),
-                TensorSpec(p + "ssm_out.weight", (value_dim, e), wt),
+                ShapeTensor(p + "attn_qkv.weight", (e, 2 * key_dim + value_dim), wt),
+                ShapeTensor(p + "attn_gate.weight", (e, value_dim), wt),
+                ShapeTensor(p + "ssm_conv1d.weight", (self.ssm_d_conv, 2 * key_dim + value_dim), "F32", "norm"),
+                ShapeTensor(p + "ssm_dt.bias", (self.ssm_dt_rank,), "F32", "bias"),
+                ShapeTensor(p + "ssm_a", (self.ssm_dt_rank,), "F32", "norm"),
+                ShapeTensor(p + "ssm_ba.weight", (e, 2 * self.ssm_dt_rank), wt),
+                ShapeTensor(p + "ssm_norm.weight", (self.ssm_d_state,), "F32", "norm"),
+                ShapeTensor(p + "ssm_out.weight", (value_dim, e), wt),
             ]
         return out + self._moe_tensors(p)
 
-    def _nextn_tensors(self, il: int) -> list[TensorSpec]:
+    def _nextn_tensors(self, il: int) -> list[ShapeTensor]:
         """A NextN block's own tensors beside a full layer's (src/models/deepseek2.cpp, glm4-moe.cpp
         load_arch_tensors)."""
         p, e, wt = f"blk.{il}.", self.n_embd, self.weight_type
         return [
-            TensorSpec(p + "nextn.eh_proj.weight", (2 * e, e), wt),
-            TensorSpec(p + "nextn.enorm.weight", (e,), "F32", "norm"),
-            TensorSpec(p + "nextn.hnorm.weight", (e,), "F32", "norm"),
-            TensorSpec(p + "nextn.shared_head_head.weight", (e, self.n_vocab), wt),
-            TensorSpec(p + "nextn.shared_head_norm.weight", (e,), "F32", "norm"),
+            ShapeTensor(p + "nextn.eh_proj.weight", (2 * e, e), wt),
+            ShapeTensor(p + "nextn.enorm.weight", (e,), "F32", "norm"),
+            ShapeTensor(p + "nextn.hnorm.weight", (e,), "F32", "norm"),
+            ShapeTensor(p + "nextn.shared_head_head.weight", (e, self.n_vocab), wt),
+            ShapeTensor(p + "nextn.shared_head_norm.weight", (e,), "F32", "norm"),
         ]
 
-    def _mla_tensors(self, p: str) -> list[TensorSpec]:
+    def _mla_tensors(self, p: str) -> list[ShapeTensor]:
         e, wt, h = self.n_embd, self.weight_type, self.n_head
         k_mla = self.qk_nope_head_dim + self.qk_rope_head_dim
-        out: list[TensorSpec] = []
+        out: list[ShapeTensor] = []
         if self.q_lora_rank > 0:
             out += [
-                TensorSpec(p + "attn_q_a_norm.weight", (self.q_lora_rank,), "F32", "norm"),
-                TensorSpec(p + "attn_q_a.weight", (e, self.q_lora_rank), wt),
-                TensorSpec(p + "attn_q_b.weight", (self.q_lora_rank, h * k_mla), wt),
+                ShapeTensor(p + "attn_q_a_norm.weight", (self.q_lora_rank,), "F32", "norm"),
+                ShapeTensor(p + "attn_q_a.weight", (e, self.q_lora_rank), wt),
+                ShapeTensor(p + "attn_q_b.weight", (self.q_lora_rank, h * k_mla), wt),
             ]
         else:
-            out.append(TensorSpec(p + "attn_q.weight", (e, h * k_mla), wt))
+            out.append(ShapeTensor(p + "attn_q.weight", (e, h * k_mla), wt))
         out += [
-            TensorSpec(p + "attn_kv_a_norm.weight", (self.kv_lora_rank,), "F32", "norm"),
-            TensorSpec(p + "attn_kv_a_mqa.weight", (e, self.kv_lora_rank + self.qk_rope_head_dim), wt),
+            ShapeTensor(p + "attn_kv_a_norm.weight", (self.kv_lora_rank,), "F32", "norm"),
+            ShapeTensor(p + "attn_kv_a_mqa.weight", (e, self.kv_lora_rank + self.qk_rope_head_dim), wt),
             # Split k_b / v_b (what current convert_hf_to_gguf writes) select llama.cpp's MLA path.
-            TensorSpec(p + "attn_k_b.weight", (self.qk_nope_head_dim, self.kv_lora_rank, h), wt),
-            TensorSpec(p + "attn_v_b.weight", (self.kv_lora_rank, self.v_head_dim, h), wt),
-            TensorSpec(p + "attn_output.weight", (h * self.v_head_dim, e), wt),
+            ShapeTensor(p + "attn_k_b.weight", (self.qk_nope_head_dim, self.kv_lora_rank, h), wt),
+            ShapeTensor(p + "attn_v_b.weight", (self.kv_lora_rank, self.v_head_dim, h), wt),
+            ShapeTensor(p + "attn_output.weight", (h * self.v_head_dim, e), wt),
         ]
         return out
 
-    def _dense_ffn(self, p: str, n_ff: int) -> list[TensorSpec]:
+    def _dense_ffn(self, p: str, n_ff: int) -> list[ShapeTensor]:
         e, wt = self.n_embd, self.weight_type
         return [
-            TensorSpec(p + "ffn_gate.weight", (e, n_ff), wt),
-            TensorSpec(p + "ffn_down.weight", (n_ff, e), wt),
-            TensorSpec(p + "ffn_up.weight", (e, n_ff), wt),
+            ShapeTensor(p + "ffn_gate.weight", (e, n_ff), wt),
+            ShapeTensor(p + "ffn_down.weight", (n_ff, e), wt),
+            ShapeTensor(p + "ffn_up.weight", (e, n_ff), wt),
         ]
 
-    def _moe_tensors(self, p: str) -> list[TensorSpec]:
+    def _moe_tensors(self, p: str) -> list[ShapeTensor]:
         e, x, f, xt = self.n_embd, self.n_expert, self.n_ff_exp, self.expert_type
         # The router stays F32: llama-quantize and convert_hf_to_gguf never quantize ffn_gate_inp.
-        out = [TensorSpec(p + "ffn_gate_inp.weight", (e, x), "F32", "router")]
+        out = [ShapeTensor(p + "ffn_gate_inp.weight", (e, x), "F32", "router")]
         if self.arch == "gpt-oss":
-            out.append(TensorSpec(p + "ffn_gate_inp.bias", (x,), "F32", "bias"))
+            out.append(ShapeTensor(p + "ffn_gate_inp.bias", (x,), "F32", "bias"))
         if self.arch in ("glm4moe", "minimax-m2"):  # the sigmoid router's selection bias (src/models/glm4-moe.cpp)
-            out.append(TensorSpec(p + "exp_probs_b.bias", (x,), "F32", "bias"))
+            out.append(ShapeTensor(p + "exp_probs_b.bias", (x,), "F32", "bias"))
         out += [
-            TensorSpec(p + "ffn_gate_exps.weight", (e, f, x), xt),
-            TensorSpec(p + "ffn_down_exps.weight", (f, e, x), xt),
-            TensorSpec(p + "ffn_up_exps.weight", (e, f, x), xt),
+            ShapeTensor(p + "ffn_gate_exps.weight", (e, f, x), xt),
+            ShapeTensor(p + "ffn_down_exps.weight", (f, e, x), xt),
+            ShapeTensor(p + "ffn_up_exps.weight", (e, f, x), xt),
         ]
         if self.arch == "gpt-oss":
             out += [
-                TensorSpec(p + "ffn_gate_exps.bias", (f, x), "F32", "bias"),
-                TensorSpec(p + "ffn_down_exps.bias", (e, x), "F32", "bias"),
-                TensorSpec(p + "ffn_up_exps.bias", (f, x), "F32", "bias"),
+                ShapeTensor(p + "ffn_gate_exps.bias", (f, x), "F32", "bias"),
+                ShapeTensor(p + "ffn_down_exps.bias", (e, x), "F32", "bias"),
+                ShapeTensor(p + "ffn_up_exps.bias", (f, x), "F32", "bias"),
             ]
         shexp = self.n_ff_shexp if self.arch in ("qwen2moe", "qwen3next") else self.n_ff_exp * self.n_expert_shared
         if self.arch in ("qwen2moe", "qwen3next"):
             # qwen2moe and qwen3next gate their shared expert with a sigmoid of this vector.
-            out.append(TensorSpec(p + "ffn_gate_inp_shexp.weight", (e,), "F32", "router"))
+            out.append(ShapeTensor(p + "ffn_gate_inp_shexp.weight", (e,), "F32", "router"))
         if self.arch in ("qwen2moe", "deepseek2", "glm4moe", "llama4", "qwen3next"):  # llama4's is n_ff_exp wide
             out += [
-                TensorSpec(p + "ffn_gate_shexp.weight", (e, shexp), self.weight_type),
-                TensorSpec(p + "ffn_down_shexp.weight", (shexp, e), self.weight_type),
-                TensorSpec(p + "ffn_up_shexp.weight", (e, shexp), self.weight_type),
+                ShapeTensor(p + "ffn_gate_shexp.weight", (e, shexp), self.weight_type),
+                ShapeTensor(p + "ffn_down_shexp.weight", (shexp, e), self.weight_type),
+                ShapeTensor(p + "ffn_up_shexp.weight", (e, shexp), self.weight_type),
             ]
         return out
 

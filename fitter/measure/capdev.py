@@ -126,7 +126,7 @@ def request_peak_reset(stats: mmap.mmap) -> None:
     struct.pack_into("<Q", stats, _W_RESET_REQ * 8, req + 1)  # the parent is this word's only writer
 
 
-def server_command(endpoint: str, threads: int, parent_pid: int, lib_dir: Path) -> list[str]:
+def capped_server_argv(endpoint: str, threads: int, parent_pid: int, lib_dir: Path) -> list[str]:
     """The argv of the server child (`python -m fitter.measure.capdev serve …`)."""
     return process.python_module("fitter.measure.capdev", "serve", "--endpoint", endpoint, "--threads",
                                  str(threads), "--parent-pid", str(parent_pid), "--lib-dir", str(lib_dir))

@@ -43,11 +43,11 @@ from fitter.measure.capdev import (
     EmulatedGpuError,
     EmulatedGpuStats,
     _llama_lib_dir,
+    capped_server_argv,
     cuda_library,
     emulated_gpu_problem,
     read_stats,
     request_peak_reset,
-    server_command,
     server_env,
     shim_library,
 )
@@ -216,7 +216,7 @@ class EmulatedGpu:
             stats_path.write_bytes(bytes(STATS_SIZE))
             port = fixed_port if fixed_port is not None else ports.pick_free_port("emulated GPU")
             env = server_env(os.environ, shim, stats_path, self.cap_bytes, self.cuda)
-            cmd = server_command(f"{HOST}:{port}", self.threads, os.getpid(), lib_dir)
+            cmd = capped_server_argv(f"{HOST}:{port}", self.threads, os.getpid(), lib_dir)
             with log_path.open("wb") as log:
                 # Its own session: a terminal's Ctrl-C reaches the parent, whose handler decides (and stops it).
                 self._proc = process.spawn(cmd, env=env, stdout=log, stderr=log)

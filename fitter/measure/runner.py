@@ -23,7 +23,7 @@ from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.flags.consumers import server_flags
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.measure.types import BenchSpec, Measurement, TrialResult, WorkerError
-from fitter.measure.worker import Worker
+from fitter.measure.worker import LlamaWorker
 from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.estimator import MemoryPlan
 
@@ -180,7 +180,7 @@ class WorkerRunner(_Devices):
                  nvml: bool = False, log_path: str | Path | None = None, build: dict[str, str] | None = None,
                  emulated_cuda: bool = False, gpu_order: tuple[int, ...] | None = None) -> None:
         super().__init__(emulated_gpu_mib, nvml, emulated_cuda, gpu_order=gpu_order)
-        self._worker = Worker(log_path=log_path, cpus=cpus)
+        self._worker = LlamaWorker(log_path=log_path, cpus=cpus)
         self._build = build  # the machine snapshot's reading, when the caller has one
 
     def __enter__(self) -> WorkerRunner:

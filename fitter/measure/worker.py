@@ -1,8 +1,8 @@
 """Measure prefill and decode speed the way llama-bench does, in a persistent llama.cpp child process.
 
-`Worker` keeps one child (`python -m fitter.measure.worker`) alive across trials. The parent sends one JSON request per
-line on the child's stdin and reads one JSON reply per line from a private copy of its stdout; everything llama.cpp
-and ggml log (and the child's stderr) goes to one log file, which the parent slices per trial.
+`LlamaWorker` keeps one child (`python -m fitter.measure.worker`) alive across trials. The parent sends one JSON
+request per line on the child's stdin and reads one JSON reply per line from a private copy of its stdout;
+everything llama.cpp and ggml log (and the child's stderr) goes to one log file, which the parent slices per trial.
 
 What a trial measures mirrors tools/llama-bench/llama-bench.cpp (llama.cpp 0c1e570, as vendored in
 llama-cpp-python 0.3.36), with one deliberate difference: the context is built at the *deployed* size from the
@@ -60,7 +60,7 @@ from fitter.measure.capi import (
 from fitter.measure.logs import describe_oom, parse_buffer_lines, parse_oom, tail
 from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, SpeedStats, WorkerError
 
-__all__ = ["Worker", "measure"]
+__all__ = ["LlamaWorker", "measure"]
 
 # ---------------------------------------------------------------------------------------------------------------
 # Parent side
@@ -80,7 +80,7 @@ def default_timeout(model: str | Path, spec: BenchSpec) -> float:
     return 30.0 + size / 1e8 + 3.0 * work
 
 
-class Worker:
+class LlamaWorker:
     """A persistent measuring child. Use as a context manager; `run` never raises for llama.cpp's failures."""
 
     def __init__(self, log_path: str | Path | None = None, start_timeout: float = 120.0,
@@ -102,7 +102,7 @@ class Worker:
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> Worker:
+    def __enter__(self) -> LlamaWorker:
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
@@ -117,7 +117,7 @@ class Worker:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
-    def start(self) -> Worker:
+    def start(self) -> LlamaWorker:
         """Start the child if none is running, and read its build info."""
         if self.pid is not None:
             return self
@@ -311,7 +311,7 @@ class Worker:
 def measure(model: str | Path, config: LaunchConfig, spec: BenchSpec | None = None,
             timeout: float | None = None, cpus: tuple[int, ...] | None = None) -> Measurement:
     """One trial in a fresh worker."""
-    with Worker(cpus=cpus) as worker:
+    with LlamaWorker(cpus=cpus) as worker:
         return worker.run(model, config, spec, timeout)
 
 

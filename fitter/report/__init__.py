@@ -3,7 +3,7 @@ offline report.html (`page`), read without changing the study (`load`)."""
 
 from __future__ import annotations
 
-from fitter.report.load import ReportError, StudyResult, load_result
+from fitter.report.load import ReportError, StudyResult, load_study_result
 from fitter.report.page import Report, dashboard_command, write_report
 
-__all__ = ["Report", "ReportError", "StudyResult", "dashboard_command", "load_result", "write_report"]
+__all__ = ["Report", "ReportError", "StudyResult", "dashboard_command", "load_study_result", "write_report"]

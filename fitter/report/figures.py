@@ -21,7 +21,7 @@ from fitter.paths import write_atomic
 from fitter.report.load import StudyResult
 from fitter.report.tables import baseline_trial, front
 from fitter.tune.result import speed
-from fitter.tune.trials import measured_devices, predicted_device_bytes, trial_vram
+from fitter.tune.trials import device_peaks, predicted_device_bytes, trial_vram
 from fitter.units import MIB
 
 if TYPE_CHECKING:
@@ -373,7 +373,7 @@ def memory_points(study: optuna.Study) -> list[MemoryPoint]:
         if not predicted:
             continue
         if m.get("outcome") == "ok":
-            measured = measured_devices(m)
+            measured = device_peaks(m)
             if len(predicted) == 1 and len(measured) == 1:  # one device, whatever each side calls it
                 measured = {next(iter(predicted)): next(iter(measured.values()))}
             for dev, p in predicted.items():

@@ -47,7 +47,7 @@ def result_paths(path: Path) -> tuple[Path, Path]:
     return folder, db
 
 
-def load_result(path: Path) -> StudyResult:
+def load_study_result(path: Path) -> StudyResult:
     """Open a results folder's study (whether or not the tune still runs) and its pareto.json when there is one."""
     folder, db = result_paths(path)
     check_study_db(db, "not a fitter study", require_tables=True)

@@ -27,7 +27,7 @@ STATE_WORDS = {TrialState.PRUNED: "screened", TrialState.RUNNING: "running", Tri
                TrialState.FAIL: "fail", TrialState.COMPLETE: "ok"}
 
 
-def measured_devices(m: dict[str, Any] | None) -> dict[str, tuple[int, str]]:
+def device_peaks(m: dict[str, Any] | None) -> dict[str, tuple[int, str]]:
     """Each accelerator's measured memory and where the number comes from: its own peak (NVML, the emulator, the
     simulated machine), else llama.cpp's logged buffers (the parts fitter.tune.result.vram_bytes sums)."""
     m = m or {}
@@ -70,7 +70,7 @@ def _row(t: FrozenTrial) -> dict[str, Any]:
     ua = t.user_attrs
     m = ua.get("measurement")
     predicted = predicted_device_bytes(t)
-    measured = {name: b for name, (b, _) in measured_devices(m).items()}
+    measured = {name: b for name, (b, _) in device_peaks(m).items()}
     return {
         "number": t.number, "state": t.state.name, "phase": ua.get("phase"), "launched": bool(ua.get("launched")),
         "outcome": outcome(t), "reason": ua.get("reason") or "", "pp_ts": speed(m, "pp"), "tg_ts": speed(m, "tg"),

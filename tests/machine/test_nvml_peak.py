@@ -69,10 +69,10 @@ def test_a_real_worker_on_a_cuda_device_has_an_nvml_peak() -> None:
         pytest.skip("no NVIDIA driver")
     from fitter.flags import parse_launch_flags
     from fitter.measure.types import BenchSpec
-    from fitter.measure.worker import Worker
+    from fitter.measure.worker import LlamaWorker
     from tests.models import model_file
 
-    with NvmlPeakSampler() as sampler, Worker() as worker:
+    with NvmlPeakSampler() as sampler, LlamaWorker() as worker:
         m = worker.run(model_file("gpt-oss-tiny"), parse_launch_flags(["-ngl", "all", "-c", "2048"]),
                        BenchSpec(n_prompt=32, n_gen=8, repetitions=1, threads=1))
     assert m.outcome == "ok" and sampler.peaks["CUDA0"] > 0

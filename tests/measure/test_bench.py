@@ -173,9 +173,9 @@ def test_bench_worker_runs_on_the_cpus_it_was_given() -> None:
 def test_worker_child_is_pinned_to_the_given_cpus() -> None:
     import os
 
-    from fitter.measure.worker import Worker
+    from fitter.measure.worker import LlamaWorker
 
-    with Worker(cpus=(0,)) as worker:
+    with LlamaWorker(cpus=(0,)) as worker:
         worker.start()
         assert worker.pid is not None and os.sched_getaffinity(worker.pid) == {0}
 

@@ -20,8 +20,8 @@ from fitter.measure.capdev import (
     STATS_SIZE,
     EmulatedGpuError,
     EmulatedGpuStats,
+    capped_server_argv,
     parse_stats,
-    server_command,
     server_env,
     shim_library,
 )
@@ -60,7 +60,7 @@ def test_parse_stats_reads_the_shims_counters() -> None:
 
 
 def test_server_command_and_environment() -> None:
-    cmd = server_command("127.0.0.1:5000", 1, 77, Path("/lib/x"))
+    cmd = capped_server_argv("127.0.0.1:5000", 1, 77, Path("/lib/x"))
     assert cmd[1:] == [
         "-m", "fitter.measure.capdev", "serve",
         "--endpoint", "127.0.0.1:5000", "--threads", "1", "--parent-pid", "77", "--lib-dir", "/lib/x",

@@ -14,7 +14,7 @@ from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.logs import parse_oom, sum_by
 from fitter.measure.types import BenchSpec, Measurement
-from fitter.measure.worker import Worker, measure
+from fitter.measure.worker import LlamaWorker, measure
 from fitter.memory.devices import rpc_devices
 from fitter.memory.estimator import estimate
 from tests.models import model_file
@@ -52,7 +52,7 @@ def test_ok_measures_prefill_and_decode(tiny: Path) -> None:
 
 
 def test_context_changes_reuse_the_model_and_placement_changes_reload(tiny: Path) -> None:
-    with Worker() as w:
+    with LlamaWorker() as w:
         first = w.run(tiny, parse_launch_flags(["-c", "2048"]), SPEC)
         again = w.run(tiny, parse_launch_flags(["-c", "4096", "-ub", "256"]), SPEC)
         other = w.run(tiny, parse_launch_flags(["-c", "4096", "-ot", "exps=CPU"]), SPEC)
@@ -68,7 +68,7 @@ def test_context_changes_reuse_the_model_and_placement_changes_reload(tiny: Path
 def test_oom_on_the_emulated_gpu_names_the_buffer_and_bytes(tiny: Path) -> None:
     from fitter.measure.emulated_gpu import EmulatedGpu
 
-    with EmulatedGpu(2) as gpu, Worker() as w:  # the weights fit, a 65536-cell KV cache (16 MiB) does not
+    with EmulatedGpu(2) as gpu, LlamaWorker() as w:  # the weights fit, a 65536-cell KV cache (16 MiB) does not
         m = w.run(tiny, parse_launch_flags(["-c", "65536", "-np", "1", "-ngl", "all", "--rpc", gpu.endpoint]), SPEC)
     assert m.outcome == "oom", m.reason
     assert m.pp is None and m.tg is None
@@ -93,7 +93,7 @@ def test_parse_oom_reads_kv_compute_and_cuda_failures() -> None:
 
 
 def test_a_killed_worker_is_a_crash_and_the_next_trial_gets_a_fresh_one(tiny: Path) -> None:
-    with Worker() as w:
+    with LlamaWorker() as w:
         pid = w.start().pid
         assert pid is not None
         killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
@@ -108,7 +108,7 @@ def test_a_killed_worker_is_a_crash_and_the_next_trial_gets_a_fresh_one(tiny: Pa
 
 
 def test_a_trial_past_its_limit_times_out(tiny: Path) -> None:
-    with Worker() as w:
+    with LlamaWorker() as w:
         w.start()
         t0 = time.monotonic()
         m = w.run(tiny, parse_launch_flags(LONG_FLAGS), LONG, timeout=2.0)
@@ -123,7 +123,7 @@ def test_device_buffers_match_the_estimate_as_ngl_changes() -> None:
 
     model = model_file("gpt-oss-tiny")
     spec = load_model_spec(str(model))
-    with EmulatedGpu(64) as gpu, Worker() as w:
+    with EmulatedGpu(64) as gpu, LlamaWorker() as w:
         devices = rpc_devices([gpu.endpoint])
         name = devices[0].name
         reloads = []
@@ -148,7 +148,7 @@ def test_device_buffers_match_the_estimate_as_ngl_changes() -> None:
 def test_a_config_llama_cpp_rejects_raises_and_the_worker_goes_on(tiny: Path) -> None:
     from fitter.measure.types import WorkerError
 
-    with Worker() as w:
+    with LlamaWorker() as w:
         with pytest.raises(WorkerError, match="unknown buffer type"):
             w.run(tiny, parse_launch_flags(["-c", "2048", "-ot", "exps=CUDA0"]), SPEC)
         with pytest.raises(WorkerError, match="holds 512"):  # 4 separate slots of 512 cells

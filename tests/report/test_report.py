@@ -21,7 +21,7 @@ from optuna.trial import TrialState, create_trial
 
 from fitter.cli.results import cmd_report
 from fitter.errors import FitterError
-from fitter.report import dashboard_command, load_result, write_report
+from fitter.report import dashboard_command, load_study_result, write_report
 from fitter.report.figures import FEW_TRIALS
 from fitter.tune.trials import write_trials_csv
 from tests.disks import refused_writes
@@ -146,7 +146,7 @@ def finished_study(folder: Path) -> None:
 def test_finished_study_with_failures_and_screened_trials(tmp_path: Path) -> None:
     folder = tmp_path / "results" / "model" / "machine" / "build"
     finished_study(folder)
-    report = write_report(load_result(folder), folder / "report")
+    report = write_report(load_study_result(folder), folder / "report")
     out = folder / "report"
     check_files(out, ["trials.csv", "pareto.csv", "decode-vs-vram.png", "history-tg.png", "history-pp.png",
                       "history-vram.png", "importance-tg.png", "importance-pp.png", "importance-vram.png",
@@ -198,11 +198,11 @@ def test_a_report_the_disk_refuses_keeps_the_old_files_and_names_the_one(tmp_pat
     folder = tmp_path / "r"
     finished_study(folder)
     out = folder / "report"
-    write_report(load_result(folder), out)
+    write_report(load_study_result(folder), out)
     page = (out / "report.html").read_bytes()
     # the page's temporary file (.report.html.*.tmp): the last of the report's writes
     with refused_writes(out / ".report.html", errno.ENOSPC), pytest.raises(FitterError) as e:
-        write_report(load_result(folder), out)
+        write_report(load_study_result(folder), out)
     assert str(e.value) == f"{out / 'report.html'}: disk full (No space left on device)"
     assert (out / "report.html").read_bytes() == page and not list(out.glob(".*"))  # the old page, no temporary file
 
@@ -211,7 +211,7 @@ def test_dashboard_command_only_when_installed(tmp_path: Path, monkeypatch: pyte
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "optuna_dashboard" else find_spec(name, *a))
-    assert dashboard_command(load_result(tmp_path)) is None
+    assert dashboard_command(load_study_result(tmp_path)) is None
 
 
 # -- a running study: a RUNNING trial, no pareto.json yet ----------------------------------------------------------
@@ -230,7 +230,7 @@ def test_running_study_reports_the_studys_own_front_over_the_baseline_trial(tmp_
     add(s, TrialState.COMPLETE, "tpe", m=measurement(900, 200, 50), params=p(2, 256), predicted_mib=50,
         constraint=5.0)
     add(s, TrialState.RUNNING, "tpe", params=p(4))
-    report = write_report(load_result(tmp_path), tmp_path / "report")
+    report = write_report(load_study_result(tmp_path), tmp_path / "report")
     assert report.front.source == "study"
     front = rows(tmp_path / "report" / "pareto.csv")
     assert [r["trial"] for r in front] == ["base", "0", "1", "2"]
@@ -246,7 +246,7 @@ def test_running_study_reports_the_studys_own_front_over_the_baseline_trial(tmp_
 def test_a_study_with_no_finished_trial_skips_every_figure(tmp_path: Path) -> None:
     s = new_study(tmp_path, ["tg", "pp", "vram"])
     add(s, TrialState.RUNNING, "baseline")
-    report = write_report(load_result(tmp_path), tmp_path / "report")
+    report = write_report(load_study_result(tmp_path), tmp_path / "report")
     assert not list((tmp_path / "report").glob("*.png")) and report.front.rows == []
     assert len(rows(tmp_path / "report" / "trials.csv")) == 1
     assert any(n.startswith("decode vs VRAM: skipped") for n in report.notes)
@@ -263,7 +263,7 @@ def test_single_objective_study(tmp_path: Path) -> None:
     for i, (pp, tg) in enumerate([(400, 110), (450, 130), (300, 120)]):
         add(s, TrialState.COMPLETE, "tpe", m=measurement(pp, tg, None), params=p(i + 2, (256, 512, 1024)[i]))
     add(s, TrialState.FAIL, "tpe", m=measurement(0, 0, None, "timeout"), params=p(8), reason="timeout after 60 s")
-    report = write_report(load_result(tmp_path), tmp_path / "report")
+    report = write_report(load_study_result(tmp_path), tmp_path / "report")
     out = tmp_path / "report"
     check_files(out, ["decode-vs-vram.png", "history-tg.png", "importance-tg.png", "report.html"])
     assert not (out / "history-pp.png").exists() and not (out / "memory.png").exists()
@@ -284,7 +284,7 @@ def test_importances_skipped_when_meaningless(tmp_path: Path, params: list[dict[
     s = new_study(tmp_path, ["tg", "pp"])
     for i, x in enumerate(params):
         add(s, TrialState.COMPLETE, "tpe", m=measurement(400 + i, 100 + i, 10), params=x)
-    report = write_report(load_result(tmp_path), tmp_path / "report")
+    report = write_report(load_study_result(tmp_path), tmp_path / "report")
     assert any(why in n for n in report.notes), report.notes
     assert not list((tmp_path / "report").glob("importance-*.png"))
     assert (tmp_path / "report" / "history-pp.png").is_file()
@@ -295,12 +295,12 @@ def test_importances_skipped_when_meaningless(tmp_path: Path, params: list[dict[
 
 def test_errors_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(FitterError, match=f"{tmp_path / 'nope'}: no such results folder"):
-        load_result(tmp_path / "nope")
+        load_study_result(tmp_path / "nope")
     with pytest.raises(FitterError, match=f"{tmp_path}: no study.db there"):
-        load_result(tmp_path)
+        load_study_result(tmp_path)
     (tmp_path / "study.db").write_text("hello")
     with pytest.raises(FitterError, match=f"{tmp_path / 'study.db'}: not an SQLite database"):
-        load_result(tmp_path)
+        load_study_result(tmp_path)
     (tmp_path / "study.db").unlink()
     con = sqlite3.connect(tmp_path / "study.db")
     con.execute("CREATE TABLE notes (x TEXT)")
@@ -308,21 +308,21 @@ def test_errors_name_the_path(tmp_path: Path) -> None:
     con.close()
     before = (tmp_path / "study.db").read_bytes()
     with pytest.raises(FitterError, match=r"without Optuna's tables \(it has: notes\); not a fitter study"):
-        load_result(tmp_path)
+        load_study_result(tmp_path)
     assert (tmp_path / "study.db").read_bytes() == before  # nothing added to someone else's database
 
 
 def test_an_optuna_study_that_is_not_fitters(tmp_path: Path) -> None:
     optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="other")
     with pytest.raises(FitterError, match=r"study 'other' is not a fitter study \(no model_identity"):
-        load_result(tmp_path / "study.db")
+        load_study_result(tmp_path / "study.db")
     optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="another")
     with pytest.raises(FitterError, match=r"no study named 'fitter' \(studies there: "):
-        load_result(tmp_path)
+        load_study_result(tmp_path)
     (tmp_path / "pareto.json").write_text("{")
     new_study(tmp_path, ["tg"])
     with pytest.raises(FitterError, match=f"{tmp_path / 'pareto.json'}: not a readable pareto.json"):
-        load_result(tmp_path)
+        load_study_result(tmp_path)
 
 
 # -- a real tune result ----------------------------------------------------------------------------------------------
@@ -337,7 +337,7 @@ def test_report_on_a_real_tune_result(tmp_path: Path, llama_tools: dict[str, Pat
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     (pareto,) = (tmp_path / "results").glob("*/*/*/pareto.json")
-    report = write_report(load_result(pareto.parent), pareto.parent / "report")
+    report = write_report(load_study_result(pareto.parent), pareto.parent / "report")
     doc = json.loads(pareto.read_text())
     assert report.front.source == "pareto.json"
     assert [r["trial"] for r in report.front.rows] == ["base", *(e["trial"] for e in doc["pareto"])]
@@ -351,7 +351,7 @@ def test_report_on_a_real_tune_result(tmp_path: Path, llama_tools: dict[str, Pat
 def test_the_report_and_the_tune_write_one_trials_csv(tmp_path: Path) -> None:
     folder = tmp_path / "results" / "model" / "machine" / "build"
     finished_study(folder)
-    result = load_result(folder)
+    result = load_study_result(folder)
     write_report(result, folder / "report")
     tuned = write_trials_csv(tmp_path, result.study)  # what `fitter tune` writes beside study.db
     assert tuned.read_text() == (folder / "report" / "trials.csv").read_text()
@@ -383,6 +383,6 @@ def test_a_study_whose_objectives_are_not_fitters_is_refused(tmp_path: Path) -> 
                  "objectives": ["../../../escape"]}.items():
         study.set_user_attr(k, v)
     with pytest.raises(FitterError) as e:
-        load_result(tmp_path)
+        load_study_result(tmp_path)
     assert str(e.value) == (f"{tmp_path / 'study.db'}: the study records objectives ['../../../escape']; fitter's "
                             "are tg, pp, vram, ctx, tg-stream, ttft")
