@@ -240,9 +240,11 @@ def parse_cpu_mask(mask: str | None, cpu_range: str | None) -> tuple[int, ...] |
     return tuple(sorted(cpus)) or None
 
 
+# A draft model's settings besides its path (fitter.flags.draft)
+DRAFT_FIELDS = ("draft_n_gpu_layers", "draft_overrides", "draft_cache_type_k", "draft_cache_type_v", "spec_type",
+                "spec_draft_n_max", "spec_draft_n_min")
 # Fields added after keys were recorded, left out of `recorded_repr` at their defaults
-_LATER_FIELDS = ("split_mode", "draft_model", "draft_n_gpu_layers", "draft_overrides", "draft_cache_type_k",
-                 "draft_cache_type_v", "spec_type", "spec_draft_n_max", "spec_draft_n_min")
+_LATER_FIELDS = ("split_mode", "draft_model", *DRAFT_FIELDS)
 
 
 def recorded_repr(config: LaunchConfig) -> str:

@@ -14,17 +14,14 @@ from __future__ import annotations
 import dataclasses
 
 from fitter.errors import LaunchConfigError
-from fitter.flags.config import LaunchConfig
+from fitter.flags.config import DRAFT_FIELDS, LaunchConfig
 from fitter.flags.consumers import consumer
 from fitter.flags.overrides import override_flags
 
-SPEC_TYPES = ("none", "draft-simple")  # of common/speculative.cpp's types, the ones fitter models
-# The others (draft-eagle3, draft-mtp, draft-dflash, draft-dspark, ngram-*): their memory (an MTP context on the
+# Of common/speculative.cpp's types fitter models none and draft-simple; the others' memory (an MTP context on the
 # target's weights, an n-gram cache) is not modelled
 OTHER_SPEC_TYPES = ("draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple", "ngram-map-k",
                     "ngram-map-k4v", "ngram-mod", "ngram-cache")
-DRAFT_FIELDS = ("draft_n_gpu_layers", "draft_overrides", "draft_cache_type_k", "draft_cache_type_v", "spec_type",
-                "spec_draft_n_max", "spec_draft_n_min")
 # llama-server's vocabulary check for draft-simple (common/speculative.cpp common_speculative_are_compatible)
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
 

@@ -121,8 +121,8 @@ class ModelSpec:
     n_embd_r: int = 0  # llama_hparams::n_embd_r / n_embd_s: a recurrent layer's conv and SSM state per sequence
     n_embd_s: int = 0
     skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
-    # The draft model llama-server loads beside this one (`-md`, read at the edge: fitter.memory.draft), whose
-    # buffers every estimate of a config with `-md` adds
+    # The draft model llama-server loads beside this one (`-md`, its header read at the edge: `with_draft`), whose
+    # buffers every estimate of a config with `-md` adds (fitter.memory.estimator)
     draft: ModelSpec | None = None
     # What every command prints about this model ("fitter: warning: …"), e.g. an architecture fitter has not matched
     warnings: tuple[str, ...] = field(default=(), compare=False)

@@ -14,7 +14,7 @@ from fitter.measure.runner import TrialRunner, with_rpc
 from fitter.measure.types import BenchSpec
 from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.estimator import estimate
-from fitter.workload import prompts_problem
+from fitter.workload import measure_problem
 
 
 def bench(model: str, spec: ModelSpec, config: LaunchConfig, bench_spec: BenchSpec, runner: TrialRunner,
@@ -26,10 +26,9 @@ def bench(model: str, spec: ModelSpec, config: LaunchConfig, bench_spec: BenchSp
     if runner.backend == "llama-server":
         server_flags(config)  # a program llama-server cannot stand in for stops here, before anything starts
     workload = getattr(runner, "workload", None)  # a WorkloadRunner's: its prompts are sent as text
-    prompts = workload.prompts.file if workload is not None and workload.prompts is not None else None
-    if (problem := prompts_problem(workload, runner.backend) if workload is not None else None) is not None:
-        raise LaunchConfigError(problem)
-    if (problem := measuring_problem(config, runner.backend, prompts)) is not None:
+    problem = (measure_problem(workload, config, runner.backend) if workload is not None
+               else measuring_problem(config, runner.backend))
+    if problem is not None:
         raise LaunchConfigError(problem)
     with runner:
         config = with_rpc(config, runner.rpc)

@@ -196,7 +196,6 @@ def measure_server(
             return _measure_prompts(binary, proc, port, flags, spec, timeout, vocab_size, log_path, t0, load_s)
         # token ids from the byte range every generated vocabulary has; deterministic
         depth_tokens = [(7 * i) % (vocab_size - 10) + 10 for i in range(n_depth)]
-        prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(n_prompt)]
         decode_prompt = depth_tokens or [10]
         try:
             if n_depth:
@@ -205,8 +204,7 @@ def measure_server(
             tg: list[float] = []
             for r in range(-1, repetitions):  # r = -1: the warm-up, not recorded
                 if n_prompt:
-                    # a different first new token each time: the slot keeps the depth prefix but prefills all p tokens
-                    new = [(prompt[0] + r + 2) % (vocab_size - 10) + 10, *prompt[1:]]
+                    new = _prefill_tokens(n_prompt, vocab_size, r)  # the slot keeps the depth prefix only
                     out = _post(port, "/completion", completion_request(depth_tokens + new, 1), timeout)
                     if r >= 0:
                         pp.append(float(out["timings"]["prompt_per_second"]))
@@ -217,11 +215,7 @@ def measure_server(
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             rc, outcome, reason = _request_failed(proc, e, log_path, timeout)
             return _failed(outcome, reason, log_path.read_text(errors="replace"), t0, spec, flags, rc)
-        log = log_path.read_text(errors="replace")
-        return Measurement("ok", "", spec, tuple(flags), _stats(n_prompt, n_depth, pp) if pp else None,
-                           _stats(n_gen, n_depth, tg) if tg else None, buffers=tuple(parse_buffer_lines(log)),
-                           load_s=load_s, wall_s=time.perf_counter() - t0, llama_cpp=server_build(binary),
-                           peak_rss=peak_rss(proc.pid), log=log[-3000:])
+        return _measured(binary, proc, flags, spec, log_path, t0, load_s, pp, tg)
     finally:
         if proc is not None:
             process.stop(proc)
@@ -234,15 +228,14 @@ def _measure_prompts(binary: str, proc: subprocess.Popen[bytes], port: int, flag
     decodes -n tokens after every prompt, greedily (a speculation's acceptance then depends on the text alone), and
     its rate is their tokens over their time. The drafted and accepted tokens llama-server reports (`draft_n`,
     `draft_n_accepted`, tools/server/server-common.cpp) are summed over the recorded repetitions."""
-    prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(spec.n_prompt)]
     pp: list[float] = []
     tg: list[float] = []
     drafted = accepted = 0
     try:
         for r in range(-1, spec.repetitions):  # r = -1: the warm-up (the first prompt), not recorded
             if spec.n_prompt:
-                new = [(prompt[0] + r + 2) % (vocab_size - 10) + 10, *prompt[1:]]
-                out = _post(port, "/completion", completion_request(new, 1), timeout)
+                out = _post(port, "/completion", completion_request(_prefill_tokens(spec.n_prompt, vocab_size, r), 1),
+                            timeout)
                 if r >= 0:
                     pp.append(float(out["timings"]["prompt_per_second"]))
             tokens, ms = 0, 0.0
@@ -265,11 +258,26 @@ def _measure_prompts(binary: str, proc: subprocess.Popen[bytes], port: int, flag
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
         rc, outcome, reason = _request_failed(proc, e, log_path, timeout)
         return _failed(outcome, reason, log_path.read_text(errors="replace"), t0, spec, flags, rc)
+    return _measured(binary, proc, flags, spec, log_path, t0, load_s, pp, tg,
+                     drafted=(drafted, accepted) if drafted else None)
+
+
+def _prefill_tokens(n: int, vocab_size: int, r: int) -> list[int]:
+    """The -p synthetic tokens of repetition `r` (-1: the warm-up), ids from the byte range every generated
+    vocabulary has: a different first token each time, so a slot that keeps a cached prefix prefills all n."""
+    prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(n)]
+    return [(prompt[0] + r + 2) % (vocab_size - 10) + 10, *prompt[1:]] if prompt else []
+
+
+def _measured(binary: str, proc: subprocess.Popen[bytes], flags: list[str], spec: BenchSpec, log_path: Path,
+              t0: float, load_s: float, pp: list[float], tg: list[float],
+              drafted: tuple[int, int] | None = None) -> Measurement:
+    """A trial that ran: its speeds at the spec's depth, the buffers llama-server logged, its build and peak RSS."""
     log = log_path.read_text(errors="replace")
-    return Measurement("ok", "", spec, tuple(flags), _stats(spec.n_prompt, 0, pp) if pp else None,
-                       _stats(spec.n_gen, 0, tg), buffers=tuple(parse_buffer_lines(log)), load_s=load_s,
-                       wall_s=time.perf_counter() - t0, llama_cpp=server_build(binary), peak_rss=peak_rss(proc.pid),
-                       log=log[-3000:], drafted=(drafted, accepted) if drafted else None)
+    return Measurement("ok", "", spec, tuple(flags), _stats(spec.n_prompt, spec.n_depth, pp) if pp else None,
+                       _stats(spec.n_gen, spec.n_depth, tg) if tg else None, buffers=tuple(parse_buffer_lines(log)),
+                       load_s=load_s, wall_s=time.perf_counter() - t0, llama_cpp=server_build(binary),
+                       peak_rss=peak_rss(proc.pid), log=log[-3000:], drafted=drafted)
 
 
 def _measure_streams(binary: str, proc: subprocess.Popen[bytes], port: int, flags: list[str], spec: BenchSpec,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fitter.flags import ContextParams
 from fitter.memory.estimator import MemoryPlan
 from fitter.memory.fit import FitResult
 from fitter.memory.fit_devices import expert_layers
@@ -22,16 +23,7 @@ def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
             "tensor_bytes": spec.tensor_bytes,
             "identity": spec.identity,
         },
-        "context": {
-            "n_ctx": plan.context.n_ctx,
-            "n_ctx_seq": plan.context.n_ctx_seq,
-            "n_seq_max": plan.context.n_seq_max,
-            "kv_unified": plan.context.n_stream == 1,
-            "n_batch": plan.context.n_batch,
-            "n_ubatch": plan.context.n_ubatch,
-            "flash_attn": plan.context.flash_attn,
-            "swa_full": plan.context.swa_full,
-        },
+        "context": _context_json(plan.context),
         "devices": {
             name: {"model": t.model, "kv": t.kv, "compute": t.compute, "output": t.output, "total": t.total,
                    **_overhead_json(plan, name)}
@@ -60,6 +52,11 @@ def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def _context_json(ctx: ContextParams) -> dict[str, Any]:
+    return {"n_ctx": ctx.n_ctx, "n_ctx_seq": ctx.n_ctx_seq, "n_seq_max": ctx.n_seq_max, "kv_unified": ctx.n_stream == 1,
+            "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch, "flash_attn": ctx.flash_attn, "swa_full": ctx.swa_full}
+
+
 def _draft_json(draft: MemoryPlan) -> dict[str, Any]:
     """The draft model (-md): what it is, its context and its tensors' buffer types; its buffers are the plan's
     ones marked "model": "draft", and the devices' totals count them."""
@@ -67,9 +64,7 @@ def _draft_json(draft: MemoryPlan) -> dict[str, Any]:
     return {
         "model": {"path": spec.path, "arch": spec.arch, "n_params": spec.n_params, "tensor_bytes": spec.tensor_bytes,
                   "identity": spec.identity},
-        "context": {"n_ctx": ctx.n_ctx, "n_ctx_seq": ctx.n_ctx_seq, "n_seq_max": ctx.n_seq_max,
-                    "kv_unified": ctx.n_stream == 1, "n_batch": ctx.n_batch, "n_ubatch": ctx.n_ubatch,
-                    "n_outputs_max": ctx.n_outputs_max, "flash_attn": ctx.flash_attn},
+        "context": {**_context_json(ctx), "n_outputs_max": ctx.n_outputs_max},
         "tensors": [{"name": p.tensor.name, "buft": p.buft} for p in draft.placements],
     }
 

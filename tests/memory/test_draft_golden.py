@@ -7,7 +7,6 @@ compared apart, each as test_golden compares them (model, KV and output to the l
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
@@ -17,11 +16,17 @@ import pytest
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
-from fitter.memory.devices import CPU_AVX2, rpc_devices
+from fitter.memory.devices import CPU_AVX2
 from fitter.memory.estimator import MemoryPlan, estimate
+from tests.memory.test_golden import (
+    MIB,
+    _by_kind,
+    assert_all_but_compute_exact,
+    assert_compute_within_5_percent,
+    device_target,
+)
 from tests.models import model_file
 
-MIB = 1024 * 1024
 _DIR = Path(__file__).resolve().parents[1] / "golden"
 GOLDENS = {p.stem: json.loads(p.read_text()) for p in (_DIR / "draft.json", _DIR / "draft-rpc.json",
                                                         _DIR / "draft-rpc2.json")}
@@ -31,31 +36,15 @@ IDS = [f"{name}:{c['id']}" for name, c in CASES]
 
 @cache
 def _spec(model: str, draft: str) -> ModelSpec:
-    return replace(load_model_spec(str(model_file(model))), draft=load_model_spec(str(model_file(draft))))
+    return load_model_spec(str(model_file(model)), str(model_file(draft)))
 
 
 @cache
 def _plan(golden: str, case_id: str) -> MemoryPlan:
     case = next(c for c in GOLDENS[golden]["cases"] if c["id"] == case_id)
-    flags = [*case["flags"], "-md", str(model_file(case["draft"])), "-fit", "off"]
-    devices: tuple[Any, ...] = ()
-    device = GOLDENS[golden].get("device")
-    if device is not None and device["kind"] == "rpc-multi":  # several emulated GPUs: each one's free memory its cap
-        flags += ["--rpc", ",".join(device["endpoints"])]
-        devices = tuple(replace(d, total_bytes=cap * MIB, free_bytes=cap * MIB)
-                        for d, cap in zip(rpc_devices(device["endpoints"]), device["caps_mib"], strict=True))
-    elif device is not None:
-        endpoint = device["endpoint"]
-        flags = [f.replace("{rpc}", f"RPC0[{endpoint}]") for f in flags] + ["--rpc", endpoint]
-        devices = rpc_devices([endpoint])
+    flags, devices = device_target(GOLDENS[golden].get("device"),
+                                   [*case["flags"], "-md", str(model_file(case["draft"])), "-fit", "off"])
     return estimate(_spec(case["model"], case["draft"]), parse_launch_flags(flags), devices, CPU_AVX2)
-
-
-def _by_kind(buffers: list[tuple[str, str, float]]) -> dict[tuple[str, str], list[float]]:
-    out: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for buft, kind, mib in buffers:
-        out[(buft, kind)].append(mib)
-    return dict(out)
 
 
 def _estimated(plan: MemoryPlan, model: str) -> dict[tuple[str, str], list[float]]:
@@ -75,21 +64,14 @@ def test_every_case_loaded_and_logged_a_draft() -> None:
 @pytest.mark.parametrize(("model", "logged"), [("", "buffers"), ("draft", "draft_buffers")], ids=["model", "draft"])
 def test_model_kv_and_output_buffers_match_llama_server_exactly(golden: str, case: dict[str, Any], model: str,
                                                                 logged: str) -> None:
-    est, gold = _estimated(_plan(golden, case["id"]), model), _logged(case[logged])
-    assert {k: [round(x, 2) for x in v] for k, v in est.items() if k[1] != "compute"} == {
-        k: v for k, v in gold.items() if k[1] != "compute"}
+    assert_all_but_compute_exact(_estimated(_plan(golden, case["id"]), model), _logged(case[logged]))
 
 
 @pytest.mark.parametrize(("golden", "case"), CASES, ids=IDS)
 @pytest.mark.parametrize(("model", "logged"), [("", "buffers"), ("draft", "draft_buffers")], ids=["model", "draft"])
 def test_compute_buffers_within_5_percent(golden: str, case: dict[str, Any], model: str, logged: str) -> None:
-    est, gold = _estimated(_plan(golden, case["id"]), model), _logged(case[logged])
-    gold_compute = {k: v for k, v in gold.items() if k[1] == "compute"}
-    est_compute = {k: v for k, v in est.items() if k[1] == "compute" and (k in gold_compute or v != [0.0])}
-    assert est_compute.keys() == gold_compute.keys()
-    for key, (g,) in gold_compute.items():
-        (e,) = est_compute[key]
-        assert abs(e - g) <= 0.05 * g + 0.005, f"{key}: estimated {e:.2f} MiB, llama-server {g:.2f} MiB"
+    assert_compute_within_5_percent(_estimated(_plan(golden, case["id"]), model), _logged(case[logged]),
+                                    "llama-server")
 
 
 @pytest.mark.parametrize(("golden", "case"), CASES, ids=IDS)
