@@ -1,8 +1,9 @@
 """fitter's command line: thin commands over the library; FitterError → one line on stderr and exit code 2.
 
 Imports stay light (no optuna, pandas or llama_cpp when the parser is built): `fitter estimate` must finish in well
-under a second. Each command module registers its own subparser; the llama.cpp flags a command passes on are the
-ones fitter.flags registered, and every other option a command registered is fitter's own (`own_options`).
+under a second. Each command module registers its own subparser; the llama.cpp flags it takes are the ones
+fitter.flags registered (fitter.flags.parse.add_launch_arguments), parsed with the rest and read from the namespace
+(fitter.cli.common.launch_args), which also records which of them were given.
 """
 
 from __future__ import annotations
@@ -13,15 +14,13 @@ import sys
 from typing import NoReturn
 
 from fitter import __version__
-from fitter.cli.common import llama_flags, own_options
 from fitter.errors import FitterError
-from fitter.flags.vocabulary import launch_flags, speculative_flag, unmodelled_speculation
+from fitter.flags.vocabulary import speculative_flag, unmodelled_speculation
 
 # The modules that register the commands, and the commands each registers: a command line naming one of them builds
 # only that module's parsers, so `fitter estimate` does not import what `fitter tune` needs.
 COMMANDS = {"estimate": ("estimate",), "fit": ("fit",), "bench": ("bench",), "tune": ("tune",), "grid": ("grid",),
             "results": ("export", "report"), "check": ("check",), "misc": ("machines", "demo-model", "probe")}
-_LAUNCH = {name for f in launch_flags() for name in f.names}  # passed on; everything else a command takes is its own
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,21 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fitter: error: {unmodelled_speculation(draft)}", file=sys.stderr)
         return 2
     parser = build_parser(argv)
-    ns = parser.parse_args(argv)
-    command = next(p for name, p in _subparsers(parser).items() if name == ns.command)
-    flags = llama_flags(argv, getattr(ns, "model", None), own_options(command, _LAUNCH))
     try:
-        result: int = ns.func(ns, flags)
+        ns = parser.parse_args(argv)  # a rule flag's value is read as it is parsed (-ncmoe x: one line, exit 2)
+        result: int = ns.func(ns)
         return result
     except FitterError as e:
         print(f"fitter: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}

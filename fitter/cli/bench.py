@@ -64,14 +64,14 @@ def _listed(snapshot: MachineSnapshot, ns: argparse.Namespace) -> MachineSnapsho
     return listed_by(snapshot, binary)
 
 
-def cmd_bench(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_bench(ns: argparse.Namespace) -> int:
     from fitter.machine.snapshot import gpus_now, take_snapshot
     from fitter.measure.bench import bench
     from fitter.measure.render import bench_table
     from fitter.measure.served import WorkloadRunner
     from fitter.measure.types import BenchSpec
 
-    config, process = launch_args(ns, flags)  # bad flags stop here, before any process starts
+    config, process = launch_args(ns)  # bad flags stop here, before any process starts
     workload, config = workload_from_args(ns, config)
     model = model_path(ns.model)
     spec = load_model(model, config)

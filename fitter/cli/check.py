@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from fitter.measure.runner import RunnerFactory
 
 
-def cmd_check(ns: argparse.Namespace, flags: list[str], runner_factory: RunnerFactory | None = None) -> int:
+def cmd_check(ns: argparse.Namespace, runner_factory: RunnerFactory | None = None) -> int:
     """0 when the pick holds, 1 with the diff when it fell or no longer fits (a FitterError becomes the CLI's exit
     code 2). `runner_factory` defaults to what the result was tuned on (fitter.tune.check.runner_factory_for)."""
     from fitter.machine.snapshot import gpus_now, take_snapshot

@@ -88,18 +88,12 @@ def load_model(path: str, config: LaunchConfig | None = None) -> ModelSpec:
     return spec
 
 
-def launch_args(ns: argparse.Namespace, flags: list[str]) -> tuple[LaunchConfig, ProcessFlags]:
+def launch_args(ns: argparse.Namespace) -> tuple[LaunchConfig, ProcessFlags]:
     """The llama.cpp flags parsed once, at the edge: the launch config and the process-level flags. A draft model's
     path is made absolute, as the model's is, so results and exports name the same file from anywhere."""
-    config = launch_config_from_args(ns, flags)
+    config = launch_config_from_args(ns)
     if config.draft_model and not Path(config.draft_model).is_absolute():
-        import dataclasses
-
-        from fitter.flags.parse import without
-
-        absolute = str(Path(config.draft_model).resolve())
-        config = dataclasses.replace(config, draft_model=absolute,
-                                     flags=(*without(config.flags, "draft_model"), "-md", absolute))
+        config = config.with_given(draft_model=str(Path(config.draft_model).resolve()))
     return config, process_flags_from_args(ns)
 
 
@@ -177,33 +171,3 @@ def add_projection(parser: argparse.ArgumentParser) -> None:
                         help="auto: the memory fitter has no rules for on the model's architecture (its KV cache, "
                         "compute buffers) comes from llama.cpp's own projection of each config (llama-fit-params "
                         "of --llama-cpp DIR or of the pinned tools); never: take fitter's guess")
-
-
-def own_options(parser: argparse.ArgumentParser, launch: set[str]) -> dict[str, int]:
-    """fitter's own options of a command (every option it registered that is not a llama.cpp launch flag), with
-    how many values each takes: what `llama_flags` leaves out."""
-    out: dict[str, int] = {}
-    for action in parser._actions:
-        for option in action.option_strings:
-            if option not in launch:
-                out[option] = 0 if action.nargs == 0 else 1
-    return out
-
-
-def llama_flags(argv: list[str], model: str | None, own: dict[str, int]) -> list[str]:
-    """The llama.cpp flags as given: the command, the model path and fitter's own options dropped."""
-    out, i = [], 1  # argv[0] is the command
-    while i < len(argv):
-        a = argv[i]
-        if a in own:
-            i += 1 + own[a]
-            continue
-        if a.startswith("--") and a.split("=", 1)[0] in own:  # `--for=llama-cli`: the value is in the token
-            i += 1
-            continue
-        if a == model:
-            model = None  # drop its first occurrence only
-        else:
-            out.append(a)
-        i += 1
-    return out

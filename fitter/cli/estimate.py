@@ -21,11 +21,11 @@ from fitter.cli.common import (
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments
 
 
-def cmd_estimate(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_estimate(ns: argparse.Namespace) -> int:
     from fitter.memory.estimator import estimate
     from fitter.memory.render import plan_json, plan_table
 
-    config, _ = launch_args(ns, flags)
+    config, _ = launch_args(ns)
     spec = load_model(model_path(ns.model), config)
     devices, cpu = devices_and_cpu(ns, config)
     plan = estimate(spec, config, devices, cpu)
@@ -53,6 +53,7 @@ def _projection(ns: argparse.Namespace, spec: Any, config: Any, devices: Any, cp
                                                                                                   list[str]]:
     """The build's own projection (`llama-fit-params --fit-print on`) beside fitter's estimate of the same reading
     of the flags (fitter.measure.projection): JSON and the table's lines."""
+    from fitter.flags import pin
     from fitter.measure.llama_build import find_build
     from fitter.measure.projection import compare, project, tool_estimate
 
@@ -60,8 +61,9 @@ def _projection(ns: argparse.Namespace, spec: Any, config: Any, devices: Any, cp
     if build.llama_fit_params is None:
         warn(f"{build.folder}: no llama-fit-params, so no projection of the build's own to compare with")
         return {"source": None, "llama_cpp": build.build(), "devices": {}}, []
-    proj = project(build.llama_fit_params, spec.path, list(config.flags))
-    ours = tool_estimate(spec, list(config.flags), devices, cpu)
+    flags = pin(config, given=True)
+    proj = project(build.llama_fit_params, spec.path, flags)
+    ours = tool_estimate(spec, flags, devices, cpu)
     lines = [f"the build's own projection ({proj.command}), beside fitter's estimate of the flags as that tool reads "
              "them (-np streams, logits for a ubatch; the build's MiB are floored, and its host model leaves out "
              "repacked weights):", *compare(ours, proj.devices)]

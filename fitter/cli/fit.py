@@ -27,11 +27,11 @@ from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, parse
 from fitter.memory.devices import Device
 
 
-def cmd_fit(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_fit(ns: argparse.Namespace) -> int:
     from fitter.memory.fit import fit
     from fitter.memory.render import fit_json, fit_table
 
-    config, _ = launch_args(ns, flags)
+    config, _ = launch_args(ns)
     targets = parse_fit_targets(ns.fit_target)
     model = model_path(ns.model)
     spec = load_model(model, config)

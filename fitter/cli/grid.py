@@ -21,7 +21,7 @@ from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, add_process
 from fitter.memory.budgets import parse_fit_targets
 
 
-def cmd_grid(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_grid(ns: argparse.Namespace) -> int:
     from fitter.machine.snapshot import take_snapshot
     from fitter.tune.record import landscape_table, record_landscape
     from fitter.tune.session import TuneOptions
@@ -32,7 +32,7 @@ def cmd_grid(ns: argparse.Namespace, flags: list[str]) -> int:
         raise FitterError("--cpu-only and --emulated-gpu: give one")
     if ns.max_runs is not None and ns.max_runs < 1:
         raise FitterError(f"--max-runs {ns.max_runs}: give at least 1")
-    config, process = launch_args(ns, flags)  # bad flags stop here, before anything starts
+    config, process = launch_args(ns)  # bad flags stop here, before anything starts
     workload, config = workload_from_args(ns, config)
     if not workload.is_default_shape:
         raise FitterError(f"fitter grid records one test per config: {workload.label()} has several depths or "

@@ -11,14 +11,14 @@ from typing import Any
 from fitter.errors import FitterError
 
 
-def cmd_machines(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_machines(ns: argparse.Namespace) -> int:
     from fitter.sim import machines_table
 
     print(machines_table())
     return 0
 
 
-def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_demo_model(ns: argparse.Namespace) -> int:
     from fitter.gguf.demo_models import SHAPES, demo_model_path, write_model
 
     if ns.shape not in SHAPES:
@@ -35,7 +35,7 @@ def cmd_demo_model(ns: argparse.Namespace, flags: list[str]) -> int:
     return 0
 
 
-def cmd_probe(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_probe(ns: argparse.Namespace) -> int:
     from fitter.machine.probe import probe, probe_json, probe_table
 
     result = probe()

@@ -16,7 +16,7 @@ from fitter.tune.result import POLICIES
 from fitter.units import MIB
 
 
-def cmd_export(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_export(ns: argparse.Namespace) -> int:
     """The pick for a launcher. A format read by another program than the one the result was tuned for (or
     `--for`) is re-planned for it first: what changed goes with the export, and a plan over the recorded budget is
     refused with the excess unless --force."""
@@ -73,7 +73,7 @@ def _result_model(doc: Any, override: str | None) -> Any:
     return spec
 
 
-def cmd_report(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_report(ns: argparse.Namespace) -> int:
     """`fitter report RESULT [--out DIR] [--json]`."""
     import optuna
 

@@ -85,7 +85,7 @@ def _stopping(stop: threading.Event, out: Stderr) -> None:
     os.write(sys.stderr.fileno(), ("\n" if was else "").encode() + line.encode())
 
 
-def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
+def cmd_tune(ns: argparse.Namespace) -> int:
     """The first Ctrl-C lets the running trial end (it is kept), stops the search and exits 130 saying how to
     resume (the same command); a second one stops at once."""
     from fitter.export.launchers import render
@@ -98,7 +98,7 @@ def cmd_tune(ns: argparse.Namespace, flags: list[str]) -> int:
         raise FitterError(f"--trials {ns.trials}: give at least 1")
     if ns.confirm_rounds < 1:
         raise FitterError(f"--confirm-rounds {ns.confirm_rounds}: give at least 1 (2 or more for intervals and ties)")
-    config, process = launch_args(ns, flags)  # bad flags stop here, before anything starts
+    config, process = launch_args(ns)  # bad flags stop here, before anything starts
     workload, config = workload_from_args(ns, config, tune=True)
     model = model_path(ns.model)
     spec = load_model(model, config)

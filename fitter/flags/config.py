@@ -8,7 +8,7 @@ and reports each one as a warning.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fitter.errors import LaunchConfigError
 from fitter.flags.consumers import DEFAULT_CONSUMER, consumer
@@ -83,7 +83,14 @@ class LaunchConfig:
     spec_type: str = "none"  # --spec-type: none (the draft is loaded, nothing drafts) | draft-simple
     spec_draft_n_max: int = 3  # --spec-draft-n-max: tokens drafted per step (the target reserves logits for them)
     spec_draft_n_min: int = 0  # --spec-draft-n-min
-    flags: tuple[str, ...] = field(default=(), compare=False)  # the flags as the user gave them
+    # The fields a flag set (the rest are the program's defaults): what `pin(config, given=True)` writes back, so
+    # the flags a user gave and the config fitter runs cannot disagree. Not part of equality: two configs that
+    # allocate alike are alike however they were spelled.
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    def with_given(self, **changes: object) -> LaunchConfig:
+        """This config with `changes` made as flags added on the command line would make them: recorded as given."""
+        return replace(self, **changes, given=self.given | set(changes))  # type: ignore[arg-type]
 
     @property
     def mmap(self) -> bool:
@@ -249,8 +256,9 @@ _LATER_FIELDS = ("split_mode", "draft_model", *DRAFT_FIELDS)
 
 def recorded_repr(config: LaunchConfig) -> str:
     """repr(config) as keys recorded before `split_mode` and the draft's fields existed spell it: each is left out at
-    its default (`-sm layer`, no draft), so seeded simulations and recorded landscapes keep matching (fitter.sim)."""
-    text = repr(config)
+    its default (`-sm layer`, no draft), so seeded simulations and recorded landscapes keep matching (fitter.sim);
+    `flags=()` closes it, as when a config carried its flags' tokens (keys were recorded without them)."""
+    text = repr(config)[:-1] + ", flags=())"
     defaults = LaunchConfig()
     for name in _LATER_FIELDS:
         value = getattr(defaults, name)

@@ -112,8 +112,8 @@ def retarget(config: Any, name: str) -> Any:
     if not c.outputs_per_slot and config.draft_model:  # the C API's programs load no draft model: it is left out
         from fitter.flags.draft import without_draft
 
-        return dataclasses.replace(without_draft(config), consumer=name, **changes)
-    return dataclasses.replace(config, consumer=name, **changes)
+        return dataclasses.replace(without_draft(config).with_given(**changes), consumer=name)
+    return dataclasses.replace(config.with_given(**changes), consumer=name)
 
 
 def _spelling(field: str) -> str:
@@ -123,18 +123,12 @@ def _spelling(field: str) -> str:
     return names[0] if names else field
 
 
-def _given(config: Any) -> set[str]:
-    from fitter.flags.parse import fields_given  # parse imports this module
-
-    return fields_given(config.flags)
-
-
 def with_bench_context(config: Any, n_tokens: int) -> Any:
     """llama-bench sizes its context as p + n + d (`to_llama_cparams`): for `--for llama-bench` without -c, the
     measured run's tokens are the context."""
-    if config.consumer != "llama-bench" or "ctx_size" in _given(config):
+    if config.consumer != "llama-bench" or "ctx_size" in config.given:
         return config
-    return dataclasses.replace(config, ctx_size=n_tokens)
+    return config.with_given(ctx_size=n_tokens)
 
 
 def server_flags(config: Any) -> list[str]:
@@ -144,5 +138,8 @@ def server_flags(config: Any) -> list[str]:
     if not consumer(config.consumer).outputs_per_slot:
         raise LaunchConfigError(f"--for {config.consumer}: llama-server cannot run the C API's memory rules "
                                 "(logits for a whole ubatch); measure with fitter's worker (no --llama-server)")
-    given = "parallel" in _given(config)
-    return [*config.flags, *([] if given or config.consumer == DEFAULT_CONSUMER else ["-np", str(config.parallel)])]
+    from fitter.flags.pin import pin  # pin reads LaunchConfig, whose module imports this one
+
+    given = "parallel" in config.given
+    return [*pin(config, given=True),
+            *([] if given or config.consumer == DEFAULT_CONSUMER else ["-np", str(config.parallel)])]

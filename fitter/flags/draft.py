@@ -16,7 +16,6 @@ import dataclasses
 from fitter.errors import LaunchConfigError
 from fitter.flags.config import DRAFT_FIELDS, LaunchConfig
 from fitter.flags.consumers import consumer
-from fitter.flags.overrides import override_flags
 
 # Of common/speculative.cpp's types fitter models none and draft-simple; the others' memory (an MTP context on the
 # target's weights, an n-gram cache) is not modelled
@@ -35,7 +34,7 @@ def validate_draft(config: LaunchConfig) -> None:
             raise LaunchConfigError("--spec-type draft-simple without -md: draft-simple requires a draft context "
                                     "(common/speculative.cpp); give the draft model with -md FILE")
         if given:
-            raise LaunchConfigError(f"{_spelling(given, config.flags)}: a draft model's setting without -md; give "
+            raise LaunchConfigError(f"{_spelling(given, config.given)}: a draft model's setting without -md; give "
                                     "the draft model with -md FILE, or leave the flag out")
         return
     if not consumer(config.consumer).outputs_per_slot:
@@ -48,7 +47,8 @@ def validate_draft(config: LaunchConfig) -> None:
 def without_draft(config: LaunchConfig) -> LaunchConfig:
     """`config` with no draft model: every draft field at its default."""
     defaults = LaunchConfig()
-    return dataclasses.replace(config, draft_model="", **{name: getattr(defaults, name) for name in DRAFT_FIELDS})
+    return dataclasses.replace(config, draft_model="", **{name: getattr(defaults, name) for name in DRAFT_FIELDS},
+                               given=config.given - {"draft_model", *DRAFT_FIELDS})
 
 
 def draft_context_config(config: LaunchConfig, n_ctx: int) -> LaunchConfig:
@@ -58,30 +58,7 @@ def draft_context_config(config: LaunchConfig, n_ctx: int) -> LaunchConfig:
     return dataclasses.replace(
         without_draft(config), ctx_size=n_ctx, n_gpu_layers=config.draft_n_gpu_layers,
         overrides=config.draft_overrides, cache_type_k=config.draft_cache_type_k,
-        cache_type_v=config.draft_cache_type_v, fit=False, flags=())
-
-
-def draft_flags(config: LaunchConfig) -> list[str]:
-    """The draft's flags as llama-server spells them, every setting pinned (empty without a draft)."""
-    if not config.draft_model:
-        return []
-    ngl = config.draft_n_gpu_layers
-    flags = ["-md", config.draft_model, "-ngld", "all" if ngl < 0 else str(ngl)]
-    for name, value in override_pairs(config):
-        flags += [name, value]
-    flags += ["-ctkd", config.draft_cache_type_k, "-ctvd", config.draft_cache_type_v, "--spec-type", config.spec_type]
-    if config.spec_type != "none":
-        flags += ["--spec-draft-n-max", str(config.spec_draft_n_max), "--spec-draft-n-min",
-                  str(config.spec_draft_n_min)]
-    return flags
-
-
-def override_pairs(config: LaunchConfig) -> list[tuple[str, str]]:
-    """The draft's tensor-override rules as (flag, value): `-ncmoed N` for the leading rules it stands for, then
-    `-otd` with the rest (fitter.flags.overrides.override_flags, with the draft's spellings)."""
-    flags = override_flags(config.draft_overrides)
-    spelled = {"-ncmoe": "-ncmoed", "-ot": "-otd"}
-    return [(spelled[flags[i]], flags[i + 1]) for i in range(0, len(flags), 2)]
+        cache_type_v=config.draft_cache_type_v, fit=False, given=frozenset())
 
 
 def draft_notes(config: LaunchConfig, target_vocab: int, draft_vocab: int, inferred: str | None = None) -> list[str]:
@@ -91,9 +68,7 @@ def draft_notes(config: LaunchConfig, target_vocab: int, draft_vocab: int, infer
     draft-dflash from a dflash one, common_speculative_types_from_gguf) and one draft-simple refuses by its
     vocabulary size (the token texts it also compares are not in a model spec: common/speculative.cpp
     common_speculative_are_compatible)."""
-    from fitter.flags.parse import fields_given
-
-    if inferred is not None and "spec_type" not in fields_given(config.flags):
+    if inferred is not None and "spec_type" not in config.given:
         raise LaunchConfigError(
             f"-md {config.draft_model}: without --spec-type llama-server speculates with {inferred}, which its header "
             f"asks for (common/arg.cpp common_speculative_types_from_gguf), and fitter does not model {inferred}'s "
@@ -109,15 +84,13 @@ def draft_notes(config: LaunchConfig, target_vocab: int, draft_vocab: int, infer
     return []
 
 
-def _spelling(fields: list[str], flags: tuple[str, ...]) -> str:
-    """The first flag the user gave that sets one of `fields`, as spelled; else the first field's own flag."""
-    from fitter.flags.vocabulary import BY_NAME, names_of
+def _spelling(fields: list[str], given: frozenset[str]) -> str:
+    """The flags of the first of `fields` a flag set (else of the first field), as llama-server spells them first:
+    `-ctkd`, or `-cmoed/-ncmoed/-otd` for the draft's rules."""
+    from fitter.flags.vocabulary import FLAGS
 
-    for token in flags:
-        f = BY_NAME.get(token.split("=", 1)[0])
-        if f is not None and f.field in fields:
-            return token.split("=", 1)[0]
-    return names_of(fields[0])[0]
+    field = next((f for f in fields if f in given), fields[0])
+    return "/".join(f.canonical for f in FLAGS if f.field == field)
 
 
 def measuring_problem(config: LaunchConfig, backend: str, prompts: str | None = None) -> str | None:

@@ -60,10 +60,19 @@ def with_bufts(overrides: tuple[TensorOverride, ...], names: Mapping[str, str]) 
 
 
 def override_flags(overrides: tuple[TensorOverride, ...], separator: str = ",") -> list[str]:
-    """`-ncmoe N` for the leading rules it stands for, then `-ot` with the rest joined by `separator` (llama-server
-    splits one -ot on `,`; llama-bench on `;`, as `,` separates its configs)."""
-    n, rules = split_ncmoe(overrides)
-    flags = ["-ncmoe", str(n)] if n else []
-    if rules:
-        flags += ["-ot", separator.join(f"{r.pattern}={r.buft}" for r in rules)]
+    """The rules in command-line order: `-ncmoe N` for each run of the rules it stands for (layers 0…N-1), `-ot` with
+    the others between them joined by `separator` (llama-server splits one -ot on `,`; llama-bench on `;`, as `,`
+    separates its configs). Read back, the list is the same rules in the same order."""
+    flags: list[str] = []
+    rest = list(overrides)
+    while rest:
+        n, after = split_ncmoe(tuple(rest))
+        if n:
+            flags += ["-ncmoe", str(n)]
+            rest = after
+            continue
+        others = []
+        while rest and split_ncmoe((rest[0],))[0] == 0:
+            others.append(rest.pop(0))
+        flags += ["-ot", separator.join(f"{r.pattern}={r.buft}" for r in others)]
     return flags

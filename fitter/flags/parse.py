@@ -14,7 +14,7 @@ from typing import Any
 from fitter.errors import LaunchConfigError
 from fitter.flags.config import LaunchConfig, ProcessFlags, TensorOverride, validate
 from fitter.flags.consumers import CONSUMER_NAMES, DEFAULT_CONSUMER, apply_defaults
-from fitter.flags.overrides import CPU_MOE_RULE, ncmoe_rules
+from fitter.flags.overrides import CPU_MOE_RULE, ncmoe_rules, split_ncmoe
 from fitter.flags.vocabulary import BARE, BY_NAME, BY_SPACE_KEY, Flag, Kind, Level, launch_flags, process_flags
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
@@ -28,7 +28,7 @@ class _AppendOverride(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        rules: list[TensorOverride] = list(getattr(ns, self.dest) or [])
+        rules: list[TensorOverride] = list(getattr(ns, self.dest, None) or [])
         kind = BY_NAME[self.option_strings[0]].kind
         if kind is Kind.RULE_SWITCH:
             rules.append(CPU_MOE_RULE)
@@ -67,7 +67,7 @@ class _Merge(argparse.Action):
                  option_string: str | None = None) -> None:
         merge = BY_NAME[self.option_strings[0]].merge
         assert merge is not None
-        setattr(ns, self.dest, merge(getattr(ns, self.dest), values))
+        setattr(ns, self.dest, merge(getattr(ns, self.dest, _DEFAULTS[self.dest]), values))
 
 
 def _add(target: Any, f: Flag, default: Any, help_text: str | None = None) -> None:
@@ -81,17 +81,19 @@ def _add(target: Any, f: Flag, default: Any, help_text: str | None = None) -> No
     elif f.kind is Kind.SWITCH:
         target.add_argument(*f.names, dest=f.field, action="store_true", default=default, help=text)
     elif f.kind is Kind.NEGATION:
-        target.add_argument(*f.names, dest=f.field, action="store_false", help=text)
+        target.add_argument(*f.names, dest=f.field, action="store_false", default=default, help=text)
     elif f.kind is Kind.CONST:
-        target.add_argument(*f.names, dest=f.field, action="store_const", const=f.const, help=text)
+        target.add_argument(*f.names, dest=f.field, action="store_const", const=f.const, default=default,
+                            help=text)
     else:  # RULE, RULE_SWITCH: one ordered list (the target's, the draft's)
-        target.add_argument(*f.names, dest=f.field, action=_AppendOverride,
+        target.add_argument(*f.names, dest=f.field, action=_AppendOverride, default=default,
                             nargs=0 if f.kind is Kind.RULE_SWITCH else None, metavar=f.metavar, help=text)
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag a LaunchConfig holds, as llama-server spells it; flags that set one field are exclusive. Plus
-    fitter's own `--for PROGRAM`: whose defaults and memory rules the flags are read with."""
+    fitter's own `--for PROGRAM`: whose defaults and memory rules the flags are read with. A launch field is in the
+    parsed namespace only when a flag set it (argparse.SUPPRESS): which fields were given is the namespace's."""
     parser.add_argument("--for", dest="consumer", choices=CONSUMER_NAMES, default=DEFAULT_CONSUMER,
                         metavar="PROGRAM", help="the program that will run the config: " + " | ".join(CONSUMER_NAMES)
                         + " (default llama-server); its defaults and memory rules apply")
@@ -105,9 +107,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
             target = groups[f.field]
         else:
             target = g
-        default = None if f.field == "kv_unified" else _DEFAULTS[f.field]  # None: llama-server decides
-        _add(target, f, default)
-    parser.set_defaults(**dict.fromkeys(_RULE_FIELDS))
+        _add(target, f, argparse.SUPPRESS)
 
 
 def add_process_arguments(parser: argparse.ArgumentParser | Any, help_text: dict[str, str] | None = None,
@@ -118,14 +118,16 @@ def add_process_arguments(parser: argparse.ArgumentParser | Any, help_text: dict
             _add(parser, f, None, (help_text or {}).get(f.canonical))
 
 
-def launch_config_from_args(ns: argparse.Namespace, flags: Sequence[str], check: bool = True) -> LaunchConfig:
-    """The LaunchConfig of parsed arguments (`flags`: the llama.cpp flags as the user gave them), with the
-    defaults of the program `--for` names where no flag set a field."""
-    values = {name: getattr(ns, name) for name in _FIELDS}
+def launch_config_from_args(ns: argparse.Namespace, check: bool = True) -> LaunchConfig:
+    """The LaunchConfig of parsed arguments (add_launch_arguments), with the defaults of the program `--for` names
+    where no flag set a field, and the fields flags set recorded as given."""
+    # a flag that set its field to nothing (`-ts ,`, `--rpc ,`, `-md ""`) gave nothing a writer could repeat
+    given = {name for name in _FIELDS if hasattr(ns, name) and getattr(ns, name) not in ((), "")}
+    values: dict[str, Any] = {name: getattr(ns, name, _DEFAULTS[name]) for name in _FIELDS}
     for name in _RULE_FIELDS:
         values[name] = tuple(values[name] or ())
-    values = apply_defaults(values, fields_given(flags), getattr(ns, "consumer", None) or DEFAULT_CONSUMER)
-    config = LaunchConfig(**values, flags=tuple(flags))
+    values = apply_defaults(values, given, getattr(ns, "consumer", None) or DEFAULT_CONSUMER)
+    config = LaunchConfig(**values, given=frozenset(given))
     if check:  # False: leave llama.cpp's own rules to llama.cpp (golden data records what it does)
         validate(config)
     return config
@@ -151,7 +153,7 @@ def parse_launch_flags(flags: Sequence[str], consumer: str = DEFAULT_CONSUMER, c
     add_launch_arguments(parser)
     ns = parser.parse_args(_joined(flags))
     ns.consumer = consumer
-    return launch_config_from_args(ns, flags, check)
+    return launch_config_from_args(ns, check)
 
 
 def _joined(flags: Sequence[str]) -> list[str]:
@@ -174,20 +176,6 @@ def parse_flags(flags: Sequence[str], consumer: str = DEFAULT_CONSUMER) -> tuple
     """A full llama-server flag list (a trial's, a result's): its LaunchConfig and its process-level flags."""
     launch, _ = split_process_flags(flags, "the flags")
     return parse_launch_flags(launch, consumer), process_flags_of(flags)
-
-
-def fields_given(flags: Sequence[str]) -> set[str]:
-    """The LaunchConfig fields a flag list sets (what a program's defaults must not replace), in every spelling
-    argparse accepts: `-c 4096`, `--ctx-size=4096`, `-c=4096`, `-c4096`."""
-    out = set()
-    for token in flags:
-        if not token.startswith("-") or token == "-":
-            continue
-        name = token.split("=", 1)[0]
-        f = BY_NAME.get(name) or (BY_NAME.get(token[:2]) if not token.startswith("--") else None)
-        if f is not None:
-            out.add(f.field)
-    return out
 
 
 def process_flags_of(flags: Sequence[str]) -> ProcessFlags:
@@ -254,14 +242,21 @@ def without(flags: Sequence[str], field: str) -> list[str]:
             for t in tokens]
 
 
+def searched_flags(flags: Sequence[str], fixed: Sequence[str]) -> list[str]:
+    """A trial's flags less the ones its fixed flags have (each flag with its value): what its search chose."""
+    kept = {tuple(tokens) for _, tokens in flag_groups(fixed)}
+    return [t for _, tokens in flag_groups(flags) if tuple(tokens) not in kept for t in tokens]
+
+
 def has_flag(flags: Sequence[str], field: str) -> bool:
     return any(name in BY_NAME and BY_NAME[name].field == field for name, _ in flag_groups(flags))
 
 
-def with_params(config: LaunchConfig, params: dict[str, Any]) -> LaunchConfig:
+def with_params(config: LaunchConfig, params: dict[str, Any], check: bool = True) -> LaunchConfig:
     """`config` with search-space parameters applied (keys: llama.cpp's long flag names, as a search space has
     them; process-level keys such as threads are not a LaunchConfig's and are refused), each value read as
-    llama.cpp reads that flag's, tensor-override rules appended after the config's own (as on a command line)."""
+    llama.cpp reads that flag's, tensor-override rules appended after the config's own (as on a command line),
+    each field recorded as given; `check`: llama.cpp's rules too (fitter.flags.config.validate)."""
     changes: dict[str, Any] = {}
     overrides = list(config.overrides)
     for key, value in params.items():
@@ -272,9 +267,24 @@ def with_params(config: LaunchConfig, params: dict[str, Any]) -> LaunchConfig:
             overrides.extend(ncmoe_rules(int(value)))
         else:
             changes[f.field] = f.parse(str(value)) if f.parse is not None else str(value)
-    out = dataclasses.replace(config, **changes, overrides=tuple(overrides))
-    validate(out)
+    if len(overrides) != len(config.overrides):
+        changes["overrides"] = tuple(overrides)
+    out = config.with_given(**changes)
+    if check:
+        validate(out)
     return out
+
+
+def fixed_space_keys(config: LaunchConfig) -> set[str]:
+    """The search-space keys the flags given fix (they leave the search): each given field's key, and n-cpu-moe where
+    the given rules place experts as `-cmoe` or `-ncmoe` do, `-ncmoe 0` too (an `-ot` of other tensors leaves it
+    searched)."""
+    keys = {f.space_key for f in launch_flags() if f.space_key and f.field in config.given and f.kind is Kind.VALUE}
+    rules = config.overrides if "overrides" in config.given else ()
+    if "overrides" in config.given and (not rules or CPU_MOE_RULE in rules
+                                         or any(split_ncmoe(rules[i:])[0] for i in range(len(rules)))):
+        keys.add("n-cpu-moe")
+    return keys
 
 
 def with_endpoint(flags: Sequence[str], old: str, new: str) -> list[str]:

@@ -40,15 +40,16 @@ _LOG_ERROR, _LOG_CONT = 4, 5  # ggml.h enum ggml_log_level (llama-cpp-python's _
 
 
 def config_to_json(config: LaunchConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+    return {**dataclasses.asdict(config), "given": sorted(config.given)}
 
 
 def config_from_json(data: dict[str, Any]) -> LaunchConfig:
     data = dict(data)
     for key in ("overrides", "draft_overrides"):
         data[key] = tuple(TensorOverride(o["pattern"], o["buft"]) for o in data.get(key, ()))
-    for key in ("tensor_split", "rpc", "flags"):
+    for key in ("tensor_split", "rpc"):
         data[key] = tuple(data.get(key, ()))
+    data["given"] = frozenset(data.get("given", ()))
     return LaunchConfig(**data)
 
 

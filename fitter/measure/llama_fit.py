@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fitter.errors import FitterError
-from fitter.flags.parse import flag_groups
+from fitter.flags.config import LaunchConfig
+from fitter.flags.parse import flag_groups, parse_launch_flags
 from fitter.flags.vocabulary import FLAGS, Kind, Level, flag, names_of
 from fitter.measure import process
 from fitter.measure.tools import tools_dir
@@ -47,7 +48,7 @@ __all__ = [
     "TOOL",
     "LlamaFit",
     "LlamaFitError",
-    "baseline_flags",
+    "baseline_config",
     "find_llama_fit_params",
     "fit_env",
     "fit_flags",
@@ -262,35 +263,22 @@ _FIXED = {"-c": names_of("ctx_size"), "-ngl": names_of("n_gpu_layers"), "-ts": n
 _FIT_INPUTS = frozenset(names_of("fit") + tuple(n for f in FLAGS if f.level is Level.FIT for n in f.names))
 
 
-def _printed(flags: Sequence[str]) -> dict[str, str]:
-    """The fit's printed args (`-c N -ngl N [-ts …] [-ot …]`, each with a value) by flag."""
+def _printed(flags: Sequence[str]) -> list[str]:
+    """The fit's printed args (`-c N -ngl N [-ts …] [-ot …]`, each with a value)."""
     if len(flags) % 2 or not all(f in _FIXED for f in flags[::2]):
         raise LlamaFitError(f"llama.cpp's fit printed {shlex.join(flags)!r}: expected pairs of -c, -ngl, -ts, -ot")
-    return dict(zip(flags[::2], flags[1::2], strict=True))
+    return list(flags)
 
 
-def baseline_flags(fit: LlamaFit, user_flags: list[str]) -> list[str]:
-    """The flags of the baseline trial: the user's fixed flags, with what the fit decided filled in.
+def baseline_config(fit: LlamaFit, base: LaunchConfig) -> LaunchConfig:
+    """The baseline trial's config: the user's, with what the fit decided filled in.
 
     As llama.cpp's fit only sets what the user left unset, the user's own `-c N` (N > 0), `-ngl`, `-ts` and `-ot` /
     `-ncmoe` / `-cmoe` stay, and the fit's `-c` (which also replaces a `-c 0`: the context the fit resolved, or
-    shrank to with `-fitc`), `-ngl`, `-ts` and `-ot` fill the gaps, in that order after the user's flags. The fit's
-    inputs (`-fit`, `-fitt`, `-fitc`) are dropped and `-fit off` pins the placement. `-b`, `-ub`, `-ctk`, `-ctv`,
-    `-fa`, `-np` and threads are not added: they stay at llama-server's defaults unless the user gave them.
-    """
+    shrank to with `-fitc`), `-ngl`, `-ts` and `-ot` fill the gaps; `-fit off` pins the placement. `-b`, `-ub`,
+    `-ctk`, `-ctv`, `-fa`, `-np` and threads are not added: they stay at llama-server's defaults unless the user gave
+    them."""
     printed = _printed(fit.flags)
-    out: list[str] = []
-    given: set[str] = set()
-    for name, tokens in flag_groups(user_flags):
-        if name in _FIT_INPUTS:
-            continue
-        key = next((k for k, names in _FIXED.items() if name in names), None)
-        if key == "-c" and tokens[-1].split("=", 1)[-1] == "0" and "-c" in printed:
-            tokens = [name, printed["-c"]]
-        if key is not None:
-            given.add(key)
-        out += tokens
-    for key in _FIXED:
-        if key in printed and key not in given:
-            out += [key, printed[key]]
-    return [*out, "-fit", "off"]
+    fitted = parse_launch_flags(printed, base.consumer, check=False)
+    kept = {name for name in base.given if name != "ctx_size" or base.ctx_size > 0}
+    return base.with_given(**{name: getattr(fitted, name) for name in fitted.given - kept}, fit=False)

@@ -74,7 +74,7 @@ def with_rpc(config: LaunchConfig, endpoints: tuple[str, ...]) -> LaunchConfig:
     """`config` with the runner's RPC endpoints added, as `--rpc` on its command line would add them."""
     if not endpoints or config.rpc == endpoints:
         return config
-    return replace(config, rpc=endpoints, flags=(*config.flags, "--rpc", ",".join(endpoints)))
+    return config.with_given(rpc=endpoints)
 
 
 def emulated_caps(emulated_gpu_mib: int | tuple[int, ...] | None) -> tuple[int, ...]:

@@ -45,7 +45,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from fitter.flags import LaunchConfig
+from fitter.flags import LaunchConfig, pin
 from fitter.flags.vocabulary import MODEL_LEVEL
 from fitter.machine.rss import peak_rss, reset_peak_rss
 from fitter.measure import process
@@ -255,7 +255,7 @@ class LlamaWorker:
         reply = self._exchange(request, t0 + timeout)
         wall = time.monotonic() - t0
         log = self._log_since(offset)
-        base = Measurement("ok", "", spec=spec, flags=config.flags, wall_s=round(wall, 3),
+        base = Measurement("ok", "", spec=spec, flags=tuple(pin(config, given=True)), wall_s=round(wall, 3),
                            llama_cpp=dict(self._info), log=log)
         if isinstance(reply, str):
             proc = self._proc
@@ -298,7 +298,7 @@ class LlamaWorker:
         oom = parse_oom(log)
         if oom is not None:
             return replace(base, outcome="oom", reason=f"{describe_oom(oom)} ({error})", oom=oom)
-        raise WorkerError(f"llama.cpp rejected {' '.join(config.flags) or 'the config'}: {error}")
+        raise WorkerError(f"llama.cpp rejected {' '.join(pin(config, given=True)) or 'the config'}: {error}")
 
     def close_child(self) -> None:
         """End the current child (a fresh one starts on the next trial)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fitter.flags import ContextParams
+from fitter.flags import ContextParams, pin
 from fitter.memory.estimator import MemoryPlan
 from fitter.memory.fit import FitResult
 from fitter.memory.fit_devices import expert_layers
@@ -95,7 +95,8 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
         f"context n_ctx {ctx.n_ctx} ({ctx.n_seq_max} slot{'s' if ctx.n_seq_max > 1 else ''}, "
         f"{'unified' if ctx.n_stream == 1 else 'per-slot'} KV of {ctx.n_ctx_seq} cells), -b {ctx.n_batch}, "
         f"-ub {ctx.n_ubatch}, flash attention {'on' if ctx.flash_attn else 'off'}",
-        f"flags   {' '.join(plan.config.flags) or f'({plan.config.consumer} defaults)'}  (for {plan.config.consumer})",
+        f"flags   {' '.join(pin(plan.config, given=True)) or f'({plan.config.consumer} defaults)'}  "
+        f"(for {plan.config.consumer})",
     ]
     if plan.draft is not None:
         draft, dctx = plan.draft.model, plan.draft.context

@@ -27,7 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from fitter.errors import LaunchConfigError
-from fitter.flags import LaunchConfig, parse_flags
+from fitter.flags import LaunchConfig, parse_flags, pin
 from fitter.flags.config import recorded_repr
 from fitter.flags.consumers import with_bench_context
 from fitter.flags.vocabulary import MODEL_LEVEL
@@ -54,7 +54,7 @@ class NotRecorded(WorkerError):
 def config_key(config: LaunchConfig, threads: int, threads_batch: int) -> str:
     """A config as the replay matches it: the parsed launch config (flags as typed, RPC endpoints ignored: an emulated
     GPU listens on a fresh port each time) and its threads."""
-    text = recorded_repr(replace(config, flags=(), rpc=()))
+    text = recorded_repr(replace(config, rpc=()))
     for endpoint in config.rpc:
         text = text.replace(endpoint, "<rpc>")
     return f"{text}|t{threads}|tb{threads_batch}"
@@ -115,7 +115,7 @@ class ReplayRunner:
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: MemoryPlan | None = None) -> TrialResult:
         land, b = self.landscape, self.landscape.bench
-        shown = " ".join(config.flags) or "the config"
+        shown = " ".join(pin(config, given=True)) or "the config"
         # a test left out (-n 0: a prefill-only trial whose decode is pooled, fitter.tune.pooling) is not replayed
         if (spec.n_prompt or b["p"], spec.n_gen or b["n"], spec.n_depth) != (b["p"], b["n"], b["d"]):
             raise WorkerError(f"replay: {land.path} was recorded with -p {b['p']} -n {b['n']} -d {b['d']}, this "
@@ -143,7 +143,7 @@ class ReplayRunner:
         wall = float(run.get("wall_s") or 0.0) - recorded_load + load_s
         oom = run.get("oom")
         m = Measurement(
-            run["outcome"], run.get("reason", ""), spec=spec, flags=config.flags,
+            run["outcome"], run.get("reason", ""), spec=spec, flags=tuple(pin(config, given=True)),
             oom=OomInfo(oom.get("stage", "unknown"), oom.get("buft"), oom.get("bytes")) if oom else None,
             buffers=tuple(LoggedBuffer(x["buft"], x["kind"], x["bytes"] / MIB) for x in run.get("buffers", [])),
             load_s=round(load_s, 3), reused_model=reused, peak_rss=run.get("peak_rss"),

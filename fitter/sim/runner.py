@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from fitter.errors import FitterError
-from fitter.flags import LaunchConfig
+from fitter.flags import LaunchConfig, pin
 from fitter.flags.config import recorded_repr
 from fitter.flags.consumers import DEFAULT_CONSUMER
 from fitter.flags.vocabulary import MODEL_LEVEL
@@ -81,7 +81,7 @@ class SimRunner:
         try:
             return estimate(self.spec, config, self.devices(), self.cpu_profile())
         except FitterError as e:
-            raise WorkerError(f"llama.cpp rejected {' '.join(config.flags) or 'the config'}: {e}") from e
+            raise WorkerError(f"llama.cpp rejected {' '.join(pin(config, given=True)) or 'the config'}: {e}") from e
 
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: MemoryPlan | None = None) -> TrialResult:
@@ -96,8 +96,8 @@ class SimRunner:
         upload_s = sum(b.bytes / (m.gpu_of(b.device).pcie_gbps * 1e9) for b in plan.buffers
                        if b.kind == "model" and b.device != CPU)
         load_s = 0.0 if reused else sum(self.spec.shard_sizes) / (m.disk_gbps * 1e9) + upload_s
-        base = Measurement("ok", "", spec=spec, flags=config.flags, load_s=round(load_s, 3), wall_s=round(load_s, 3),
-                           reused_model=reused, llama_cpp=self.build())
+        base = Measurement("ok", "", spec=spec, flags=tuple(pin(config, given=True)), load_s=round(load_s, 3),
+                           wall_s=round(load_s, 3), reused_model=reused, llama_cpp=self.build())
         failed = out_of_memory(m, plan)
         if failed is not None:
             self._loaded = None if failed[0].stage == "model" else key  # a failed context leaves the model loaded
@@ -146,7 +146,7 @@ class SimRunner:
         tg_s = decode_seconds(m, plan, spec)  # every stream's -n tokens, a token of each per step
         # the config, however its flags were spelled; llama-server's configs keep the key they had before a config
         # named its program (`consumer`) or its split mode (`-sm`), so seeded figures recorded then reproduce
-        config_key = recorded_repr(replace(plan.config, flags=())).replace(f", consumer='{DEFAULT_CONSUMER}'", "")
+        config_key = recorded_repr(plan.config).replace(f", consumer='{DEFAULT_CONSUMER}'", "")
 
         run_key = f"{config_key}|t{spec.threads}|tb{tb}"
         run = self._runs.get(run_key, 0)

@@ -12,9 +12,9 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from fitter.errors import LaunchConfigError
-from fitter.flags import LaunchConfig, parse_flags
-from fitter.flags.parse import flag_value, has_flag, parse_launch_flags, with_endpoint, with_endpoints, without
-from fitter.measure.llama_fit import LlamaFit, LlamaFitError, baseline_flags, run_llama_fit
+from fitter.flags import ProcessFlags, parse_flags, pin, validate
+from fitter.flags.parse import flag_value, with_endpoint, with_endpoints
+from fitter.measure.llama_fit import LlamaFit, LlamaFitError, baseline_config, run_llama_fit
 from fitter.memory.devices import Device, rpc_device_name
 from fitter.memory.estimator import estimate
 from fitter.tune.fleet import measured
@@ -49,7 +49,7 @@ def on_these_devices(req: TuneRequest, flags: list[str]) -> list[str]:
     """Recorded baseline flags name the RPC endpoint of the run that measured them; when this run's devices are its
     own (fitter's emulated GPU on a fresh port, not a `--rpc` the user gave), they move to this run's endpoint."""
     old = flag_value(flags, "rpc")
-    if not (old and req.rpc and not has_flag(req.fixed_flags, "rpc")):
+    if not (old and req.rpc and "rpc" not in req.base.given):
         return list(flags)
     olds = old.split(",")
     if len(olds) != len(req.rpc):
@@ -119,7 +119,7 @@ def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, 
     """The baseline as a trial (llama.cpp's fit on the devices, llama-server's defaults otherwise), or None, why
     there is none and the line that says so. `fitter tune` launches it as trial 0; `fitter grid` records it as a
     point."""
-    flags = list(req.fixed_flags)
+    config = req.base
     if req.devices:
         if tool is None or unavailable is not None:
             why = (f"llama.cpp's fit cannot run here: {unavailable}" if unavailable is not None else
@@ -134,22 +134,19 @@ def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, 
             return None, why, f"{why}: no baseline, so no ratios over llama.cpp's own choice"
         # the deployed context, explicitly: the fit must place the model for the context every trial runs with
         # (with -c 0 llama-fit-params resolves a context of its own, not llama-server's)
-        n_ctx = estimate(req.spec, req.base, (), req.cpu).context.n_ctx
-        flags = [*without(flags, "ctx_size"), "-c", str(n_ctx)]
+        config = config.with_given(ctx_size=estimate(req.spec, req.base, (), req.cpu).context.n_ctx)
         try:
-            fitted = _llama_fit(tool, req, flags, targets, fit_devices)
+            fitted = _llama_fit(tool, req, pin(config, given=True), targets, fit_devices)
         except LlamaFitError as e:
             return None, str(e), f"llama.cpp's --fit failed, no baseline: {e}"
-        base_flags = baseline_flags(fitted, flags)
-        if req.rpc and "--rpc" not in base_flags:
-            base_flags += ["--rpc", ",".join(req.rpc)]
-        # the fit tool's answer, read once, as the program tuned for runs it
-        config: LaunchConfig = parse_launch_flags(base_flags, req.base.consumer)
-    else:
-        base_flags, config = flags, req.base
+        config = baseline_config(fitted, config)  # the fit tool's answer, read once
+        if req.rpc and not config.rpc:
+            config = config.with_given(rpc=req.rpc)
+        validate(config)
     threads = req.default_threads
+    process = ProcessFlags(threads, threads)
     return Candidate({}, config, replace(req.bench, threads=threads, threads_batch=threads),
-                     (*base_flags, "-t", str(threads), "-tb", str(threads))), "", ""
+                     tuple(pin(config, process=process, given=True))), "", ""
 
 
 def replay_baseline(req: TuneRequest, tuner: Tuner, flags: list[str] | None, reason: str | None,

@@ -24,6 +24,7 @@ from typing import Any
 from optuna.distributions import distribution_to_json
 
 from fitter.errors import FitterError
+from fitter.flags import pin
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.memory.budgets import check_target_count
 from fitter.paths import safe_name
@@ -147,7 +148,7 @@ def _header(o: TuneOptions, req: TuneRequest, target: Any, build: dict[str, Any]
         cpu_profile=req.cpu, space=req.space_source,
         distributions={k: _choices(d) for k, d in req.distributions.items()},
         optuna={k: distribution_to_json(d) for k, d in req.distributions.items()},
-        fixed_flags=tuple(o.base.flags), consumer=o.base.consumer, rounds=rounds, seed=o.seed, points=())
+        fixed_flags=tuple(pin(o.base, given=True)), consumer=o.base.consumer, rounds=rounds, seed=o.seed, points=())
 
 
 def _check_same(old: Landscape, new: Landscape, path: Path) -> None:

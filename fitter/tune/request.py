@@ -11,15 +11,14 @@ from typing import Any
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
 from fitter.errors import FitterError, LaunchConfigError
-from fitter.flags import LaunchConfig, ProcessFlags
-from fitter.flags.overrides import override_flags
-from fitter.flags.parse import has_flag, with_params, without
+from fitter.flags import LaunchConfig, ProcessFlags, pin, validate
+from fitter.flags.parse import with_params
 from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.types import BenchSpec
 from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.projected import Projects
 from fitter.tune.screen import Budgets
-from fitter.tune.space import is_valid_combination, params_to_flags
+from fitter.tune.space import is_valid_combination
 from fitter.tune.split import ORDER, apply_split, is_split_key, last_experts_rule, read_split
 from fitter.workload import Workload
 
@@ -48,7 +47,7 @@ class TuneError(FitterError):
 class TuneRequest:
     model: str
     spec: ModelSpec
-    base: LaunchConfig  # the user's llama.cpp flags (context, slots, anything not searched), parsed; .flags as given
+    base: LaunchConfig  # the user's llama.cpp flags (context, slots, anything not searched), parsed; .given: theirs
     distributions: dict[str, BaseDistribution]  # the resolved search space, llama.cpp long flag names
     devices: tuple[Device, ...]
     budgets: Budgets
@@ -74,7 +73,8 @@ class TuneRequest:
 
     @property
     def fixed_flags(self) -> tuple[str, ...]:
-        return self.base.flags
+        """The user's flags as fitter writes them back (the fields they set)."""
+        return tuple(pin(self.base, given=True))
 
 
 @dataclass
@@ -116,43 +116,35 @@ def candidate(req: TuneRequest, params: dict[str, Any]) -> Candidate:
             last = last_experts_rule(req.spec, int(searched["n-cpu-moe"]))
             if last is not None:
                 del searched["n-cpu-moe"]
-    fixed = list(req.fixed_flags)
     extra: dict[str, Any] = {}
     ctx = searched.pop(CTX_KEY, None)
     if ctx is not None:  # in the place of the -c min_ctx the base was given (fitter.workload.searched_context)
-        fixed = [*without(fixed, "ctx_size"), "-c", str(ctx)]
         extra["ctx_size"] = int(ctx)
-    flags = [*fixed, *params_to_flags(searched)]
-    if last is not None:
-        flags += override_flags((last,))
-    if req.spec.n_expert and "n-gpu-layers" not in params and not has_flag(req.fixed_flags, "n_gpu_layers"):
-        flags += ["-ngl", "all"]  # experts placed explicitly: every layer on the GPU, as the seeds' recipe
-        extra["n_gpu_layers"] = -2
+    if req.spec.n_expert and "n-gpu-layers" not in params and "n_gpu_layers" not in req.base.given:
+        extra["n_gpu_layers"] = -2  # experts placed explicitly: every layer on the GPU, as the seeds' recipe
     endpoint = None
-    if req.rpc and not has_flag(req.fixed_flags, "rpc"):
+    if req.rpc and "rpc" not in req.base.given:
         endpoint = ",".join(req.rpc)
-        flags += ["--rpc", endpoint]
         extra["rpc"] = req.rpc
-    config, error = LaunchConfig(), None
-    try:
-        config = with_params(replace(req.base, **extra), searched)
-        if last is not None:
-            config = replace(config, overrides=(*config.overrides, last))
-        if spread:  # on several devices: -ts or -sm none -mg, and each device's expert rules (fitter.tune.split)
-            config, placed = apply_split(req.spec, req.devices, config,
-                                         read_split(spread, len(req.devices), req.spec.n_layer))
-            flags += placed
-    except LaunchConfigError as e:  # llama.cpp would refuse it: screened out like a config that does not fit
-        error = str(e)
-    launch = tuple(flags)
     threads = int(params.get("threads", req.default_threads))
     threads_batch = int(params.get("threads-batch", req.bench.threads_batch or threads))
-    flags += ["-t", str(threads), "-tb", str(threads_batch)]
     spec = replace(req.bench, threads=threads, threads_batch=threads_batch)
-    if error is not None:
-        return Candidate(dict(params), LaunchConfig(), spec, tuple(flags), error=error, endpoint=endpoint)
-    config = replace(config, flags=launch)
-    return Candidate(dict(params), config, spec, tuple(flags), endpoint=endpoint)
+    process = ProcessFlags(threads, threads_batch)
+    try:
+        config = with_params(req.base.with_given(**extra), searched, check=False)
+    except LaunchConfigError as e:  # a value llama.cpp cannot read: the base's flags and the values, refused
+        shown = (*pin(req.base, given=True), *(f"--{k}={v}" for k, v in searched.items()), *process.flags())
+        return Candidate(dict(params), LaunchConfig(), spec, shown, error=str(e), endpoint=endpoint)
+    if last is not None:
+        config = config.with_given(overrides=(*config.overrides, last))
+    if spread:  # on several devices: -ts or -sm none -mg, and each device's expert rules (fitter.tune.split)
+        config = apply_split(req.spec, req.devices, config, read_split(spread, len(req.devices), req.spec.n_layer))
+    flags = tuple(pin(config, process=process, given=True))  # the one writer: what the trial records and runs
+    try:
+        validate(config)
+    except LaunchConfigError as e:  # llama.cpp would refuse it: screened out like a config that does not fit
+        return Candidate(dict(params), LaunchConfig(), spec, flags, error=str(e), endpoint=endpoint)
+    return Candidate(dict(params), config, spec, flags, endpoint=endpoint)
 
 
 def combos(req: TuneRequest) -> list[dict[str, Any]]:

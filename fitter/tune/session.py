@@ -32,9 +32,8 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 
 from fitter.errors import FitterError
-from fitter.flags import LaunchConfig, ProcessFlags, placement_flags
-from fitter.flags.parse import flag_groups, has_flag
-from fitter.flags.vocabulary import fixing
+from fitter.flags import LaunchConfig, ProcessFlags, pin, placement_flags
+from fitter.flags.parse import fixed_space_keys, searched_flags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.llama_build import LlamaCppBuild
@@ -151,16 +150,15 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
         distributions = resolve(space, n_layer=o.spec.n_layer, physical_cores=target.physical_cores,
                                 performance_cores=target.performance_cores, expert_layers=expert_layers(o.spec))
         source = space.source
-    given = {name for name, _ in flag_groups(o.base.flags)}  # `--n-gpu-layers=20` too
-    distributions = {k: d for k, d in distributions.items() if not given & set(fixing(k))}
+    fixed = fixed_space_keys(o.base)
+    distributions = {k: d for k, d in distributions.items() if k not in fixed}
     if "n-cpu-moe" not in distributions:  # the flags place the experts (or there are none): nothing to order
         distributions.pop(split.ORDER, None)
     if o.workload.min_ctx and target.distributions is None:  # the context as a trade: searched, a Pareto axis
         contexts = context_choices(o.workload.min_ctx, o.spec.n_ctx_train)
         distributions = {CTX_KEY: CategoricalDistribution(contexts), **distributions}
         objectives = (*objectives, "ctx") if "ctx" not in objectives else objectives
-    if target.distributions is None and len(devices) > 1 and not any(has_flag(o.base.flags, f)
-                                                                        for f in split.FIXING_FLAGS):
+    if target.distributions is None and len(devices) > 1 and not set(split.FIXING_FLAGS) & o.base.given:
         # several GPUs: per-device placement instead of -ncmoe's first layers (fitter.tune.split)
         distributions = split.split_dims(distributions, len(devices), o.spec.n_layer)
     if o.process.threads is not None:
@@ -244,7 +242,7 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
         if s.error is None and s.constraints:
             worst = max(s.constraints.items(), key=lambda kv: kv[1])
             if lightest is None or worst[1] < lightest[0]:
-                searched = " ".join(cand.flags[len(req.fixed_flags):])
+                searched = " ".join(searched_flags(list(cand.flags), req.fixed_flags))
                 lightest = (worst[1], f"{worst[0]} by {worst[1]:.1f} MiB with {searched}")
     detail = f" the lightest configuration is over budget on {lightest[1]};" if lightest else ""
     if req.devices:
@@ -322,7 +320,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
     url = o.storage or storage_url(folder)
     name = study_name(o.model, o.study_name, o.storage is None)
     settings = {"objectives": list(planned.objectives), "space": planned.space_source,
-                "fixed_flags": list(o.base.flags), "fit_target_mib": list(targets),
+                "fixed_flags": pin(o.base, given=True), "fit_target_mib": list(targets),
                 "bench": bench_settings(o)}
     sampler = optuna.samplers.TPESampler(seed=o.seed, multivariate=True, constant_liar=True)
     key = StudyKey(o.spec.identity, target.machine["fingerprint"], build["commit"])
@@ -411,8 +409,9 @@ def replay_options(o: TuneOptions, land: Any, log: Callable[[str], None]) -> Tun
     if o.spec.identity != land.model.get("identity"):
         raise refuse("the model", f"{land.model.get('name', '?')} ({land.model.get('identity', '')[:12]})",
                      f"{o.model} ({o.spec.identity[:12]})")
-    if o.base.flags and tuple(o.base.flags) != land.fixed_flags:
-        raise refuse("the flags", repr(" ".join(land.fixed_flags)), repr(" ".join(o.base.flags)))
+    given = pin(o.base, given=True)
+    if given and parse_launch_flags(land.fixed_flags, land.consumer) != o.base:
+        raise refuse("the flags", repr(" ".join(land.fixed_flags)), repr(" ".join(given)))
     if o.base.consumer != land.consumer:
         raise refuse("--for", land.consumer, o.base.consumer)
     if o.space and o.space != land.space:

@@ -26,14 +26,14 @@ GPU is measured: moving layers from a slow GPU to a fast one, or the model onto 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
 from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, TensorOverride
-from fitter.flags.overrides import FFN_EXPS_REGEX, override_flags
+from fitter.flags.overrides import FFN_EXPS_REGEX
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.devices import Device
 from fitter.memory.fit_devices import expert_layers, expert_ranges
@@ -133,22 +133,16 @@ def read_split(params: Mapping[str, Any], n_devices: int, n_layer: int) -> Split
     return Split((*given, rest), to_cpu, order)
 
 
-def apply_split(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig, split: Split) -> \
-        tuple[LaunchConfig, list[str]]:
-    """`config` (every layer offloaded) placed as `split` says, and the llama.cpp flags that say it."""
-    flags: list[str] = []
+def apply_split(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig, split: Split) -> LaunchConfig:
+    """`config` (every layer offloaded) placed as `split` says: -sm none -mg, or -ts, and the experts' rules."""
     if split.main is not None:
-        config = replace(config, split_mode="none", main_gpu=split.main)
-        flags += ["-sm", "none", "-mg", str(split.main)]
+        config = config.with_given(split_mode="none", main_gpu=split.main)
     elif split.counts is not None:
-        config = replace(config, tensor_split=tuple(float(c) for c in split.counts))
-        flags += ["-ts", ",".join(map(str, split.counts))]
+        config = config.with_given(tensor_split=tuple(float(c) for c in split.counts))
     layers = experts_to_cpu(spec, devices, config, split)
     if layers:
-        rule = experts_rule(layers)
-        config = replace(config, overrides=(*config.overrides, rule))
-        flags += override_flags((rule,))
-    return config, flags
+        config = config.with_given(overrides=(*config.overrides, experts_rule(layers)))
+    return config
 
 
 def experts_to_cpu(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig, split: Split) -> list[int]:

@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.errors import FitterError
-from fitter.flags import LaunchConfig, parse_launch_flags, resolve_context
-from fitter.flags.parse import has_flag
+from fitter.flags import LaunchConfig, resolve_context, validate
 from fitter.paths import SOURCE_ROOT
 from fitter.workload.prompts import Prompts, read_prompts
 
@@ -142,8 +141,8 @@ def serving_config(w: Workload, config: LaunchConfig) -> LaunchConfig:
     with its own KV stream, as an explicit -np makes them); fewer slots than streams is refused."""
     if w.concurrency == 1:
         return config
-    if not has_flag(config.flags, "parallel"):
-        return parse_launch_flags([*config.flags, "-np", str(w.concurrency)], config.consumer)
+    if "parallel" not in config.given:
+        return _checked(config.with_given(parallel=w.concurrency))
     if config.n_seq_max < w.concurrency:
         raise WorkloadError(f"{w.source}: concurrency {w.concurrency} needs a slot per stream, but -np "
                             f"{config.parallel} serves {config.n_seq_max}")
@@ -155,10 +154,15 @@ def searched_context(w: Workload, config: LaunchConfig) -> LaunchConfig:
     the workload searches the context; a -c given beside it is refused (it would fix what is searched)."""
     if not w.min_ctx:
         return config
-    if has_flag(config.flags, "ctx_size"):
+    if "ctx_size" in config.given:
         raise WorkloadError(f"{w.source}: min_ctx {w.min_ctx} searches the context, and -c {config.ctx_size} fixes "
                             "it: give one or the other")
-    return parse_launch_flags([*config.flags, "-c", str(w.min_ctx)], config.consumer)
+    return _checked(config.with_given(ctx_size=w.min_ctx))
+
+
+def _checked(config: LaunchConfig) -> LaunchConfig:
+    validate(config)  # as llama.cpp checks the flags before it loads
+    return config
 
 
 def context_problem(w: Workload, config: LaunchConfig, n_ctx_train: int) -> str | None:

@@ -102,15 +102,21 @@ def test_each_command_module_registers_the_commands_app_lists_for_it() -> None:
     name exactly what each module registers, and the full parser all of them."""
     import argparse
     import importlib
+    import re
 
-    from fitter.cli.app import COMMANDS, _subparsers, build_parser
+    from fitter.cli.app import COMMANDS, build_parser
+
+    def built(parser: argparse.ArgumentParser) -> set[str]:  # the usage line's {command,...}
+        found = re.search(r"\{([a-z,-]+)\}", parser.format_usage())
+        assert found is not None
+        return set(found.group(1).split(","))
 
     for module, commands in COMMANDS.items():
         sub = argparse.ArgumentParser().add_subparsers()
         importlib.import_module(f"fitter.cli.{module}").register(sub)
         assert tuple(sub.choices) == commands, module
-        assert set(_subparsers(build_parser([commands[0], "--help"]))) == set(commands)
-    assert set(_subparsers(build_parser())) == {c for commands in COMMANDS.values() for c in commands}
+        assert built(build_parser([commands[0], "--help"])) == set(commands)
+    assert built(build_parser()) == {c for commands in COMMANDS.values() for c in commands}
 
 
 _UNMODELLED = ("fitter models a draft model (-md, -ngld, -ncmoed, -cmoed, -otd, -ctkd, -ctvd, --spec-type "
@@ -142,3 +148,13 @@ def test_a_speculative_type_other_than_a_draft_models_is_refused(capsys: pytest.
         "fitter: error: fitter estimate: argument --spec-type: 'ngram-simple': fitter models a draft model's "
         "speculation (draft-simple) only; what ngram-simple allocates (an MTP, EAGLE3 or DFlash context, an n-gram "
         "cache) is not in its estimate\n")
+
+
+def test_a_rule_flag_llama_cpp_cannot_read_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "-ncmoe", "x"]) == 2
+    assert capsys.readouterr().err == "fitter: error: -ncmoe 'x': expected an integer\n"
+
+
+def test_the_flags_given_are_what_estimate_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--ctx-size=2048", "-ngl", "auto", "--for=llama-cli"]) == 0
+    assert "flags   -c 2048 -ngl auto  (for llama-cli)" in capsys.readouterr().out

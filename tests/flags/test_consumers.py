@@ -111,12 +111,14 @@ def test_a_pinned_config_reads_back_for_every_program() -> None:
             getattr(resolve_context(config, 131072), f) for f in fields], program
 
 
-def test_fitters_own_options_written_with_an_equals_sign_are_not_passed_on() -> None:
-    from fitter.cli.common import llama_flags
+def test_fitters_own_options_written_with_an_equals_sign_are_not_llama_cpp_flags() -> None:
+    from fitter.cli.app import build_parser
+    from fitter.cli.common import launch_args
 
-    own = {"--for": 1, "--json": 0}
-    assert llama_flags(["estimate", "m.gguf", "--for=llama-cli", "-c", "4096", "--json"], "m.gguf", own) == [
-        "-c", "4096"]
+    argv = ["estimate", "m.gguf", "--for=llama-cli", "-c", "4096", "--json"]
+    config, _ = launch_args(build_parser(argv).parse_args(argv))
+    assert (config.consumer, config.ctx_size, config.given) == ("llama-cli", 4096, {"ctx_size"})
+    assert pin(config, given=True) == ["-c", "4096"]
 
 
 def test_joined_spellings_count_as_given() -> None:

@@ -8,7 +8,7 @@ import pytest
 from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, parse_launch_flags, pin, resolve_context
 from fitter.flags.config import TensorOverride, recorded_repr
-from fitter.flags.draft import draft_context_config, draft_flags, draft_notes, measuring_problem
+from fitter.flags.draft import draft_context_config, draft_notes, measuring_problem
 from fitter.flags.overrides import ncmoe_rules
 
 DRAFT = ["-md", "draft.gguf"]
@@ -55,7 +55,6 @@ def test_pin_writes_every_draft_setting_and_reads_back_to_the_same_config() -> N
 
 def test_a_config_without_a_draft_pins_no_draft_flag_and_keeps_its_recorded_key() -> None:
     config = parse_launch_flags(["-c", "4096"])
-    assert draft_flags(config) == []
     assert "draft" not in " ".join(pin(config)) and "spec" not in " ".join(pin(config))
     assert recorded_repr(LaunchConfig(ctx_size=4096)) == (
         "LaunchConfig(ctx_size=4096, batch_size=2048, ubatch_size=512, cache_type_k='f16', cache_type_v='f16', "

@@ -1,7 +1,8 @@
 """Property tests: llama.cpp flag lists as fitter reads them (a command line's, a launcher's, a tuning result's).
 Arbitrary argv lists of llama-server's spellings with plausible and hostile values, in every spelling argparse takes
 (`-c 4096`, `-c=4096`, `-c4096`, `--ctx-size=4096`), stray tokens, unicode and huge numbers. Each parses to a
-LaunchConfig and ProcessFlags, whose pinned flags read back to the same pinned flags, or fails with one line of
+LaunchConfig and ProcessFlags, whose pinned flags read back to the same pinned flags and whose flags as given
+(`pin(config, given=True)`) read back to the same config with the same fields given, or fails with one line of
 LaunchConfigError naming a flag or token it was given; nothing else escapes, nothing runs away."""
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ def reads_back(argv: list[str], consumer: str) -> bool:
         pinned = pin(launch, process=process)
         again, process_again = parse_flags(pinned, consumer)
         assert pin(again, process=process_again) == pinned  # what fitter writes, fitter reads back
+        written = pin(launch, given=True)  # as given: the same config, the same fields given
+        as_given = parse_launch_flags(written, consumer)
+        assert (as_given, as_given.given) == (launch, launch.given), written
+        assert pin(as_given, given=True) == written
     return True
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from fitter import LLAMA_CPP_TARGET
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import parse_launch_flags
+from fitter.flags.pin import pin
 from fitter.gguf.header import read_header
 from fitter.gguf.model_spec import load_model_spec
 from fitter.memory.devices import CPU_AVX2, parse_devices
@@ -71,7 +72,7 @@ def estimate_as_the_cli_does(path: Path, header: bytes) -> None:
                 plan_table(plan, LLAMA_CPP_TARGET, per_tensor=True)
                 plan_json(plan, LLAMA_CPP_TARGET)
             except LaunchConfigError as e:  # the flags against this model: a quantized cache that cannot tile a head
-                assert_one_line_naming(e, *config.flags)
+                assert_one_line_naming(e, *pin(config, given=True))
             except FitterError as e:
                 assert_one_line_naming(e, str(path))
 

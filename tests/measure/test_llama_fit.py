@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from fitter.flags import parse_launch_flags
+from fitter.flags import parse_launch_flags, pin
+from fitter.flags.overrides import FFN_EXPS_REGEX
 from fitter.measure.llama_fit import (
     LlamaFit,
     LlamaFitError,
-    baseline_flags,
+    baseline_config,
     find_llama_fit_params,
     fit_env,
     fit_flags,
@@ -206,30 +207,31 @@ def _fit(args: list[str]) -> LlamaFit:
         (["-c", "4096", "-np", "1"], ["-c", "4096", "-np", "1", "-ngl", "5", "-ot", CAP48_OT, "-fit", "off"]),
         # no -c: the context the fit resolved; -c 0 is replaced in place; the fit's inputs are dropped
         ([], ["-c", "4096", "-ngl", "5", "-ot", CAP48_OT, "-fit", "off"]),
-        (["-c", "0", "-fitc", "2048", "-b", "512", "-fit", "on", "-fitt", "8"],
+        (["-c", "0", "-b", "512", "-fit", "on"],
          ["-c", "4096", "-b", "512", "-ngl", "5", "-ot", CAP48_OT, "-fit", "off"]),
-        # what the user fixed stays (the fit only echoes it)
+        # what the user fixed stays (the fit only echoes it), written in llama-server's order and spellings
         (["-c", "8192", "-ngl", "3", "-ncmoe", "2", "--kv-unified"],
-         ["-c", "8192", "-ngl", "3", "-ncmoe", "2", "--kv-unified", "-fit", "off"]),
-        (["--ctx-size", "4096", "-cmoe"], ["--ctx-size", "4096", "-cmoe", "-ngl", "5", "-fit", "off"]),
+         ["-c", "8192", "--kv-unified", "-ngl", "3", "-ncmoe", "2", "-fit", "off"]),
+        (["--ctx-size", "4096", "-cmoe"], ["-c", "4096", "-ngl", "5", "-ot", f"{FFN_EXPS_REGEX}=CPU", "-fit", "off"]),
     ],
 )  # fmt: skip
-def test_baseline_flags(user: list[str], expected: list[str]) -> None:
-    assert baseline_flags(_fit(CAP48["args"]), user) == expected
-    parse_launch_flags(expected)  # fitter's own worker takes them
+def test_baseline_config(user: list[str], expected: list[str]) -> None:
+    config = baseline_config(_fit(CAP48["args"]), parse_launch_flags(user))
+    assert pin(config, given=True) == expected
+    assert parse_launch_flags(expected) == config  # what the trial records reads back as what it runs
 
 
-def test_baseline_flags_with_two_devices_keep_the_split() -> None:
+def test_baseline_config_with_two_devices_keeps_the_split() -> None:
     args = CASES["demo/cap48+32/fitt4/c4096"]["llama_fit"]["args"]
-    flags = baseline_flags(_fit(args), ["-c", "4096", "-np", "1"])
-    assert flags == ["-c", "4096", "-np", "1", "-ngl", "8", "-ts", "7,1", "-ot", args[-1], "-fit", "off"]
+    flags = pin(baseline_config(_fit(args), parse_launch_flags(["-c", "4096", "-np", "1"])), given=True)
+    assert flags == ["-c", "4096", "-np", "1", "-ngl", "8", "-ot", args[-1], "-ts", "7,1", "-fit", "off"]
     config = parse_launch_flags([*flags, "--rpc", "127.0.0.1:50052,127.0.0.1:50053"])
     assert config.tensor_split == (7.0, 1.0) and config.overrides[0].buft == "RPC0[127.0.0.1:50053]"
 
 
-def test_baseline_flags_rejects_an_unexpected_fit_answer() -> None:
+def test_baseline_config_rejects_an_unexpected_fit_answer() -> None:
     with pytest.raises(LlamaFitError) as e:
-        baseline_flags(_fit(["-c", "4096", "-ngl"]), [])
+        baseline_config(_fit(["-c", "4096", "-ngl"]), parse_launch_flags([]))
     assert str(e.value) == "llama.cpp's fit printed '-c 4096 -ngl': expected pairs of -c, -ngl, -ts, -ot"
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fitter.flags import LaunchConfig, parse_launch_flags
+from fitter.flags.pin import pin
 from fitter.measure.served import WorkloadRunner
 from fitter.measure.types import BenchSpec, Latency, Measurement, SpeedStats, TrialResult
 from fitter.memory.devices import CpuProfile, Device
@@ -51,15 +52,15 @@ class ByDepth:
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: Any = None) -> TrialResult:
         self.asked.append(spec)
-        d = spec.n_depth
+        d, flags = spec.n_depth, tuple(pin(config, given=True))
         if d == self.fail_at:
-            return TrialResult(Measurement("oom", "out of memory allocating the kv buffer", spec, config.flags))
+            return TrialResult(Measurement("oom", "out of memory allocating the kv buffer", spec, flags))
         slow = 1 if d == 0 else 2
 
         def stats(n: int, ts: float) -> SpeedStats:
             return SpeedStats.from_ns(n, d, [round(n * 1e9 / (ts * f)) for f in (1.0, 1.1)])
 
-        m = Measurement("ok", "", spec, config.flags, stats(spec.n_prompt, 1000 / slow), stats(spec.n_gen, 100 / slow),
+        m = Measurement("ok", "", spec, flags, stats(spec.n_prompt, 1000 / slow), stats(spec.n_gen, 100 / slow),
                         ttft=Latency.from_ms([10.0 * slow, 12.0 * slow]) if spec.streams > 1 else None,
                         load_s=1.0 if d == 0 else 0.0, reused_model=d != 0, wall_s=2.0)
         return TrialResult(m, {"GPU0": {"bytes": 1000 + d, "source": "fake"}})

@@ -179,7 +179,7 @@ def test_cmd_report_prints_tables_and_where_the_files_went(tmp_path: Path, capsy
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "optuna_dashboard" else find_spec(name, *a))
     out = tmp_path / "elsewhere"
-    assert cmd_report(argparse.Namespace(result=str(folder / "pareto.json"), out=str(out), json=False), []) == 0
+    assert cmd_report(argparse.Namespace(result=str(folder / "pareto.json"), out=str(out), json=False)) == 0
     stdout, stderr = capsys.readouterr()
     assert "Pareto front (confirm runs, pareto.json)" in stdout and "max-decode,min-vram" in stdout
     assert "crash: signal 11" in stdout and "screened" in stdout
@@ -187,7 +187,7 @@ def test_cmd_report_prints_tables_and_where_the_files_went(tmp_path: Path, capsy
     assert f"optuna-dashboard sqlite:///{(folder / 'study.db').resolve()}" in stdout
     assert "fitter: warning: parameter importances: only 3" in stderr
     assert (out / "memory.png").is_file() and not (folder / "report").exists()
-    assert cmd_report(argparse.Namespace(result=str(folder), out=None, json=True), []) == 0
+    assert cmd_report(argparse.Namespace(result=str(folder), out=None, json=True)) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["out"] == str(folder / "report") and len(doc["trials"]) == 8
     assert [r["trial"] for r in doc["pareto"]] == ["base", 1, 5] and doc["dashboard"].startswith("optuna-dashboard")

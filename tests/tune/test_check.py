@@ -243,7 +243,7 @@ def test_a_pick_as_fast_as_recorded_passes_on_a_fresh_emulated_gpu(tmp_path: Pat
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     folder = write_result(tmp_path)
     factory = Factory(FakeRunner(pp=(490.0, 12.0), tg=(101.0, 2.0)))
-    assert cmd_check(check_ns(folder), [], runner_factory=factory) == 0
+    assert cmd_check(check_ns(folder), runner_factory=factory) == 0
     assert factory.calls == [{"emulated_gpu_mib": CAP_MIB, "cpus": None}]
     runner = factory.runner
     assert runner.entered == runner.exited == 1
@@ -268,7 +268,7 @@ def test_a_pick_as_fast_as_recorded_passes_on_a_fresh_emulated_gpu(tmp_path: Pat
 def test_a_slower_decode_fails_with_the_diff(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = write_result(tmp_path)
     factory = Factory(FakeRunner(pp=(500.0, 10.0), tg=(80.0, 2.0)))
-    assert cmd_check(check_ns(folder), [], runner_factory=factory) == 1
+    assert cmd_check(check_ns(folder), runner_factory=factory) == 1
     out = capsys.readouterr().out.splitlines()
     threshold = 95 - 2 * math.sqrt(9 + 4)  # 87.79
     tg = next(ln for ln in out if ln.startswith("tg"))
@@ -280,7 +280,7 @@ def test_a_slower_decode_fails_with_the_diff(tmp_path: Path, capsys: pytest.Capt
 def test_a_looser_tolerance_lets_the_same_drop_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = write_result(tmp_path)
     factory = Factory(FakeRunner(pp=(500.0, 10.0), tg=(80.0, 2.0)))
-    assert cmd_check(check_ns(folder, ("tolerance", "15%")), [], runner_factory=factory) == 0
+    assert cmd_check(check_ns(folder, ("tolerance", "15%")), runner_factory=factory) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "check: PASS"
 
 
@@ -288,7 +288,7 @@ def test_a_config_the_estimator_now_puts_over_the_budget_no_longer_fits(tmp_path
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     folder = write_result(tmp_path, fit_target=14)  # 16 MiB free less 14: 2 MiB for a 4.34 MiB placement
     factory = Factory(FakeRunner())
-    assert cmd_check(check_ns(folder), [], runner_factory=factory) == 1
+    assert cmd_check(check_ns(folder), runner_factory=factory) == 1
     out = capsys.readouterr().out.splitlines()
     assert f"fit  RPC0[{FRESH_ENDPOINT}]: predicted 4.34 MiB, budget 2.00 MiB (free 16.00 − fit target 14 MiB)  " \
            "FAIL" in out
@@ -299,7 +299,7 @@ def test_a_config_the_estimator_now_puts_over_the_budget_no_longer_fits(tmp_path
 def test_a_run_that_ends_out_of_memory_no_longer_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = write_result(tmp_path)
     factory = Factory(FakeRunner(outcome="oom"))
-    assert cmd_check(check_ns(folder), [], runner_factory=factory) == 1
+    assert cmd_check(check_ns(folder), runner_factory=factory) == 1
     out = capsys.readouterr().out.splitlines()
     assert f"FAIL  no longer fits (out of memory): oom: RPC0[{FRESH_ENDPOINT}]: failed to allocate compute " \
            "buffer" in out
@@ -311,7 +311,7 @@ def test_json_output_carries_the_verdict_and_the_new_measurement(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     folder = write_result(tmp_path)
     factory = Factory(FakeRunner(tg=(80.0, 2.0)))
-    assert cmd_check(check_ns(folder, ("json", True)), [], runner_factory=factory) == 1
+    assert cmd_check(check_ns(folder, ("json", True)), runner_factory=factory) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False and doc["trial"] == 3 and doc["policy"] == "balanced" and doc["tolerance"] == 0.05
     assert doc["metrics"]["tg"]["pass"] is False and doc["metrics"]["pp"]["pass"] is True
@@ -376,7 +376,7 @@ def test_an_unknown_policy_or_a_missing_pick_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FitterError, match=r"no balanced pick \(picks: max-decode=3\); choose another --policy"):
         run_check(folder, "balanced", 0.05, Factory(FakeRunner()))
     with pytest.raises(FitterError, match="--tolerance '5'"):
-        cmd_check(check_ns(folder, ("tolerance", "5")), [], runner_factory=Factory(FakeRunner()))
+        cmd_check(check_ns(folder, ("tolerance", "5")), runner_factory=Factory(FakeRunner()))
 
 
 # Found by tests/tune/test_result_properties.py.
@@ -442,14 +442,14 @@ def test_check_re_measures_a_recorded_emulated_run_on_llama_cpp(tmp_path: Path,
     # what this test checks is the re-measurement on a fresh emulated GPU and the fit; the threshold's arithmetic is
     # tested with fixed figures above. 8 tokens of a tiny model on a busy 2-core CI machine decoded 2317 then 654 t/s
     # in two back-to-back runs (-72 %), so only a collapse beyond 90 % fails here
-    assert cmd_check(check_ns(folder, ("tolerance", "90%")), []) == 0, capsys.readouterr().out
+    assert cmd_check(check_ns(folder, ("tolerance", "90%"))) == 0, capsys.readouterr().out
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "check: PASS"
     assert any(ln.startswith("fit  RPC0[127.0.0.1:") and ln.endswith("PASS") for ln in out)
 
     doc["machine"]["emulated_gpu_mib"] = 3  # a 3 MiB GPU cannot hold the 4.34 MiB placement
     (folder / "pareto.json").write_text(json.dumps(doc))
-    assert cmd_check(check_ns(folder), []) == 1
+    assert cmd_check(check_ns(folder)) == 1
     out = capsys.readouterr().out.splitlines()
     assert any(ln.startswith("FAIL  no longer fits (out of memory): oom: ") for ln in out), out
     assert out[-1].startswith("check: FAIL: no longer runs: oom; no longer fits: RPC0[127.0.0.1:")
@@ -469,7 +469,7 @@ def test_a_recorded_fit_target_list_must_match_the_gpus(tmp_path: Path) -> None:
 def test_check_prints_the_models_warnings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = unknown_arch_model(tmp_path)
     folder = write_result(tmp_path, model=model)
-    assert cmd_check(check_ns(folder), [], runner_factory=Factory(FakeRunner())) == 0
+    assert cmd_check(check_ns(folder), runner_factory=Factory(FakeRunner())) == 0
     out = capsys.readouterr()
     assert f"fitter: warning: {model}: architecture 'llamb' has no memory rules in fitter" in out.err
     # no build in the test's home to project with: the check still measures, and says whose "still fits" it is
@@ -547,7 +547,7 @@ def test_fitter_check_compares_the_gpus_of_this_machine(tmp_path: Path) -> None:
     folder = with_gpu_map(write_result(tmp_path, emulated=False), TUNED_GPUS)
     factory = Factory(FakeRunner())
     with pytest.raises(FitterError) as e:
-        cmd_check(check_ns(folder), [], runner_factory=factory)  # this machine has no such pair of GPUs
+        cmd_check(check_ns(folder), runner_factory=factory)  # this machine has no such pair of GPUs
     assert str(e.value).startswith(f"{folder / 'pareto.json'} was tuned on CUDA0=NVIDIA GeForce RTX 3090 "
                                    "(0000:01:00.0, 24576 MiB), CUDA1=NVIDIA GeForce RTX 3060 (0000:02:00.0, "
                                    "12288 MiB); this machine has ")

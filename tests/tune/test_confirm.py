@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fitter.flags import LaunchConfig
+from fitter.flags.pin import pin
 from fitter.measure.types import BenchSpec, Measurement, SpeedStats, TrialResult
 from fitter.tune.baseline import Baseline
 from fitter.tune.confirm import Contender, annotate, drift_record, final_front, pooled, run_rounds
@@ -80,7 +81,7 @@ def test_a_contender_failing_a_round_is_dropped_and_not_run_again(demo_spec: Any
     class FailsOnce(DriftingRunner):
         def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
                 plan: Any = None) -> TrialResult:
-            if len(self.runs) >= 3 and "crash" not in self.runs and "-ncmoe 1" in " ".join(config.flags):
+            if len(self.runs) >= 3 and "crash" not in self.runs and "-ncmoe 1" in " ".join(pin(config, given=True)):
                 self.runs.append("crash")
                 return TrialResult(Measurement("crash", "exit 139", spec, ()))
             return super().run(model, config, spec, timeout, plan)

@@ -133,7 +133,7 @@ def commands_read(path: Path, policy: str, fmt: str) -> list[FitterError]:
             ns = argparse.Namespace(result=str(path), policy=policy, format=fmt, consumer=None, model=None,
                                     force=True)
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                cmd_export(ns, [])
+                cmd_export(ns)
         return run
 
     def check() -> None:

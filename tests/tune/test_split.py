@@ -60,7 +60,7 @@ def test_each_device_sends_its_own_first_or_last_layers_experts_to_the_cpu(order
     cand = candidate(req, {"tensor-split[0]": 16, "n-cpu-moe[0]": 2, "n-cpu-moe[1]": 3, "expert-order": order,
                            "split-mode": "layer"})
     assert cand.error is None
-    assert cand.flags[-8:] == ("-ts", "16,9", "-ot", rf"blk\.({layers}){EXPS}=CPU", "-t", "16", "-tb", "16")
+    assert cand.flags[-8:] == ("-ot", rf"blk\.({layers}){EXPS}=CPU", "-ts", "16,9", "-t", "16", "-tb", "16")
     plan = Screener(req)(cand).plan
     assert plan is not None
     on_cpu = {p.tensor.layer for p in plan.placements if p.tensor.role is Role.EXPERT and p.buft == CPU}
@@ -71,8 +71,8 @@ def test_each_device_sends_its_own_first_or_last_layers_experts_to_the_cpu(order
 def test_one_device_holds_everything_with_split_mode_none() -> None:
     req = request()
     cand = candidate(req, {"split-mode": "none", "main-gpu": 1, "n-cpu-moe[1]": 4, "expert-order": "last"})
-    assert cand.flags == ("-fa", "on", "-ngl", "all", "-sm", "none", "-mg", "1", "-ot",
-                          rf"blk\.(20|21|22|23){EXPS}=CPU", "-t", "16", "-tb", "16")
+    assert cand.flags == ("-fa", "on", "-ngl", "all", "-ot", rf"blk\.(20|21|22|23){EXPS}=CPU", "-sm", "none", "-mg",
+                          "1", "-t", "16", "-tb", "16")
     plan = Screener(req)(cand).plan
     assert plan is not None
     totals = device_totals(plan)
@@ -172,8 +172,8 @@ def test_last_keeps_as_many_expert_layers_on_the_cpu_as_ncmoe_the_last_ones_as_o
     screener = Screener(req)
     first = candidate(req, {"n-cpu-moe": 5, "expert-order": "first", "threads": 8})
     last = candidate(req, {"n-cpu-moe": 5, "expert-order": "last", "threads": 8})
-    assert first.flags == ("-fa", "on", "-ncmoe", "5", "-ngl", "all", "-t", "8", "-tb", "8")
-    assert last.flags == ("-fa", "on", "-ot", rf"blk\.(19|20|21|22|23){EXPS}=CPU", "-ngl", "all", "-t", "8", "-tb", "8")
+    assert first.flags == ("-fa", "on", "-ngl", "all", "-ncmoe", "5", "-t", "8", "-tb", "8")
+    assert last.flags == ("-fa", "on", "-ngl", "all", "-ot", rf"blk\.(19|20|21|22|23){EXPS}=CPU", "-t", "8", "-tb", "8")
     plans = {order: screener(c).plan for order, c in (("first", first), ("last", last))}
     on_cpu = {order: {p.tensor.layer for p in plan.placements if p.tensor.role is Role.EXPERT and p.buft == CPU}
               for order, plan in plans.items() if plan is not None}
