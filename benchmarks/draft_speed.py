@@ -3,7 +3,7 @@
 the pinned llama-server, alone and with a draft model (`-md … --spec-type draft-simple`), in R interleaved rounds of
 a fresh shuffled order. Prints each round, the drafted and accepted tokens, what the draft adds to memory (llama-
 server's logged buffers against fitter's estimate) and the 95 % interval of each config's decode over the model
-alone (fitter.measure.noise: Student t over the rounds' paired log ratios).
+alone (fitter.noise: Student t over the rounds' paired log ratios).
 
     python benchmarks/draft_speed.py [--rounds 6] [--prompts examples/prompts.txt] [-n 64] [-r 2] [-t 2]
 
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.gguf.model_spec import load_model_spec
-from fitter.measure.noise import ratio_interval
+from fitter.measure.llamacpp.tools import ensure_tools
 from fitter.measure.server import measure_server
-from fitter.measure.tools import ensure_tools
 from fitter.measure.types import BenchSpec
 from fitter.memory.estimator import estimate
+from fitter.noise import ratio_interval
 from fitter.units import MIB
 from fitter.workload.prompts import read_prompts
 

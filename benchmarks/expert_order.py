@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Expert order on one GPU, measured: the experts of N layers on the CPU, either the first N (`-ncmoe N`) or the
-last N (llama.cpp --fit's order, the `-ot` rule fitter's tune writes: fitter.tune.split.last_experts_rule), every
+last N (llama.cpp --fit's order, the `-ot` rule fitter's tune writes: fitter.search.split.last_experts_rule), every
 other layer on the device. Both run through fitter's worker on the emulated GPU (a capped llama.cpp RPC device, this
 machine's CPU behind it) in R interleaved rounds of a fresh shuffled order; prints each round, the device memory
 each held (measured peak against fitter's estimate) and the 95 % interval of last/first for prefill and decode
-(fitter.measure.noise: Student t over the rounds' paired log ratios).
+(fitter.noise: Student t over the rounds' paired log ratios).
 
     python benchmarks/expert_order.py [--rounds 6] [--n 4] [-p 512] [-n 64] [-r 3] [-t 2] [--cap 512]
 
@@ -25,12 +25,12 @@ from fitter.flags import parse_launch_flags
 from fitter.flags.overrides import override_flags
 from fitter.gguf.demo_models import demo_model_path
 from fitter.gguf.model_spec import load_model_spec
-from fitter.measure.noise import ratio_interval
-from fitter.measure.runner import WorkerRunner
+from fitter.measure.runners import WorkerRunner
 from fitter.measure.types import BenchSpec
 from fitter.memory.devices import CPU_AVX2
 from fitter.memory.estimator import estimate
-from fitter.tune.split import last_experts_rule
+from fitter.noise import ratio_interval
+from fitter.search.split import last_experts_rule
 from fitter.units import MIB
 
 BASE = ["-c", "4096", "-fa", "on", "-ngl", "all"]

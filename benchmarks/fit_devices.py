@@ -21,8 +21,8 @@ from fitter.flags import LaunchConfig, parse_launch_flags
 from fitter.flags.overrides import ncmoe_rules
 from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
-from fitter.measure.emulated_gpu import EmulatedGpus
-from fitter.measure.llama_fit import LlamaFitError, baseline_flags, find_llama_fit_params, run_llama_fit
+from fitter.measure.emulator.emulated_gpu import EmulatedGpus
+from fitter.measure.llamacpp.fit_params import LlamaFitError, baseline_flags, find_llama_fit_params, run_llama_fit
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.devices import Device, parse_devices
 from fitter.memory.estimator import estimate

@@ -3,7 +3,7 @@ build's own projection (`llama-fit-params --fit-print on`), on the pinned build 
 
 Prints figures; it is not a test (building the other llama.cpp takes ~10 minutes on 2 cores the first time; it is
 cached in fitter's home under drift/). The other build is llama-cpp-python VERSION's vendored llama.cpp, built with
-fitter's recipe (fitter.measure.tools: RPC on, portable CPU kernels, shared libraries). Each config of the demo
+fitter's recipe (fitter.measure.llamacpp.tools: RPC on, portable CPU kernels, shared libraries). Each config of the demo
 model is projected by both builds on the CPU and on an emulated GPU served by that build's own ggml (its RPC
 protocol on both ends); a config a build cannot project is reported, not hidden.
     python benchmarks/projection_drift.py [--version 0.3.30] [--gpu-mib 4000]
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from fitter.errors import FitterError
 from fitter.gguf.model_spec import load_model_spec
-from fitter.measure.projection import compare, project, tool_estimate
-from fitter.measure.tools import (
+from fitter.measure.llamacpp.projection import compare, project, tool_estimate
+from fitter.measure.llamacpp.tools import (
     LLAMA_CPP_COMMIT,
     LLAMA_CPP_PYTHON,
     build_llama_cpp,
@@ -32,7 +32,7 @@ from fitter.memory.devices import CPU_AVX2, rpc_devices
 from fitter.paths import fitter_home
 from fitter.units import MIB
 
-CONFIGS = {  # llama-server flags of the demo model, as tests/measure/test_projection.py projects them
+CONFIGS = {  # llama-server flags of the demo model, as tests/measure/llamacpp/test_projection.py projects them
     "-c 4096 -nr": ["-c", "4096", "-nr"],
     "-c 4096 -ub 2048 -b 2048 -nr": ["-c", "4096", "-ub", "2048", "-b", "2048", "-nr"],
     "-c 8192 -np 2 -ctk/-ctv q8_0 -fa on -nr": ["-c", "8192", "-np", "2", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on",
@@ -57,7 +57,7 @@ def other_build(version: str) -> Path:
 def run(label: str, tool: Path, gpu_mib: int) -> list[float]:
     """Each config projected by `tool` beside fitter's estimate; the largest |difference| per config (MiB)."""
     from fitter.gguf.demo_models import demo_model_path
-    from fitter.measure.emulated_gpu import EmulatedGpu
+    from fitter.measure.emulator.emulated_gpu import EmulatedGpu
 
     model = demo_model_path()
     spec = load_model_spec(str(model))
@@ -74,7 +74,7 @@ def run(label: str, tool: Path, gpu_mib: int) -> list[float]:
                 continue
             ours = tool_estimate(spec, flags, rpc_devices([gpu.endpoint]) if on_gpu else (), CPU_AVX2)
             # the dry run allocates no CPU_REPACK buffer, so without -nr the host model leaves those weights out
-            # (fitter.measure.projection); that known gap is printed, not counted
+            # (fitter.measure.llamacpp.projection); that known gap is printed, not counted
             diffs = [abs(ours.get(d, {}).get(k, 0) - theirs.get(d, {}).get(k, 0)) / MIB
                      for d in set(ours) | set(theirs) for k in ("model", "kv", "compute")
                      if not (d == "CPU" and k == "model" and "-nr" not in flags)]

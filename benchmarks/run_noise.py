@@ -3,7 +3,7 @@
 same flags) beside a second config B, in R rounds of a fresh shuffled order each, as `fitter tune`'s confirm runs
 do (fitter.tune.confirm). Prints each contender's per-round decode/prefill, the raw spread between runs against the
 spread inside a run, and the 95 % interval of A′/A (the method's resolution: it must contain 1) and of B/A
-(fitter.measure.noise: Student t over the rounds' paired log ratios).
+(fitter.noise: Student t over the rounds' paired log ratios).
 
     python benchmarks/run_noise.py [--rounds 6] [-p 512] [-n 128] [-r 3] [-t 2] [--other -ub 256]
 
@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import demo_model_path
-from fitter.measure.noise import ratio_interval
-from fitter.measure.runner import WorkerRunner
+from fitter.measure.runners import WorkerRunner
 from fitter.measure.types import BenchSpec
+from fitter.noise import ratio_interval
 
 BASE = ["-c", "4096", "-ub", "512", "-ctk", "f16", "-ctv", "f16", "-fa", "on", "-ngl", "0"]
 

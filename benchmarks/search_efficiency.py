@@ -6,7 +6,7 @@ landscapes.
                                            [--landscapes FILE[,FILE]]
 
 For each machine (with the first model shape it is meant for) the exhaustive grid of the shipped search space gives
-the truth (noise-free t/s of every config, fitter/tune/grid.py). Then each search runs on the noisy simulated machine
+the truth (noise-free t/s of every config, fitter/grid/points.py). Then each search runs on the noisy simulated machine
 until one of its launched configs is truly within noise of the best, or `--cap` launches:
 
 - fitter: `fitter tune`'s study (estimator screening, structured start, neighbours, constrained TPE);
@@ -22,9 +22,9 @@ z = 2 of those cannot be told from it by measuring both once (one-sided, ~98 %),
 found the best as well as any measurement could. With σ = 0.02 and r = 3 that is within 3.3 % of the best. The
 older criterion, ≥ 98 % of the grid's best, is the second column.
 
-On a recorded landscape (`fitter grid`, fitter.sim.landscape), the searches replay its runs (fitter.sim.replay's
+On a recorded landscape (`fitter grid`, fitter.grid.landscape), the searches replay its runs (fitter.grid.replay's
 ReplayRunner: each launch draws one recorded run of the config); the truth of a config is the mean over its runs,
-and within noise is fitter.sim.landscape.best_within_noise (tune's tie rule over the recording's paired rounds). A
+and within noise is fitter.grid.landscape.best_within_noise (tune's tie rule over the recording's paired rounds). A
 config screened out when the landscape was recorded has no measurement: a search without an estimator that launches
 it counts a refused launch. The model the landscape names must be on this machine (the demo model is made here).
 
@@ -53,12 +53,12 @@ import optuna
 
 from fitter.flags import LaunchConfig
 from fitter.gguf.model_spec import load_model_spec
+from fitter.grid.points import best, space_points, true_speeds
+from fitter.grid.points import sim_request as make_request
 from fitter.measure.types import WorkerError
+from fitter.search.plan import Screener
+from fitter.search.request import OBJECTIVES, TuneRequest, candidate
 from fitter.sim import SimRunner, load_machine, shipped_machines
-from fitter.tune.grid import best, space_points, true_speeds
-from fitter.tune.grid import sim_request as make_request
-from fitter.tune.plan import Screener
-from fitter.tune.request import OBJECTIVES, TuneRequest, candidate
 from fitter.tune.study import Tuner
 from tests.models import model_file
 
@@ -230,18 +230,18 @@ def sim_case(name: str, objective: str) -> Case:
 
 
 def landscape_case(path: str, objective: str) -> Case:
-    """A recorded landscape replayed (fitter.sim.landscape / fitter.sim.replay, from `fitter grid`)."""
+    """A recorded landscape replayed (fitter.grid.landscape / fitter.grid.replay, from `fitter grid`)."""
     try:
-        from fitter.sim.landscape import best_within_noise, load_landscape, param_key
-        from fitter.sim.replay import ReplayRunner
+        from fitter.grid.landscape import best_within_noise, load_landscape, param_key
+        from fitter.grid.replay import ReplayRunner
     except ImportError as e:  # the replay backend is not in this checkout
-        raise SystemExit(f"--landscapes needs fitter.sim.landscape and fitter.sim.replay (`fitter grid`): {e}") from e
+        raise SystemExit(f"--landscapes needs fitter.grid.landscape and fitter.grid.replay (`fitter grid`): {e}") from e
     from optuna.distributions import CategoricalDistribution, json_to_distribution
 
     from fitter.flags import parse_launch_flags
     from fitter.measure.types import BenchSpec
     from fitter.memory.budgets import device_budgets
-    from fitter.tune.screen import Budgets
+    from fitter.search.screen import Budgets
 
     land = load_landscape(path)
     model = str(land.model.get("path") or "")

@@ -16,7 +16,7 @@ import time
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import demo_model_path
-from fitter.measure.tools import ensure_tools
+from fitter.measure.llamacpp.tools import ensure_tools
 from fitter.measure.types import BenchSpec
 from fitter.measure.worker import LlamaWorker
 

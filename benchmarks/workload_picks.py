@@ -3,7 +3,7 @@
 request at depth 0 (today's default), for a long chat (depths 0 to 7424 of its 8192 context, weighted toward the deep
 end) and for a 4-stream server (4 concurrent requests at depths 0 and 1024) — then each workload's pick and the
 depth-0 pick measured under *each other's* workload in R interleaved rounds (a fresh order each round, as the
-confirm runs do), and the ratio pick / depth-0 pick given with its 95 % interval (fitter.measure.noise: Student t
+confirm runs do), and the ratio pick / depth-0 pick given with its 95 % interval (fitter.noise: Student t
 over the rounds' paired log ratios).
 
     python benchmarks/workload_picks.py [--machine gpu-8gb] [--rounds 8] [--policy max-decode] [--run-noise 0.05]
@@ -25,11 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import demo_model_path
 from fitter.gguf.model_spec import load_model_spec
-from fitter.measure.noise import ratio_interval
 from fitter.measure.served import WorkloadRunner
 from fitter.measure.types import BenchSpec, WorkerError
+from fitter.noise import ratio_interval
 from fitter.sim import MACHINES_DIR, SimRunner, load_machine
-from fitter.tune.session import TuneOptions, run_tune
+from fitter.tune.options import MeasureOptions, SearchOptions, StorageOptions, TuneOptions
+from fitter.tune.session import run_tune
 from fitter.workload import Workload, serving_config
 
 CONTEXT = ["-c", "8192"]
@@ -60,9 +61,10 @@ def main() -> None:
     picks: dict[str, list[str]] = {}
     for name, w in WORKLOADS.items():
         base = serving_config(w, parse_launch_flags(CONTEXT))
-        o = TuneOptions(model=model, spec=spec, base=base, workload=w, trials=args.trials, repetitions=3,
-                        confirm_rounds=4, results=tmp / name.replace(" ", "-"), backend="sim", machine=str(profile),
-                        seed=args.seed)
+        o = TuneOptions(model=model, spec=spec, base=base, workload=w,
+                        search=SearchOptions(trials=args.trials, seed=args.seed),
+                        measure=MeasureOptions(backend="sim", machine=str(profile), repetitions=3, confirm_rounds=4),
+                        storage=StorageOptions(results=tmp / name.replace(" ", "-")))
         result = run_tune(o, None).result
         assert result is not None
         entry = result.entry(args.policy, "workload_picks")

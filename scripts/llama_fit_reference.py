@@ -3,14 +3,14 @@
 
 For a matrix of (model, device cap, fit target, context/flags), this runs llama.cpp's `llama-fit-params` (the tool
 form of `--fit`: common/fit.cpp `common_fit_params`, which prints the fitted CLI args; run through
-`fitter.measure.llama_fit.run_llama_fit`, as `fitter tune` runs it for its baseline) against fitter's emulated GPU
-(`fitter.measure.emulated_gpu.EmulatedGpu`: an RPC device whose advertised free memory is the cap and which refuses
-allocations past it), then loads llama.cpp's chosen placement on the same capped device through
+`fitter.measure.llamacpp.fit_params.run_llama_fit`, as `fitter tune` runs it for its baseline) against fitter's
+emulated GPU (`fitter.measure.emulator.emulated_gpu.EmulatedGpu`: an RPC device whose advertised free memory is the cap
+and which refuses allocations past it), then loads llama.cpp's chosen placement on the same capped device through
 `fitter.measure.loader.load_and_capture` and records the buffers it logged and the device memory it really used
 (the cap's peak counter). `fitter fit` is compared against this file.
 
-The tool is built once by `fitter.measure.tools` from the llama.cpp source vendored in llama-cpp-python 0.3.36 (the
-version fitter pins; `--llama-src DIR` names a llama.cpp tree instead) and cached with llama-server,
+The tool is built once by `fitter.measure.llamacpp.tools` from the llama.cpp source vendored in llama-cpp-python 0.3.36
+(the version fitter pins; `--llama-src DIR` names a llama.cpp tree instead) and cached with llama-server,
 llama-bench and their shared libraries in `fitter_home()/tools/llama.cpp-0.3.36-0c1e570-<recipe hash>/`, so later
 runs skip the build.
 
@@ -54,10 +54,10 @@ from typing import Any
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import SHAPES, write_model
-from fitter.measure.emulated_gpu import EmulatedGpu
-from fitter.measure.llama_fit import TOOL, LlamaFitError, parse_projected_mib, run_llama_fit
+from fitter.measure.emulator.emulated_gpu import EmulatedGpu
+from fitter.measure.llamacpp.fit_params import TOOL, LlamaFitError, parse_projected_mib, run_llama_fit
+from fitter.measure.llamacpp.tools import CMAKE_ARGS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON, ensure_tools
 from fitter.measure.loader import llama_cpp_info, load_and_capture
-from fitter.measure.tools import CMAKE_ARGS, LLAMA_CPP_COMMIT, LLAMA_CPP_PYTHON, ensure_tools
 from fitter.units import MIB
 
 REPO = Path(__file__).resolve().parent.parent
@@ -173,7 +173,8 @@ def _normalize(text: str, endpoints: list[str]) -> str:
 
 
 def run_fit(tool: Path, model: Path, case: Case, endpoints: list[str]) -> dict[str, Any]:
-    """llama.cpp's fit for the case (fitter.measure.llama_fit), endpoints normalized, the fit's timing blanked."""
+    """llama.cpp's fit for the case (fitter.measure.llamacpp.fit_params), endpoints normalized, the fit's timing
+    blanked."""
     exit_status = None
     try:
         fit = run_llama_fit(

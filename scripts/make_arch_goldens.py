@@ -32,8 +32,8 @@ from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metada
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.archs import ARCHS, Memory, SwaWhen
+from fitter.measure.llamacpp.tools import LLAMA_CPP_COMMIT, fetch_source, tools_dir
 from fitter.measure.loader import load_and_capture
-from fitter.measure.tools import LLAMA_CPP_COMMIT, fetch_source, tools_dir
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden" / "archs.json"

@@ -30,9 +30,9 @@ from typing import Any
 
 from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.measure import process
+from fitter.measure.llamacpp.tools import ensure_tools
 from fitter.measure.logs import parse_buffer_lines
 from fitter.measure.server import server_build, start_server
-from fitter.measure.tools import ensure_tools
 
 REPO = Path(__file__).resolve().parent.parent
 CANONICAL_RPC = "127.0.0.1:50052"
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     binary = str(ensure_tools(["llama-server"])["llama-server"])
     gpus = None
     if args.device != "cpu":
-        from fitter.measure.emulated_gpu import EmulatedGpus
+        from fitter.measure.emulator.emulated_gpu import EmulatedGpus
 
         # rpc: big enough never to refuse; rpc2: caps the split follows
         gpus = EmulatedGpus(RPC2_CAPS_MIB if args.device == "rpc2" else (20000,)).start()

@@ -198,7 +198,7 @@ class Case:
 
 def last_experts_flags(model: str) -> list[str]:
     """The experts of a model's last two layers on the CPU as one alternation rule, the rule `fitter tune` writes for
-    its last-N expert order on one GPU (fitter.tune.split.order_rule); a dense model's rule matches nothing."""
+    its last-N expert order on one GPU (fitter.search.split.order_rule); a dense model's rule matches nothing."""
     n = SHAPES[model].n_layer
     return [*ALL, "-ot", rf"blk\.({n - 2}|{n - 1})\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"]
 
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         device_name = "CUDA0"
         args.jobs = 1
     if args.device in ("rpc", "cuda-emulated"):
-        from fitter.measure.emulated_gpu import EmulatedGpu
+        from fitter.measure.emulator.emulated_gpu import EmulatedGpu
 
         # big enough never to refuse: only sizes are recorded
         gpu = EmulatedGpu(cap_mib=20000, cuda=args.device == "cuda-emulated").start()
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = gpu.endpoint if gpu is not None else None
     gpus = None
     if args.device in MULTI_CAPS_MIB:
-        from fitter.measure.emulated_gpu import EmulatedGpus
+        from fitter.measure.emulator.emulated_gpu import EmulatedGpus
 
         gpus = EmulatedGpus(MULTI_CAPS_MIB[args.device]).start()  # caps no case reaches: only sizes are recorded
         args.jobs = 1

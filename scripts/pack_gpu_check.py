@@ -4,7 +4,7 @@
 Writes `.gpu-check/` (git-ignored; name it in the device tool's `carry`):
 
 - `llama-cpp-python-<version>-cuda-src.tar.gz`: the pinned llama-cpp-python sdist (pip download, as
-  fitter.measure.tools fetches it) less what a CUDA build of the library never reads: llama.cpp's models, docs,
+  fitter.measure.llamacpp.tools fetches it) less what a CUDA build of the library never reads: llama.cpp's models, docs,
   tests, benches, examples, media, the other GPU backends' sources and git's objects (the build is told its commit,
   LLAMA_BUILD_COMMIT, which the submodule HEAD kept here names).
 - `wheels/`: pure-Python wheels the build and fitter import there (scikit-build-core and what it needs, gguf,

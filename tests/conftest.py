@@ -2,8 +2,8 @@
 
 - fitter's home: the session starts in a fresh folder (so module- and session-scoped fixtures never touch the user's
   ~/.cache/fitter), and every test in a fresh folder of its own (`_fitter_home`).
-- The llama.cpp tools a set-up built (`python -m fitter.measure.tools`) are looked up once, in the home the session
-  started with ($FITTER_HOME, else ~/.cache/fitter), before that home is replaced: the `llama_tools` fixture.
+- The llama.cpp tools a set-up built (`python -m fitter.measure.llamacpp.tools`) are looked up once, in the home the
+  session started with ($FITTER_HOME, else ~/.cache/fitter), before that home is replaced: the `llama_tools` fixture.
 - Markers (pyproject.toml): `llama` skips where llama-cpp-python is not installed; `gpu` where NVML sees no NVIDIA
   GPU; `tools(NAME…)` where those tools are not built, unless FITTER_REQUIRE_TOOLS=1 (.ci/run sets it, so a
   missing build step fails there instead of skipping); `slow` marks the long matrices the default test command
@@ -23,7 +23,7 @@ from hypothesis import Phase, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from fitter.machine.llama_cpp import llama_cpp_python_problem
-from fitter.measure.tools import TOOLS, tools_dir
+from fitter.measure.llamacpp.tools import TOOLS, tools_dir
 from fitter.paths import fitter_home
 
 pytest_plugins = ["pytester"]  # tests/test_markers.py runs the markers on a pytest of its own
@@ -60,7 +60,7 @@ def marker_skips(item: pytest.Item, llama_problem: str | None, gpu_problem: str 
     if marker is not None:
         missing = [name for name in marker.args or TOOLS if not (tools / name).is_file()]
         if missing and not require_tools:
-            return f"llama.cpp's {', '.join(missing)} not built in {tools} (python -m fitter.measure.tools)"
+            return f"llama.cpp's {', '.join(missing)} not built in {tools} (python -m fitter.measure.llamacpp.tools)"
     return None
 
 
@@ -82,7 +82,7 @@ def llama_tools(request: pytest.FixtureRequest) -> dict[str, Path]:
     missing = [name for name in (marker.args if marker else ()) or TOOLS if not (BUILT_TOOLS / name).is_file()]
     if marker is not None and missing:
         pytest.fail(f"llama.cpp's {', '.join(missing)} not built in {BUILT_TOOLS}: the set-up must build them "
-                    "(python -m fitter.measure.tools)")
+                    "(python -m fitter.measure.llamacpp.tools)")
     return {name: BUILT_TOOLS / name for name in TOOLS}
 
 

@@ -6,5 +6,5 @@ from fitter.errors import GGUFError
 
 
 def test_a_newline_a_name_brings_is_written_as_backslash_n() -> None:
-    # found by tests/tune/test_result_properties.py: a recorded identity "a\nb" made a two-line error
+    # found by tests/results/test_pareto_properties.py: a recorded identity "a\nb" made a two-line error
     assert str(GGUFError("m.gguf: not the tuned model (a\nb\r)")) == "m.gguf: not the tuned model (a\\nb\\r)"

@@ -9,8 +9,8 @@ import fitter
 
 ROOT = Path(fitter.__file__).resolve().parent
 # Lower imports nothing higher: the flow of the README's Layout section, leaves first.
-LAYERS = ("errors", "paths", "units", "gguf", "flags", "workload", "memory", "machine", "measure", "sim", "tune",
-          "export", "report", "cli")
+LAYERS = ("errors", "paths", "units", "noise", "gguf", "flags", "workload", "memory", "machine", "measure", "sim",
+          "search", "storage", "results", "tune", "check", "grid", "export", "report", "cli")
 MAX_LINES = 520
 
 
@@ -84,9 +84,31 @@ def test_no_module_is_much_over_500_lines() -> None:
 
 
 def test_only_the_storage_adapter_reaches_optunas_private_api() -> None:
-    # Study._storage, Study._study_id, Trial._trial_id: fitter.tune.storage's adapter holds every use
+    # Study._storage, Study._study_id, Trial._trial_id: fitter.storage.studies's adapter holds every use
     private = {"_storage", "_study_id", "_trial_id"}
-    users = {m for m, p in _modules().items() if m != "fitter.tune.storage"
+    users = {m for m, p in _modules().items() if m != "fitter.storage.optuna_api"
              for node in ast.walk(ast.parse(p.read_text()))
              if isinstance(node, ast.Attribute) and node.attr in private}
     assert users == set()
+
+
+# Names that say one thing: a module name or a public top-level name means one thing in the package. cli/ names its
+# modules after the commands (cli/fit.py is `fitter fit`), and each command module has its `register`.
+CONVENTIONS = {"register", "main"}
+
+
+def test_no_two_modules_share_a_name_outside_the_cli() -> None:
+    by_name: dict[str, list[str]] = {}
+    for module, path in _modules().items():
+        if path.name != "__init__.py" and not module.startswith("fitter.cli."):
+            by_name.setdefault(path.stem, []).append(module)
+    assert {name: found for name, found in by_name.items() if len(found) > 1} == {}
+
+
+def test_no_public_name_is_defined_twice() -> None:
+    where: dict[str, list[str]] = {}
+    for module, path in _modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(module)
+    assert {name: found for name, found in where.items() if len(found) > 1 and name not in CONVENTIONS} == {}

@@ -23,18 +23,18 @@ from fitter.flags.consumers import with_bench_context
 if TYPE_CHECKING:  # the measuring side loads when a command measures, not when the parser is built
     from fitter.flags import LaunchConfig
     from fitter.machine.snapshot import MachineSnapshot
-    from fitter.measure.runner import TrialRunner
+    from fitter.measure.runners import TrialRunner
     from fitter.workload import Workload
 
 
 def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnapshot, vocab_size: int) -> TrialRunner:
     """The backend the user chose: fitter's worker (default), their llama-server or their llama-bench."""
-    from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, LlamaBenchRunner, ServerRunner, WorkerRunner
+    from fitter.measure.runners import CUDA_SHAPED_NEEDS_WORKER, LlamaBenchRunner, ServerRunner, WorkerRunner
 
     nvml = bool(snapshot.gpus)
     order = snapshot.nvml_indices() if nvml else None  # NVML's peaks named as llama.cpp names the devices
     if ns.llama_cpp:  # the build's own llama-server
-        from fitter.measure.llama_build import find_build
+        from fitter.measure.llamacpp.builds import find_build
 
         if ns.llama_server or ns.llama_bench:
             raise LaunchConfigError("--llama-cpp DIR and --llama-server/--llama-bench: name one build")
@@ -58,7 +58,7 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
 
 def _listed(snapshot: MachineSnapshot, ns: argparse.Namespace) -> MachineSnapshot:
     """The snapshot with the device list of the user's binary that measures, if any (fitter.machine.gpu_order)."""
-    from fitter.measure.llama_build import find_build, listed_by
+    from fitter.measure.llamacpp.builds import find_build, listed_by
 
     binary = ns.llama_server or ns.llama_bench or (find_build(ns.llama_cpp).llama_server if ns.llama_cpp else None)
     return listed_by(snapshot, binary)
@@ -67,7 +67,7 @@ def _listed(snapshot: MachineSnapshot, ns: argparse.Namespace) -> MachineSnapsho
 def cmd_bench(ns: argparse.Namespace) -> int:
     from fitter.machine.snapshot import gpus_now, take_snapshot
     from fitter.measure.bench import bench
-    from fitter.measure.render import bench_table
+    from fitter.measure.bench_table import bench_table
     from fitter.measure.served import WorkloadRunner
     from fitter.measure.types import BenchSpec
 
@@ -99,7 +99,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     result["machine"] = snapshot.record()
     print(json.dumps(result, indent=1) if ns.json else bench_table(result))
     if snapshot.gpus and result["outcome"] == "ok":
-        from fitter.machine.overhead import record_measurements
+        from fitter.machine.measured_overhead import record_measurements
 
         problem = record_measurements([(result, f"fitter bench {time.strftime('%Y-%m-%d')}")],
                                       tuple(c.gpu for c in snapshot.gpu_order()), result["machine"]["fingerprint"],
@@ -130,9 +130,9 @@ def _bench_sim(ns: argparse.Namespace, model: str, spec: Any, config: Any, proce
 
 
 def _bench_replay(ns: argparse.Namespace, model: str, spec: Any, config: Any) -> int:
-    """One recorded run of a config of a landscape (fitter.sim.replay): same result shape, backend "replay"."""
+    """One recorded run of a config of a landscape (fitter.grid.replay): same result shape, backend "replay"."""
+    from fitter.grid import ReplayRunner, load_landscape
     from fitter.measure.types import BenchSpec
-    from fitter.sim import ReplayRunner, load_landscape
 
     if not ns.landscape:
         raise FitterError("--backend replay: give --landscape FILE (fitter grid records one)")
@@ -156,7 +156,7 @@ def _bench_without_llama_cpp(ns: argparse.Namespace, model: str, spec: Any, conf
                              bench_spec: Any, machine: dict[str, Any], header: str) -> int:
     """A simulated or replayed measurement, printed as `fitter bench` prints one, with the machine it stands for."""
     from fitter.measure.bench import bench
-    from fitter.measure.render import bench_table
+    from fitter.measure.bench_table import bench_table
 
     out = bench(model, spec, config, bench_spec, runner, cpu, timeout=ns.timeout)
     out["threads"] = bench_spec.threads
@@ -209,9 +209,9 @@ def workload_from_args(ns: argparse.Namespace, config: LaunchConfig, tune: bool 
 
 
 def workload_names() -> tuple[str, ...]:
-    from fitter.workload import shipped_names
+    from fitter.workload import shipped_workload_names
 
-    return shipped_names()
+    return shipped_workload_names()
 
 
 def add_measure_arguments(parser: argparse.ArgumentParser) -> None:

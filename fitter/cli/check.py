@@ -9,18 +9,18 @@ from typing import TYPE_CHECKING, Any
 
 from fitter.cli.common import log, warn
 from fitter.flags.consumers import CONSUMER_NAMES
-from fitter.tune.result import POLICIES
+from fitter.results.pareto import POLICIES
 
 if TYPE_CHECKING:
     from fitter.machine.snapshot import MachineSnapshot
-    from fitter.measure.runner import RunnerFactory
+    from fitter.measure.runners import RunnerFactory
 
 
 def cmd_check(ns: argparse.Namespace, runner_factory: RunnerFactory | None = None) -> int:
     """0 when the pick holds, 1 with the diff when it fell or no longer fits (a FitterError becomes the CLI's exit
-    code 2). `runner_factory` defaults to what the result was tuned on (fitter.tune.check.runner_factory_for)."""
+    code 2). `runner_factory` defaults to what the result was tuned on (fitter.check.run.runner_factory_for)."""
+    from fitter.check.run import parse_tolerance, run_check, runner_factory_for, verdict_json, verdict_text
     from fitter.machine.snapshot import gpus_now, take_snapshot
-    from fitter.tune.check import parse_tolerance, run_check, runner_factory_for, verdict_json, verdict_text
 
     tolerance = parse_tolerance(str(ns.tolerance))
     snapshot = _listed(take_snapshot(), Path(ns.result))
@@ -42,8 +42,8 @@ def _listed(snapshot: MachineSnapshot, result: Path) -> MachineSnapshot:
     """The snapshot with the device list of the llama-server the result was tuned with, when it is still there and
     this machine has GPUs: which GPU it calls CUDA0, as the tune read it (fitter.machine.gpu_order)."""
     from fitter.errors import FitterError
-    from fitter.measure.llama_build import listed_by
-    from fitter.tune.result import load_result
+    from fitter.measure.llamacpp.builds import listed_by
+    from fitter.results.pareto import load_result
 
     if not snapshot.gpus:
         return snapshot

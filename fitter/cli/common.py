@@ -142,7 +142,7 @@ def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: Machi
 
 def llama_cpp_devices(folder: str, config: LaunchConfig) -> tuple[Device, ...]:
     """The devices a user's llama.cpp build sees (`llama-server --list-devices`, with the config's --rpc)."""
-    from fitter.measure.llama_build import build_devices, find_build, list_devices
+    from fitter.measure.llamacpp.builds import build_devices, find_build, list_devices
 
     devices, warnings = build_devices(list_devices(find_build(folder), config.rpc))
     for w in warnings:
@@ -155,13 +155,14 @@ def add_llama_cpp(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def build_projector(ns: argparse.Namespace, spec: ModelSpec, rpc: tuple[str, ...] = ()) -> Any:
-    """The build's projector where fitter guesses a kind for the model (fitter.measure.projection.projector_for),
-    else None; fitter.measure is imported only then (it is most of a CLI's start-up)."""
+    """The build's projector where fitter guesses a kind for the model
+    (fitter.measure.llamacpp.projection.projector_for), else None; fitter.measure is imported only then (it is most of
+    a CLI's start-up)."""
     from fitter.memory.projected import guessed_kinds
 
     if ns.projection == "never" or not guessed_kinds(spec):
         return None
-    from fitter.measure.projection import projector_for
+    from fitter.measure.llamacpp.projection import projector_for
 
     return projector_for(spec, ns.llama_cpp, rpc=rpc)
 

@@ -23,7 +23,7 @@ from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments
 
 def cmd_estimate(ns: argparse.Namespace) -> int:
     from fitter.memory.estimator import estimate
-    from fitter.memory.render import plan_json, plan_table
+    from fitter.memory.plan_render import plan_json, plan_table
 
     config, _ = launch_args(ns)
     spec = load_model(model_path(ns.model), config)
@@ -52,10 +52,10 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
 def _projection(ns: argparse.Namespace, spec: Any, config: Any, devices: Any, cpu: Any) -> tuple[dict[str, Any],
                                                                                                   list[str]]:
     """The build's own projection (`llama-fit-params --fit-print on`) beside fitter's estimate of the same reading
-    of the flags (fitter.measure.projection): JSON and the table's lines."""
+    of the flags (fitter.measure.llamacpp.projection): JSON and the table's lines."""
     from fitter.flags import pin
-    from fitter.measure.llama_build import find_build
-    from fitter.measure.projection import compare, project, tool_estimate
+    from fitter.measure.llamacpp.builds import find_build
+    from fitter.measure.llamacpp.projection import compare, project, tool_estimate
 
     build = find_build(ns.llama_cpp)
     if build.llama_fit_params is None:

@@ -29,7 +29,7 @@ from fitter.memory.devices import Device
 
 def cmd_fit(ns: argparse.Namespace) -> int:
     from fitter.memory.fit import fit
-    from fitter.memory.render import fit_json, fit_table
+    from fitter.memory.plan_render import fit_json, fit_table
 
     config, _ = launch_args(ns)
     targets = parse_fit_targets(ns.fit_target)
@@ -38,8 +38,8 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         gpu = None
         if ns.emulated_gpu is not None:
-            from fitter.measure.emulated_gpu import EmulatedGpus
-            from fitter.measure.runner import emulated_caps
+            from fitter.measure.emulator.emulated_gpu import EmulatedGpus
+            from fitter.measure.runners import emulated_caps
 
             if ns.devices or config.rpc:
                 raise LaunchConfigError("--emulated-gpu replaces --devices and --rpc: give one target")

@@ -22,9 +22,9 @@ from fitter.memory.budgets import parse_fit_targets
 
 
 def cmd_grid(ns: argparse.Namespace) -> int:
+    from fitter.grid.record import landscape_table, record_landscape
     from fitter.machine.snapshot import take_snapshot
-    from fitter.tune.record import landscape_table, record_landscape
-    from fitter.tune.session import TuneOptions
+    from fitter.tune.options import MeasureOptions, SearchOptions, TuneOptions
 
     if ns.backend == "replay":
         raise FitterError("fitter grid measures: --backend replay plays a landscape back, it does not record one")
@@ -46,12 +46,13 @@ def cmd_grid(ns: argparse.Namespace) -> int:
         raise FitterError(f"--cpu-only: this machine has {len(snapshot.gpus)} NVIDIA GPU(s), which trials would "
                           "use; --cpu-only is for the demo model on a machine without one")
     options = TuneOptions(
-        model=model, spec=spec, base=config, demo=ns.model is None and not ns.cpu_only, process=process,
-        fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None, space=ns.space,
-        trial_timeout_s=ns.trial_timeout, seed=ns.seed, workload=workload,
-        repetitions=ns.repetitions, emulated_gpu_mib=single_emulated_gpu(ns, "grid"),
-        emulated_cuda=ns.emulated_cuda,
-        llama_fit_params=ns.llama_fit_params, backend=ns.backend, machine=ns.machine)
+        model=model, spec=spec, base=config, process=process, workload=workload,
+        demo=ns.model is None and not ns.cpu_only,
+        search=SearchOptions(space=ns.space, seed=ns.seed,
+                             fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None),
+        measure=MeasureOptions(backend=ns.backend, machine=ns.machine, emulated_gpu_mib=single_emulated_gpu(ns, "grid"),
+                               emulated_cuda=ns.emulated_cuda, llama_fit_params=ns.llama_fit_params,
+                               repetitions=ns.repetitions, trial_timeout_s=ns.trial_timeout))
     land, path = record_landscape(options, snapshot, ns.rounds, Path(ns.out) if ns.out else None, log, ns.max_runs)
     print(landscape_table(land))
     print(f"\nlandscape: {path}")

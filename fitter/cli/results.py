@@ -12,7 +12,7 @@ from fitter.cli.common import log, warn
 from fitter.errors import FitterError
 from fitter.export.launchers import FORMATS
 from fitter.flags.consumers import CONSUMER_NAMES
-from fitter.tune.result import POLICIES
+from fitter.results.pareto import POLICIES
 from fitter.units import MIB
 
 
@@ -22,7 +22,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     refused with the excess unless --force."""
     from fitter.export.launchers import pick, render
     from fitter.export.replan import FORMAT_CONSUMER, replan
-    from fitter.tune.result import load_result
+    from fitter.results.pareto import load_result
 
     doc = load_result(ns.result)
     target = ns.consumer or FORMAT_CONSUMER.get(ns.format, doc.consumer)

@@ -27,7 +27,7 @@ from fitter.memory.budgets import parse_fit_targets
 if TYPE_CHECKING:  # optuna and the study load when a tune runs, not when the parser is built
     import optuna
 
-    from fitter.tune.request import TuneRequest
+    from fitter.search.request import TuneRequest
     from fitter.tune.study import StudyCallback, TuneProgress
 
 
@@ -91,8 +91,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     from fitter.export.launchers import render
     from fitter.machine.snapshot import take_snapshot
     from fitter.measure.process import first_interrupt_deferred
-    from fitter.tune.render import pareto_table
-    from fitter.tune.session import TuneOptions, parse_objectives, run_tune
+    from fitter.results.table import pareto_table
+    from fitter.tune.options import MeasureOptions, SearchOptions, StorageOptions, TuneOptions, parse_objectives
+    from fitter.tune.session import run_tune
 
     if ns.trials < 1:
         raise FitterError(f"--trials {ns.trials}: give at least 1")
@@ -103,22 +104,27 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     model = model_path(ns.model)
     spec = load_model(model, config)
     options = TuneOptions(
-        model=model, spec=spec, base=config, demo=ns.model is None, process=process,
-        objectives=parse_objectives(ns.objectives),
-        fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None, space=ns.space,
-        trials=ns.trials, timeout_s=ns.timeout, trial_timeout_s=ns.trial_timeout, seed=ns.seed,
-        workload=workload, repetitions=ns.repetitions,
-        confirm_rounds=ns.confirm_rounds, storage=ns.storage, study_name=ns.study_name,
-        results=Path(ns.results), emulated_gpu_mib=ns.emulated_gpu,
-        emulated_cuda=ns.emulated_cuda,
-        llama_fit_params=ns.llama_fit_params, llama_cpp=ns.llama_cpp, projection=ns.projection,
-        backend=ns.backend, machine=ns.machine, landscape=ns.landscape)
+        model=model, spec=spec, base=config, process=process, workload=workload, demo=ns.model is None,
+        search=SearchOptions(objectives=parse_objectives(ns.objectives), space=ns.space,
+                             fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None,
+                             trials=ns.trials, timeout_s=ns.timeout, seed=ns.seed),
+        measure=MeasureOptions(backend=ns.backend, machine=ns.machine, landscape=ns.landscape,
+                               emulated_gpu_mib=ns.emulated_gpu, emulated_cuda=ns.emulated_cuda,
+                               llama_cpp=ns.llama_cpp, llama_fit_params=ns.llama_fit_params, projection=ns.projection,
+                               repetitions=ns.repetitions, confirm_rounds=ns.confirm_rounds,
+                               trial_timeout_s=ns.trial_timeout),
+        storage=StorageOptions(storage=ns.storage, study_name=ns.study_name, results=Path(ns.results)))
     snapshot = take_snapshot() if ns.backend not in ("sim", "replay") else None
     stop, out = threading.Event(), Stderr()
     try:
         with first_interrupt_deferred(lambda: _stopping(stop, out)):
-            outcome = run_tune(options, snapshot, out.log, lambda req: progress_printer(req, out), dry_run=ns.dry_run,
-                               stop=stop)
+            progress = lambda req: progress_printer(req, out)  # noqa: E731
+            if ns.backend == "replay":  # a recorded landscape is the target (fitter.grid.replay_tune)
+                from fitter.grid.replay_tune import run_replay
+
+                outcome = run_replay(options, out.log, progress, dry_run=ns.dry_run, stop=stop)
+            else:
+                outcome = run_tune(options, snapshot, out.log, progress, dry_run=ns.dry_run, stop=stop)
     except KeyboardInterrupt:  # the second Ctrl-C: the running trial is left for the next run to fail and go on
         out.log("fitter: interrupted: the running trial is left unfinished; the same command resumes the tune (it "
                 "fails that trial and keeps every finished one)")

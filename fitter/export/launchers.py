@@ -25,7 +25,7 @@ from fitter.flags.overrides import with_bufts
 from fitter.flags.parse import flag_groups, process_flags_of
 from fitter.flags.vocabulary import BY_NAME
 from fitter.memory.devices import emulated_gpu_names
-from fitter.tune.result import POLICIES, Entry, ParetoDoc
+from fitter.results.pareto import POLICIES, Entry, ParetoDoc
 
 FORMATS = ("server", "preset-ini", "llama-swap", "python", "json")
 LLAMA_CPP_PYTHON = "0.3.36"  # the Llama.__init__ the python format is mapped against (pyproject's `llama` extra)
@@ -81,7 +81,7 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
         raise FitterError(f"{where}: no -t (threads); an export pins -t and -tb as measured")
     process = replace(process, threads_batch=process.threads_batch or process.threads)  # llama.cpp: -tb is -t's
 
-    emulated = bool(result.emulated or (entry.measurement or {}).get("emulated"))
+    emulated = result.emulated or (entry.measurement is not None and entry.measurement.emulated)
     warning = None
     if emulated:
         # several emulated GPUs stand for CUDA0, CUDA1, … in their order: a rule naming one names that GPU
@@ -179,14 +179,14 @@ def render(result: ParetoDoc, policy: str, fmt: str, note: str | None = None) ->
     return renderers[fmt](p)
 
 
-def server_argv(p: Pick) -> list[str]:
+def launch_argv(p: Pick) -> list[str]:
     return [p.binary, "-m", p.model_path, *p.flags]
 
 
 def render_server(p: Pick) -> str:
     # POSIX shell quoting: a newline in a value stays inside its quotes (the line then spans lines, still one command)
     notes = "".join(f"# {comment(line)}\n" for line in (p.warning, p.replanned) if line)
-    return notes + shlex.join(server_argv(p)) + "\n"
+    return notes + shlex.join(launch_argv(p)) + "\n"
 
 
 # common/preset.cpp parse_ini_from_file (0c1e570): a value runs to the line's end, less the blanks ([ \t]) around it,

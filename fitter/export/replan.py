@@ -19,7 +19,7 @@ from fitter.flags.parse import flag_value
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.devices import CPU_AVX2, CUDA, CpuProfile, Device, emulated_gpu_names, rpc_devices
 from fitter.memory.estimator import estimate
-from fitter.tune.result import Entry, ParetoDoc
+from fitter.results.pareto import Entry, ParetoDoc
 from fitter.units import MIB
 
 # Which program each export format is read by; json keeps the result's own.
@@ -48,7 +48,7 @@ def measured_devices(entry: Entry, doc: ParetoDoc | None = None) -> tuple[Device
     """The devices the entry's confirm run allocated on, by the names llama.cpp logged (RPC0[host:port], CUDA0),
     with the rules they were tuned under (the CUDA-shaped emulated GPU: CUDA's) and, for the layer split, their
     recorded budgets as their free memory."""
-    names = [n for n in ((entry.measurement or {}).get("devices") or {}) if n != "CPU"]
+    names = [n for n in (entry.measurement.logged_devices if entry.measurement else {}) if n != "CPU"]
     budgets = recorded_budgets(doc) if doc is not None else {}
     cuda_shaped = doc is not None and doc.machine.get("emulated_gpu_kind") == "cuda"
     devices: list[Device] = []
@@ -114,7 +114,7 @@ def replan(doc: ParetoDoc, entry: Entry, config: LaunchConfig, target: str, spec
     if not budgets and devices:
         changes.append("no recorded budget to check it against (a result written before fitter recorded them)")
     # what the confirm run logged, moved by the estimator's difference between the two programs
-    logged = (entry.measurement or {}).get("devices") or {}
+    logged = entry.measurement.logged_devices if entry.measurement else {}
     over = {}
     for name, budget in budgets.items():
         if name not in new_totals:

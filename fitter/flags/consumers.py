@@ -69,9 +69,9 @@ CONSUMERS: dict[str, Consumer] = {
     )
 }
 CONSUMER_NAMES = tuple(CONSUMERS)  # the programs a user runs a config with (`--for`)
-# llama.cpp's own projection tool reads flags too (fitter.measure.projection): common.h's defaults, `-np` as given
-# (fitter.measure.llama_fit translates llama-server's auto to 4), no unified KV (it rejects -kvu), the C API's
-# n_outputs_max 0 = n_batch (tools/fit-params/fit-params.cpp, common/common.cpp common_context_params_to_llama).
+# llama.cpp's own projection tool reads flags too (fitter.measure.llamacpp.projection): common.h's defaults, `-np` as
+# given (fitter.measure.llamacpp.fit_params translates llama-server's auto to 4), no unified KV (it rejects -kvu), the
+# C API's n_outputs_max 0 = n_batch (tools/fit-params/fit-params.cpp, common/common.cpp common_context_params_to_llama).
 CONSUMERS["llama-fit-params"] = Consumer("llama-fit-params", {"parallel": 1}, False, False,
                                          {"kv_unified": False, "fit": False}, "tools/fit-params/fit-params.cpp")
 

@@ -6,8 +6,8 @@ common/preset.cpp `common_preset::to_ini` writes (an option's last spelling with
 form is one key whose value is true or false). Derived here: the argparse options (fitter.flags.parse), the
 process-level flags (threads and affinity, which a LaunchConfig leaves to the process), the model-level fields
 (a change reloads the model, llama-bench's `cmd_params_instance::equal_mparams`), the flags that fix a search-space
-key, the flags llama-fit-params reads differently (fitter.measure.llama_fit), the preset keys (fitter.export) and
-the searched part of a trial's flags that tables show.
+key, the flags llama-fit-params reads differently (fitter.measure.llamacpp.fit_params), the preset keys (fitter.export)
+and the searched part of a trial's flags that tables show.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def process_flags() -> tuple[Flag, ...]:
 MODEL_LEVEL: tuple[str, ...] = tuple(dict.fromkeys(f.field for f in FLAGS if f.level is Level.MODEL))
 BARE: frozenset[str] = frozenset(name for f in FLAGS if not f.takes_value for name in f.names)
 # The searched part of a trial's flags, as tables show it (context, slots and --rpc are the same in every trial);
-# on several GPUs the split too (fitter.tune.split).
+# on several GPUs the split too (fitter.search.split).
 SEARCHED: frozenset[str] = frozenset(f.canonical for f in FLAGS if f.takes_value and (
     f.space_key or f.field in ("overrides", "tensor_split", "split_mode", "main_gpu")))
 

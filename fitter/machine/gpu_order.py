@@ -69,7 +69,7 @@ class CudaGpu:
 
 
 class Listed(Protocol):
-    """A device as a llama.cpp build lists it (fitter.measure.llama_build.ListedDevice)."""
+    """A device as a llama.cpp build lists it (fitter.measure.llamacpp.builds.ListedDevice)."""
 
     @property
     def name(self) -> str: ...

@@ -24,8 +24,8 @@ from fitter.machine.gpu_order import (
     pci_order,
 )
 from fitter.machine.llama_cpp import llama_cpp_python_build
+from fitter.machine.measured_overhead import overhead_for
 from fitter.machine.nvidia import GpuInfo, NvidiaInfo, detect_nvidia
-from fitter.machine.overhead import overhead_for
 from fitter.memory.devices import (
     CUDA,
     CpuProfile,

@@ -4,7 +4,7 @@ emulated GPU, llama.cpp's own fit and tools, and the child processes they run in
 
 from __future__ import annotations
 
-from fitter.measure.runner import LlamaBenchRunner, ServerRunner, TrialRunner, WorkerRunner, with_rpc
+from fitter.measure.runners import LlamaBenchRunner, ServerRunner, TrialRunner, WorkerRunner, with_rpc
 from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, OomInfo, SpeedStats, TrialResult, WorkerError
 
 __all__ = ["BenchSpec", "LlamaBenchRunner", "LoggedBuffer", "Measurement", "OomInfo", "ServerRunner", "SpeedStats",

@@ -9,8 +9,8 @@ from fitter.flags import LaunchConfig
 from fitter.flags.consumers import server_flags
 from fitter.flags.draft import measuring_problem
 from fitter.gguf.model_spec import ModelSpec
-from fitter.measure.render import bench_json
-from fitter.measure.runner import TrialRunner, with_rpc
+from fitter.measure.bench_table import bench_json
+from fitter.measure.runners import TrialRunner, with_rpc
 from fitter.measure.types import BenchSpec
 from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.estimator import estimate

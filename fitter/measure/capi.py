@@ -120,9 +120,9 @@ class Ggml:
                 self._cudafy(server_reg, server)
 
     def _cudafy(self, reg: int, server: str) -> None:
-        """Give the devices of an RPC server CUDA's scheduling rules (fitter/measure/native/cudadev.c): the
+        """Give the devices of an RPC server CUDA's scheduling rules (fitter/measure/emulator/native/cudadev.c): the
         CUDA-shaped emulated GPU, whose server already answers with CUDA's buffer sizes."""
-        from fitter.measure.capdev import cuda_library
+        from fitter.measure.emulator.capdev import cuda_library
 
         lib = ctypes.CDLL(str(cuda_library()))
         lib.fitter_cudadev_patch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from fitter.flags import LaunchConfig
-from fitter.measure.runner import TrialRunner
+from fitter.measure.runners import TrialRunner
 from fitter.measure.types import AtDepth, BenchSpec, Latency, Measurement, SpeedStats, TrialResult
 from fitter.memory.devices import CpuProfile, Device
 from fitter.memory.estimator import MemoryPlan

@@ -146,7 +146,7 @@ _BACKEND_LIBRARY = re.compile(r"libggml-([a-z]+)(?:-[\w-]+)?\.so(?:\.[\d.]+)?")
 def build_backends(binary: str) -> list[str]:
     """The backends a build has: its ggml backend libraries beside the binary (a shared build), the devices it lists
     (`--list-devices`: a static build's GPUs; RPC servers are not listed without --rpc), and the CPU."""
-    from fitter.measure.llama_build import LlamaCppBuild, list_devices
+    from fitter.measure.llamacpp.builds import LlamaCppBuild, list_devices
 
     path = Path(binary).resolve()
     found = {"CPU"}

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from fitter.flags import ContextParams
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.devices import CPU_ALIGNMENT, Device
+from fitter.memory.graph_replay import Replayed, flash_attn_devices_match, graph_compute_bytes
 from fitter.memory.graphs import GRAPH_ARCHS, BackendMap, GraphParams
-from fitter.memory.replay import Replayed, flash_attn_devices_match, graph_compute_bytes
 
 F32 = 4
 I32 = 4

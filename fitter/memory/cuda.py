@@ -1,7 +1,7 @@
 """The rules of llama.cpp's CUDA backend (0c1e570) that decide memory, on fitter's shape-only graph tensors.
 
-The same rules, in C, make fitter's CUDA-shaped emulated GPU (fitter/measure/native/cudarules.h): the emulator lets
-llama.cpp itself allocate with them, this module lets the estimator predict it; tests/golden/cuda-emulated.json
+The same rules, in C, make fitter's CUDA-shaped emulated GPU (fitter/measure/emulator/native/cudarules.h): the emulator
+lets llama.cpp itself allocate with them, this module lets the estimator predict it; tests/golden/cuda-emulated.json
 holds them to each other. Each rule names the function it mirrors:
 
 - `alloc_size`: ggml/src/ggml-cuda/ggml-cuda.cu `ggml_backend_cuda_buffer_type_get_alloc_size`: a quantized
@@ -93,7 +93,7 @@ def supports(t: Tensor) -> bool:
     return t.op != "FLASH_ATTN_EXT" or fattn_kernel(t) is not None
 
 
-def alloc_size(t: Tensor) -> int:
+def cuda_alloc_size(t: Tensor) -> int:
     size = t.nbytes
     if t.op == "FLASH_ATTN_EXT" and len(t.src) >= 3 and t.src[1] is not None and t.src[2] is not None:
         k, v = t.src[1], t.src[2]

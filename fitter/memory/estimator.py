@@ -19,10 +19,10 @@ from fitter.gguf.model_spec import ModelSpec, Role, TensorSpec
 from fitter.memory.buffers import CPU, KINDS, Buffer, Placement, alloc_size, row_bytes
 from fitter.memory.compute import auto_flash_attn_mismatch, backend_map, compute_bytes_by_device
 from fitter.memory.devices import CPU_AVX2, CpuProfile, Device
+from fitter.memory.graph_replay import Replayed
 from fitter.memory.graphs import BackendMap
 from fitter.memory.kv_cache import check_cache_types, kv_buffers, kv_cache_sizes
 from fitter.memory.projected import guess_warning
-from fitter.memory.replay import Replayed
 
 __all__ = ["CPU", "KINDS", "Buffer", "DeviceTotals", "MemoryPlan", "Placement", "alloc_size", "complete", "estimate",
            "first_failure", "kv_cache_sizes", "layer_devices", "model_devices", "pipeline_parallel", "place",

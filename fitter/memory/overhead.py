@@ -13,7 +13,7 @@ leaves its 1024 MiB target for all of it. A default by GPU class, each part with
   shrinks): not predicted from the header; the measurement below replaces the whole default.
 
 Once a trial has run with NVML on this machine, what NVML saw fitter's process use on the device beyond the buffers
-llama.cpp logged replaces the default (fitter.machine.overhead keeps it per machine fingerprint and driver).
+llama.cpp logged replaces the default (fitter.machine.measured_overhead keeps it per machine fingerprint and driver).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ buffers of every architecture (tensor sizes are the header's), the KV cache and 
 architectures in fitter.gguf.archs, the compute buffers of those whose graph fitter rebuilds (GRAPH_ARCHS). Any
 other kind is a guess: a plain KV cache over every layer, or the phase model's compute. `with_projection` replaces
 exactly those kinds by llama.cpp's own projection of the same config (`llama-fit-params --fit-print on`, run at the
-edge by fitter.measure.projection), so no command screens by a guess unless asked to (`--projection never`).
+edge by fitter.measure.llamacpp.projection), so no command screens by a guess unless asked to (`--projection never`).
 Pure: the projection comes in as data.
 """
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 class Projects(Protocol):
     """A build's projection of a config: device → {model, kv, compute} floored bytes (the I/O is the caller's:
-    fitter.measure.projection.Projector), and the build as warnings name it."""
+    fitter.measure.llamacpp.projection.Projector), and the build as warnings name it."""
 
     source: str
 

@@ -20,8 +20,9 @@ from optuna.trial import FrozenTrial, TrialState
 from fitter.paths import write_atomic
 from fitter.report.load import StudyResult
 from fitter.report.tables import baseline_trial, front
-from fitter.tune.result import speed
-from fitter.tune.trials import device_peaks, predicted_device_bytes, trial_vram
+from fitter.results.measurement import device_peaks, speed
+from fitter.results.table import BASE
+from fitter.results.trials import predicted_device_bytes, trial_vram
 from fitter.units import MIB
 
 if TYPE_CHECKING:
@@ -98,12 +99,12 @@ def scatter_points(result: StudyResult) -> tuple[list[_Point], list[_Point], _Po
     f = front(result)
     pts, base = [], None
     for r in f.rows:
-        label = "llama.cpp --fit" if r["trial"] == "base" else (
-            f"#{r['trial']}" + (" = llama.cpp --fit" if r["phase"] == "baseline" else "")
-            + (f": {r['picks']}" if r["picks"] else ""))
-        p = _Point(label, r["tg_ts"], r["pp_ts"], r["vram_mib"] or 0.0,
-                   None if r["trial"] == "base" else int(r["trial"]))
-        if r["trial"] == "base":
+        label = "llama.cpp --fit" if r.trial == BASE else (
+            f"#{r.trial}" + (" = llama.cpp --fit" if r.phase == "baseline" else "")
+            + (f": {','.join(r.picks)}" if r.picks else ""))
+        p = _Point(label, r.tg_ts or 0.0, r.pp_ts or 0.0, r.vram_mib or 0.0,
+                   None if r.trial == BASE else int(r.trial))
+        if r.trial == BASE:
             base = p
         else:
             pts.append(p)

@@ -1,5 +1,5 @@
 """A results folder as `fitter report` reads it: the Optuna study (read-only, whether or not the tune still runs) and
-its pareto.json once the tune has finished (fitter.tune.result, the one loader)."""
+its pareto.json once the tune has finished (fitter.results.pareto, the one loader)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from pathlib import Path
 import optuna
 
 from fitter.errors import FitterError
-from fitter.tune.request import OBJECTIVES
-from fitter.tune.result import RESULT_FILE, ParetoDoc, ResultError
-from fitter.tune.result import load_result as load_pareto
-from fitter.tune.storage import KEY_ATTRS, STUDY_NAME, check_study_db
+from fitter.results.measurement import ResultError
+from fitter.results.pareto import RESULT_FILE, ParetoDoc
+from fitter.results.pareto import load_result as load_pareto
+from fitter.search.request import OBJECTIVES
+from fitter.storage.studies import KEY_ATTRS, STUDY_NAME, check_study_db
 
 
 class ReportError(FitterError):

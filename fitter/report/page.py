@@ -28,8 +28,9 @@ from optuna.trial import TrialState
 from fitter.paths import write_atomic
 from fitter.report.figures import Figures, decode_vs_vram, history, importances, memory
 from fitter.report.load import ReportError, StudyResult
-from fitter.report.tables import Front, front, pareto_frame
-from fitter.tune.trials import trials_frame
+from fitter.report.tables import front, pareto_frame
+from fitter.results.table import Front
+from fitter.results.trials import trials_frame
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Report:
         return {"result": str(self.result.folder), "study": str(self.result.db), "out": str(self.out),
                 "objectives": list(self.result.objectives), "front_source": self.front.source,
                 "files": [str(p) for p in self.files], "warnings": self.notes,
-                "pareto": self.front.rows, "dropped": self.front.dropped,
+                "pareto": self.front.records, "dropped": self.front.dropped,
                 "trials": json.loads(self.trials.to_json(orient="records", date_format="iso"))}
 
 

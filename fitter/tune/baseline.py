@@ -1,6 +1,6 @@
 """Trial 0 of every study: what llama.cpp does on its own. With a GPU, its `--fit` placement (llama-fit-params built
-from the same source, fitter.measure.llama_fit) with llama-server's default batch, KV and threads; without one,
-llama-server's defaults. A resumed study keeps its baseline."""
+from the same source, fitter.measure.llamacpp.fit_params) with llama-server's default batch, KV and threads; without
+one, llama-server's defaults. A resumed study keeps its baseline."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from optuna.trial import FrozenTrial
 from fitter.errors import LaunchConfigError
 from fitter.flags import ProcessFlags, parse_flags, pin, validate
 from fitter.flags.parse import flag_value, with_endpoint, with_endpoints
-from fitter.measure.llama_fit import LlamaFit, LlamaFitError, baseline_config, run_llama_fit
+from fitter.measure.llamacpp.fit_params import LlamaFit, LlamaFitError, baseline_config, run_llama_fit
 from fitter.memory.devices import Device, rpc_device_name
 from fitter.memory.estimator import estimate
-from fitter.tune.fleet import measured
-from fitter.tune.request import Candidate, TuneRequest
-from fitter.tune.storage import frozen
+from fitter.search.request import Candidate, TuneRequest
+from fitter.storage.fleet import measured
+from fitter.storage.optuna_api import frozen
 from fitter.tune.study import Tuner
+from fitter.tune.targets import RecordedBaseline
 from fitter.units import MIB
 
 NAME = "llama.cpp --fit"
@@ -81,7 +82,7 @@ def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tup
     return _launch(req, tuner, cand)
 
 
-CLAIM = "baseline"  # the baseline runs once per study, by the worker of a fleet that claims it (fitter.tune.fleet)
+CLAIM = "baseline"  # the baseline runs once per study, by the worker of a fleet that claims it (fitter.storage.fleet)
 
 
 def _claimed(req: TuneRequest, tuner: Tuner) -> Baseline | None:
@@ -123,7 +124,7 @@ def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, 
     if req.devices:
         if tool is None or unavailable is not None:
             why = (f"llama.cpp's fit cannot run here: {unavailable}" if unavailable is not None else
-                   "llama-fit-params not found (python -m fitter.measure.tools llama-fit-params, or "
+                   "llama-fit-params not found (python -m fitter.measure.llamacpp.tools llama-fit-params, or "
                    "--llama-fit-params PATH)")
             return None, why, f"{why}: no baseline, so no ratios over llama.cpp's own choice"
         if req.base.draft_model:
@@ -149,16 +150,16 @@ def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, 
                      tuple(pin(config, process=process, given=True))), "", ""
 
 
-def replay_baseline(req: TuneRequest, tuner: Tuner, flags: list[str] | None, reason: str | None,
-                    log: Callable[[str], None]) -> Baseline:
-    """A replayed landscape's baseline (fitter.sim.replay): the recorded point's flags, no fit run; launched as trial
-    0 like a measured one, so the replay answers it with one of its recorded runs."""
+def recorded_baseline(req: TuneRequest, tuner: Tuner, recorded: RecordedBaseline, log: Callable[[str], None]) -> \
+        Baseline:
+    """A baseline recorded with the target (a replayed landscape's point, fitter.grid.replay_tune): its flags, no fit
+    run; launched as trial 0 like a measured one, so the target's runner answers it."""
     if (elsewhere := _claimed(req, tuner)) is not None:
         return elsewhere
-    if flags is None:
-        why = f"the landscape has no baseline ({reason or 'not recorded'})"
+    if recorded.flags is None:
+        why = f"the landscape has no baseline ({recorded.reason or 'not recorded'})"
         return _none(tuner, why, why, log)
-    return _launch(req, tuner, _candidate(req, flags, "the landscape's baseline flags"))
+    return _launch(req, tuner, _candidate(req, list(recorded.flags), "the landscape's baseline flags"))
 
 
 def _resumed(req: TuneRequest, tuner: Tuner) -> Baseline | None:
@@ -199,7 +200,7 @@ def sim_fit_devices(req: TuneRequest, tool: Path | None = None, machine: Any = N
     project the RPC backend's compute buffers, not CUDA's."""
     import contextlib
 
-    from fitter.measure.emulated_gpu import EmulatedGpus
+    from fitter.measure.emulator.emulated_gpu import EmulatedGpus
     from fitter.sim.physics import context_bytes
 
     @contextlib.contextmanager

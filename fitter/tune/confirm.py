@@ -3,7 +3,7 @@ front of the confirm runs is kept, and the result document is built from them.
 
 Interleaved: each round runs every contender once, in a fresh shuffled order (seeded), so slow drift (a job that
 starts beside the tune, a throttling CPU) hits every config alike, and each ratio over the baseline is taken
-within rounds (fitter.measure.noise: a t interval over the rounds' paired log ratios). A contender whose run fails in
+within rounds (fitter.noise: a t interval over the rounds' paired log ratios). A contender whose run fails in
 any round is dropped and reported. The baseline is also the drift monitor: measured at the start of the study (its
 trial), in the middle (fitter.tune.study.Tuner.drift_probe) and at the end (these rounds); a study whose baseline
 moved more than its configs differ says so.
@@ -20,16 +20,16 @@ from typing import Any
 from optuna.trial import TrialState
 
 from fitter.flags import pin, resolve_context
-from fitter.measure.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
-from fitter.measure.runner import TrialRunner
+from fitter.measure.runners import TrialRunner
 from fitter.measure.types import Latency, samples_json
 from fitter.memory.estimator import MemoryPlan
+from fitter.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
+from fitter.results.measurement import measurement_json, round_avgs, vram_bytes
+from fitter.results.pareto import Entry, ParetoDoc, picks, ratios
+from fitter.search.request import Candidate, TuneRequest, _default_distance, candidate
 from fitter.tune.baseline import Baseline
-from fitter.tune.request import Candidate, TuneRequest, _default_distance, candidate
-from fitter.tune.result import Entry, ParetoDoc, picks, ratios, round_avgs, vram_bytes
-from fitter.tune.study import Tuner, measurement_json
-
-DEFAULT_ROUNDS = 4  # t(0.975, 3) = 3.18: an interval ~1.8× the per-round spread; 3 rounds would make it 2.5×
+from fitter.tune.options import DEFAULT_ROUNDS
+from fitter.tune.study import Tuner
 
 
 def pinned_flags(cand: Candidate, plan: MemoryPlan | None) -> list[str]:

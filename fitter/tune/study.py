@@ -35,11 +35,15 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from fitter.flags import resolve_context
-from fitter.measure.render import bench_json
-from fitter.measure.runner import TrialRunner
+from fitter.measure.runners import TrialRunner
 from fitter.measure.types import TrialResult
 from fitter.memory.devices import Device
-from fitter.tune.fleet import (
+from fitter.results.measurement import measurement_json, vram_bytes
+from fitter.search.plan import Screener, neighbours, structured_start
+from fitter.search.pooling import SamplePool
+from fitter.search.request import STREAM_OBJECTIVES, Candidate, TuneRequest, _choices, candidate
+from fitter.search.screen import Screen, device_totals
+from fitter.storage.fleet import (
     Claim,
     Claims,
     MemoryClaims,
@@ -50,12 +54,7 @@ from fitter.tune.fleet import (
     measured,
     wait_for_others,
 )
-from fitter.tune.plan import Screener, neighbours, structured_start
-from fitter.tune.pooling import SamplePool
-from fitter.tune.request import STREAM_OBJECTIVES, Candidate, TuneRequest, _choices, candidate
-from fitter.tune.result import vram_bytes
-from fitter.tune.screen import Screen, device_totals
-from fitter.tune.storage import frozen, record_heartbeat, set_params, study_storage, trial_id
+from fitter.storage.optuna_api import frozen, record_heartbeat, set_params, study_storage, trial_id
 from fitter.units import MIB
 
 
@@ -67,14 +66,14 @@ class TuneProgress:
     failed: int = 0
     asked: int = 0
     model_loads: int = 0
-    elsewhere: int = 0  # planned configs another worker of the fleet had claimed (fitter.tune.fleet)
+    elsewhere: int = 0  # planned configs another worker of the fleet had claimed (fitter.storage.fleet)
     started: float = field(default_factory=time.monotonic)
 
 
 # -- the study --------------------------------------------------------------------------------------------------
 
 StudyCallback = Callable[[str, TuneProgress, optuna.Study], None]
-DRIFT_CLAIM = "drift monitor, middle"  # the drift probe runs once per study (fitter.tune.fleet)
+DRIFT_CLAIM = "drift monitor, middle"  # the drift probe runs once per study (fitter.storage.fleet)
 
 
 class Tuner:
@@ -96,7 +95,7 @@ class Tuner:
         self._loaded_key: tuple[Any, ...] | None = None
         self._done: dict[str, FrozenTrial] = {}
         self._absorbed: set[int] = set()
-        self.pool = SamplePool.empty()  # samples shared by configs a speed cannot tell apart (fitter.tune.pooling)
+        self.pool = SamplePool.empty()  # samples shared by configs a speed cannot tell apart (fitter.search.pooling)
         self.absorb()
         self.progress.launched = self.launched_so_far()
         # the baseline's candidate, measured again half-way through the launches: the drift monitor's middle point
@@ -177,13 +176,13 @@ class Tuner:
         return trial
 
     def _heartbeat(self, trial: optuna.Trial) -> Callable[[], None]:
-        """Beat for the running trial while it runs (fitter.tune.fleet.heartbeat); the stop function."""
+        """Beat for the running trial while it runs (fitter.storage.fleet.heartbeat); the stop function."""
         if self._heartbeat_s is None:
             return lambda: None
         return heartbeat(study_storage(self.study), trial_id(trial), self.claims, self.worker.name, self._heartbeat_s)
 
     def launch_slot(self) -> str | None:
-        """One of the study's --trials launches for this worker, or None (fitter.tune.fleet.launch_slot)."""
+        """One of the study's --trials launches for this worker, or None (fitter.storage.fleet.launch_slot)."""
         return launch_slot(self.claim, self.launched_so_far(), self.req.n_trials)
 
     def launch(self, trial: optuna.Trial, cand: Candidate, s: Screen | None, phase: str,
@@ -220,7 +219,7 @@ class Tuner:
         self.on_event("start", self.progress, self.study)
         spec = cand.spec
         if phase != "baseline" and spec.n_gen and self.pool.has(cand, "tg"):
-            spec = replace(spec, n_gen=0)  # its decode class was measured: prefill only (fitter.tune.pooling)
+            spec = replace(spec, n_gen=0)  # its decode class was measured: prefill only (fitter.search.pooling)
         stop_heartbeat = self._heartbeat(trial)
         try:
             result = self.runner.run(self.req.model, cand.config, spec, self.req.trial_timeout_s,
@@ -424,7 +423,7 @@ class Tuner:
                        f"{self.worker.name}")
 
     def wait_for_others(self) -> None:
-        """Until no other worker's launched trial is RUNNING (fitter.tune.fleet.wait_for_others)."""
+        """Until no other worker's launched trial is RUNNING (fitter.storage.fleet.wait_for_others)."""
         wait_for_others(self.study, self.claims, self.worker.name, self.stop, self.log)
 
     def run(self) -> None:
@@ -482,11 +481,6 @@ class Tuner:
             if best is None or score > best[0]:
                 best = (score, t)
         return best[1] if best else None
-
-
-def measurement_json(result: TrialResult, backend: str, plan: Any, emulated: bool) -> dict[str, Any]:
-    """A trial's measurement as pareto.json and the study record it (`fitter bench --json`'s shape)."""
-    return bench_json(result.measurement, backend, plan, emulated=emulated, peak_vram=result.peak_vram)
 
 
 def objective_value(measurement: dict[str, Any], objective: str, vram: int, n_ctx: int = 0) -> float:

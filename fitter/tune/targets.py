@@ -1,9 +1,11 @@
-"""What a tune runs on: this machine (its GPUs, `--rpc` devices, or fitter's emulated GPU), a simulated one, or a
-recorded landscape replayed (`--backend replay`).
+"""What a tune runs on: this machine (its GPUs, `--rpc` devices, or fitter's emulated GPU) or a simulated one; a
+recorded landscape replayed (`--backend replay`) is a target fitter.grid.replay makes.
 
 A `Target` says everything the study needs before anything starts: the runner to make, the devices the estimator
 plans for (placeholders for an emulated GPU whose port is not chosen yet: same size, so the same verdicts), the
-machine record that keys the results, cores and thread defaults, host RAM, the CPU's repack rules.
+machine record that keys the results, cores and thread defaults, host RAM, the CPU's repack rules; and, where the
+target fixes them, the options, the search space and the baseline (a replay: the recorded ones). `plan_request`
+turns the options into the search's request for the target's devices.
 """
 
 from __future__ import annotations
@@ -14,16 +16,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from optuna.distributions import BaseDistribution, CategoricalDistribution
+
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, ProcessFlags
+from fitter.flags.parse import fixed_space_keys
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.gpu_order import GpuOrderError
 from fitter.machine.snapshot import MachineSnapshot, gpus_now
-from fitter.measure.emulated_gpu import emulated_device
-from fitter.measure.runner import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner, emulated_caps
+from fitter.measure.emulator.emulated_gpu import emulated_device
+from fitter.measure.runners import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner, emulated_caps
+from fitter.measure.types import BenchSpec
+from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.devices import CpuProfile, Device, rpc_device_name, rpc_devices
-from fitter.tune.storage import machine_dir_name
+from fitter.memory.fit_devices import expert_layers
+from fitter.search import split
+from fitter.search.request import CTX_KEY, TuneRequest
+from fitter.search.screen import Budgets
+from fitter.search.space import default_space_name, load_space, resolve, shipped_space
+from fitter.storage.studies import machine_dir_name
+from fitter.tune.options import TuneOptions
 from fitter.units import GIB, MIB
+from fitter.workload import context_choices
 
 # The README's first command tunes the demo model; without a GPU it runs on an emulated one this big, with a fit
 # target that leaves 80 MiB for the model (all of it on the device would need ~127 MiB: experts must be split).
@@ -57,10 +71,19 @@ class Target:
     default_fit_target: tuple[int, ...] | None = None
     sim: Any = None  # the simulated Machine
     notes: tuple[str, ...] = ()  # what the target decided on its own (the demo's emulated GPU, a reserved core)
-    replay: Any = None  # the replayed Landscape (fitter.sim.landscape)
     # the resolved search space and its source when the target fixes them (a replay: the recorded space)
     distributions: dict[str, Any] | None = None
     space_source: str | None = None
+    # the options as the target fixes them, with a note for the log (a replay: its recorded flags, space and bench)
+    fixed_options: Callable[[TuneOptions], tuple[TuneOptions, str]] | None = None
+    # a baseline recorded with the target, not run by llama.cpp's fit (a replay: the recorded point, or why none)
+    recorded_baseline: RecordedBaseline | None = None
+
+
+@dataclass(frozen=True)
+class RecordedBaseline:
+    flags: tuple[str, ...] | None  # None: no baseline was recorded
+    reason: str | None = None  # why none was
 
 
 def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: ProcessFlags,
@@ -80,8 +103,8 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
     default_fit_target = None
     no_emulator = None
     if llama_cpp is not None and emulated_mib is None and not gpus and not base.rpc and demo:
-        from fitter.measure.capdev import emulated_gpu_problem
-        from fitter.measure.llama_build import find_build
+        from fitter.measure.emulator.capdev import emulated_gpu_problem
+        from fitter.measure.llamacpp.builds import find_build
 
         # the build's own shared ggml serves the emulated GPU when it has RPC; a static build needs llama-cpp-python's
         no_emulator = emulated_gpu_problem(find_build(llama_cpp).llama_server)
@@ -124,7 +147,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
 
     def make_runner() -> TrialRunner:
         if llama_cpp is not None:  # the user's build: its llama-server runs every trial
-            from fitter.measure.llama_build import find_build
+            from fitter.measure.llamacpp.builds import find_build
 
             if emulated_cuda:
                 raise FitterError(CUDA_SHAPED_NEEDS_WORKER)
@@ -170,30 +193,72 @@ def sim_target(machine_name: str | None, emulated_mib: int | tuple[int, ...] | N
         has_gpu=bool(m.gpus), sim=m)
 
 
-def replay_target(path: str | None, seed: int) -> Target:
-    """A recorded landscape (`fitter grid`) replayed: its devices, budgets, cores, CPU rules, space and fixed flags
-    stand in for this machine's, so the study searches exactly the recorded space (fitter.sim.replay)."""
-    from optuna.distributions import CategoricalDistribution, json_to_distribution
+def tune_target(o: TuneOptions, snapshot: MachineSnapshot | None) -> Target:
+    """What the trials run on: this machine (`snapshot`) or a simulated one."""
+    m = o.measure
+    if m.backend == "sim":
+        return sim_target(m.machine, m.emulated_gpu_mib, o.spec, o.search.seed)
+    if m.backend == "replay":  # a landscape is read above the tune (fitter.grid): its target is handed in
+        raise FitterError("--backend replay: the replayed landscape's target is fitter.grid.replay.replay_target's")
+    assert snapshot is not None, "a tune on this machine needs its snapshot"
+    return local_target(snapshot, o.base, o.process, m.emulated_gpu_mib, o.demo, o.search.fit_targets,
+                        m.emulated_cuda, m.llama_cpp)
 
-    from fitter.sim import ReplayRunner, load_landscape
 
-    if not path:
-        raise FitterError("--backend replay: give --landscape FILE (fitter grid records one)")
-    land = load_landscape(path)
-    fingerprint = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-    name = land.model.get("name") or "landscape"
-    machine = {"replay": str(path), "fingerprint": fingerprint, "recorded": land.machine,
-               "physical_cores": land.target["physical_cores"], "performance_cores": land.target["performance_cores"],
-               "gpus": [d.name for d in land.devices]}
-    probe = ReplayRunner(land, seed)
-    t = land.target
-    return Target(
-        make_runner=lambda: ReplayRunner(land, seed), devices=lambda r: r.devices(),
-        planned_devices=probe.devices(), planned_rpc=land.rpc, machine=machine,
-        machine_dir=f"replay-{name}-{fingerprint[:8]}", physical_cores=t["physical_cores"],
-        performance_cores=t["performance_cores"], default_threads=t["default_threads"], host_budget=t["host_budget"],
-        cpu_profile=land.cpu_profile, has_gpu=bool(land.devices), default_fit_target=land.fit_target_mib,
-        replay=land, space_source=land.space,
-        # the study's own distributions as recorded (an int range stays one), else the recorded choices
-        distributions={k: json_to_distribution(land.optuna[k]) if k in land.optuna else CategoricalDistribution(
-            tuple(v)) for k, v in land.distributions.items()})
+def fit_targets(o: TuneOptions, target: Target) -> tuple[int, ...]:
+    return o.search.fit_targets or target.default_fit_target or (DEFAULT_FIT_TARGET_MIB,)
+
+
+def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rpc: tuple[str, ...],
+                 log: Callable[[str], None] = lambda _: None) -> TuneRequest:
+    """The request for the target's devices: objectives, the resolved space less what the flags fix, budgets."""
+    objectives = o.search.objectives
+    if "vram" in objectives and not target.has_gpu:
+        objectives = tuple(x for x in objectives if x != "vram")
+        log("fitter: no GPU: the vram objective is dropped")
+    distributions, source = _space(o, target)
+    if o.workload.min_ctx and target.distributions is None:  # the context as a trade: searched, a Pareto axis
+        contexts = context_choices(o.workload.min_ctx, o.spec.n_ctx_train)
+        distributions = {CTX_KEY: CategoricalDistribution(contexts), **distributions}
+        objectives = (*objectives, "ctx") if "ctx" not in objectives else objectives
+    if target.distributions is None and len(devices) > 1 and not set(split.FIXING_FLAGS) & o.base.given:
+        # several GPUs: per-device placement instead of -ncmoe's first layers (fitter.search.split)
+        distributions = split.split_dims(distributions, len(devices), o.spec.n_layer)
+    if o.process.threads is not None:
+        distributions.pop("threads", None)
+    if o.process.threads_batch is not None:
+        distributions.pop("threads-batch", None)
+    if o.process.threads_batch is not None and o.process.threads is None:
+        raise FitterError("-tb without -t: give both, or neither to search them")
+    w = o.workload  # the runner measures each depth (fitter.measure.served); the spec names the deepest
+    bench = BenchSpec(n_prompt=w.n_prompt, n_gen=w.n_gen, n_depth=max(w.depths), repetitions=o.measure.repetitions,
+                      threads=o.process.threads or target.default_threads, threads_batch=o.process.threads_batch,
+                      streams=w.concurrency)
+    budgets: dict[str, int] = {}
+    for name, budget in device_budgets(devices, fit_targets(o, target)).items():
+        if budget is None:
+            raise FitterError(f"{name}: its free memory is unknown, so tune has no VRAM budget for it; give "
+                              "--emulated-gpu MiB, or tune on the machine that has the GPU")
+        budgets[name] = budget
+    return TuneRequest(model=o.model, spec=o.spec, base=o.base, distributions=distributions, devices=devices,
+                       budgets=Budgets(budgets, target.host_budget, {}), cpu=target.cpu_profile,
+                       objectives=objectives, bench=bench, workload=w, n_trials=o.search.trials,
+                       timeout_s=o.search.timeout_s, trial_timeout_s=o.measure.trial_timeout_s, seed=o.search.seed,
+                       rpc=rpc, space_source=source)
+
+
+def _space(o: TuneOptions, target: Target) -> tuple[dict[str, BaseDistribution], str]:
+    """The resolved search space (the target's, else the given or shipped one) less what the flags fix."""
+    if target.distributions is not None:  # a replay: the recorded space
+        distributions, source = dict(target.distributions), target.space_source or ""
+    else:
+        space = (load_space(o.search.space) if o.search.space else
+                 shipped_space(default_space_name(o.spec.n_expert, target.has_gpu)))
+        distributions = resolve(space, n_layer=o.spec.n_layer, physical_cores=target.physical_cores,
+                                performance_cores=target.performance_cores, expert_layers=expert_layers(o.spec))
+        source = space.source
+    fixed = fixed_space_keys(o.base)
+    distributions = {k: d for k, d in distributions.items() if k not in fixed}
+    if "n-cpu-moe" not in distributions:  # the flags place the experts (or there are none): nothing to order
+        distributions.pop(split.ORDER, None)
+    return distributions, source

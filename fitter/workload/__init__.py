@@ -263,7 +263,7 @@ def _prompts(data: dict[str, Any], where: str) -> Prompts | None:
     return read_prompts(str(path))
 
 
-def shipped_names() -> tuple[str, ...]:
+def shipped_workload_names() -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in _shipped_folder().glob("*.toml")))
 
 
@@ -279,7 +279,7 @@ def load_workload(name_or_path: str) -> Workload:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise WorkloadError(f"--workload {name_or_path}: no such file, and no shipped workload of that name "
-                            f"(shipped: {', '.join(shipped_names())})") from None
+                            f"(shipped: {', '.join(shipped_workload_names())})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise WorkloadError(f"{path}: cannot read the workload: {getattr(e, 'strerror', None) or e}") from None
     try:

@@ -24,7 +24,7 @@ from fitter.flags import (
     pin,
     resolve_context,
 )
-from fitter.tune.result import POLICIES, ParetoDoc
+from fitter.results.pareto import POLICIES, ParetoDoc
 from tests.export.readers import golib_posix_split, llama_cpp_ini, llama_swap_argv, sh_argv
 from tests.hostile import HOSTILE_NAMES, HOSTILE_PATHS
 

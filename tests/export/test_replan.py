@@ -13,7 +13,7 @@ from fitter.cli import main
 from fitter.export.replan import measured_devices, recorded_budgets, replan
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
-from fitter.tune.result import ParetoDoc
+from fitter.results.pareto import ParetoDoc
 from fitter.units import MIB
 from tests.models import model_files
 
@@ -106,7 +106,7 @@ def test_a_result_tuned_for_python_exports_for_python_without_a_replan(
 
 def test_a_re_plan_whose_recorded_model_is_gone_names_the_result(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    # found by tests/tune/test_result_properties.py: the message named only the model path the result gave
+    # found by tests/results/test_pareto_properties.py: the message named only the model path the result gave
     doc = _doc(_model(), 2048)
     doc["model"]["path"] = str(tmp_path / "gone.gguf")
     result = _write(tmp_path, doc)

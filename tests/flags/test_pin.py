@@ -75,9 +75,9 @@ def test_a_change_made_as_a_flag_is_written_and_a_derived_one_is_not() -> None:
 def test_a_candidate_records_the_flags_its_config_reads_back_from() -> None:
     from fitter.flags import parse_flags
     from fitter.gguf.model_spec import load_model_spec
+    from fitter.grid.points import sim_request
+    from fitter.search.request import candidate
     from fitter.sim import load_machine
-    from fitter.tune.grid import sim_request
-    from fitter.tune.request import candidate
     from tests.models import model_file
 
     spec = load_model_spec(str(model_file("gpt-oss-20b", sparse=True)))

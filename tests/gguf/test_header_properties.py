@@ -22,7 +22,7 @@ from fitter.gguf.header import read_header
 from fitter.gguf.model_spec import load_model_spec
 from fitter.memory.devices import CPU_AVX2, parse_devices
 from fitter.memory.estimator import estimate
-from fitter.memory.render import plan_json, plan_table
+from fitter.memory.plan_render import plan_json, plan_table
 from tests.gguf.fields import Field, header_fields
 from tests.models import model_file
 from tests.properties import assert_one_line_naming, bounded

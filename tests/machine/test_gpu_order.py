@@ -16,7 +16,7 @@ from fitter.machine.gpu_order import GpuOrderError, cuda_order, gpu_map, normal_
 from fitter.machine.nvidia import NO_DRIVER, GpuInfo, NvidiaInfo, detect_nvidia
 from fitter.machine.nvml_peak import NvmlPeakSampler
 from fitter.machine.snapshot import MachineSnapshot, gpus_now, machine_record
-from fitter.measure.llama_build import ListedDevice
+from fitter.measure.llamacpp.builds import ListedDevice
 from tests.machine.fake_nvml import GIB, MIB, FakeGpu, FakeNvml, Proc
 from tests.machine.test_probe import AMD_SMT
 

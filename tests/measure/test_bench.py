@@ -9,8 +9,8 @@ import pytest
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
+from fitter.measure.bench_table import bench_json
 from fitter.measure.logs import classify_exit
-from fitter.measure.render import bench_json
 from fitter.measure.server import server_argv
 from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, SpeedStats
 from fitter.memory.estimator import estimate

@@ -17,7 +17,7 @@ import pytest
 from fitter.flags import parse_launch_flags
 from fitter.measure import ports, process
 from fitter.measure import server as server_module
-from fitter.measure.runner import ServerRunner
+from fitter.measure.runners import ServerRunner
 from fitter.measure.server import measure_server, server_argv, start_server
 from fitter.measure.types import BenchSpec
 from tests.conftest import BUILT_TOOLS
@@ -140,7 +140,7 @@ def test_streams_are_concurrent_requests_a_slot_each(demo: str) -> None:
 
 
 def test_fitters_worker_and_llama_bench_measure_one_stream() -> None:
-    from fitter.measure.runner import LlamaBenchRunner, WorkerRunner
+    from fitter.measure.runners import LlamaBenchRunner, WorkerRunner
     from fitter.measure.types import WorkerError
 
     two = BenchSpec(streams=2)

@@ -66,7 +66,7 @@ def test_context_changes_reuse_the_model_and_placement_changes_reload(tiny: Path
 
 
 def test_oom_on_the_emulated_gpu_names_the_buffer_and_bytes(tiny: Path) -> None:
-    from fitter.measure.emulated_gpu import EmulatedGpu
+    from fitter.measure.emulator.emulated_gpu import EmulatedGpu
 
     with EmulatedGpu(2) as gpu, LlamaWorker() as w:  # the weights fit, a 65536-cell KV cache (16 MiB) does not
         m = w.run(tiny, parse_launch_flags(["-c", "65536", "-np", "1", "-ngl", "all", "--rpc", gpu.endpoint]), SPEC)
@@ -119,7 +119,7 @@ def test_a_trial_past_its_limit_times_out(tiny: Path) -> None:
 
 
 def test_device_buffers_match_the_estimate_as_ngl_changes() -> None:
-    from fitter.measure.emulated_gpu import EmulatedGpu
+    from fitter.measure.emulator.emulated_gpu import EmulatedGpu
 
     model = model_file("gpt-oss-tiny")
     spec = load_model_spec(str(model))

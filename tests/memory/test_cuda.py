@@ -54,16 +54,16 @@ def test_flash_attention_scratch_holds_f16_copies_of_a_quantized_cache() -> None
     out = node.nbytes  # 64 × 16 × 512 f32 = 2 MiB
     assert out == 2 * MIB
     # K and V views: 64 × 4096 × 4 elements each, converted to f16
-    assert cuda.alloc_size(node) == out + 2 * (64 * 4096 * 4 * 2)
-    assert cuda.alloc_size(_fa(512, 4096, "F16", "F16")) == out  # nothing to convert
-    assert cuda.alloc_size(_fa(512, 4096, "Q8_0", "F16")) == out + 64 * 4096 * 4 * 2  # K only
-    assert cuda.alloc_size(_fa(2, 4096)) == _fa(2, 4096).nbytes  # the vector kernel reads q8_0 as it is
+    assert cuda.cuda_alloc_size(node) == out + 2 * (64 * 4096 * 4 * 2)
+    assert cuda.cuda_alloc_size(_fa(512, 4096, "F16", "F16")) == out  # nothing to convert
+    assert cuda.cuda_alloc_size(_fa(512, 4096, "Q8_0", "F16")) == out + 64 * 4096 * 4 * 2  # K only
+    assert cuda.cuda_alloc_size(_fa(2, 4096)) == _fa(2, 4096).nbytes  # the vector kernel reads q8_0 as it is
 
 
 def test_quantized_rows_pad_to_512_elements() -> None:
-    assert cuda.alloc_size(g.new("Q8_0", 2880, 10)) == 2880 // 32 * 34 * 10 + (512 - 2880 % 512) // 32 * 34
-    assert cuda.alloc_size(g.new("Q8_0", 1024, 10)) == 1024 // 32 * 34 * 10
-    assert cuda.alloc_size(g.new("F32", 2880, 10)) == 2880 * 4 * 10
+    assert cuda.cuda_alloc_size(g.new("Q8_0", 2880, 10)) == 2880 // 32 * 34 * 10 + (512 - 2880 % 512) // 32 * 34
+    assert cuda.cuda_alloc_size(g.new("Q8_0", 1024, 10)) == 1024 // 32 * 34 * 10
+    assert cuda.cuda_alloc_size(g.new("F32", 2880, 10)) == 2880 * 4 * 10
 
 
 def test_op_offload_gives_a_cuda_device_a_compute_buffer_with_nothing_offloaded() -> None:

@@ -10,7 +10,8 @@ import pytest
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
-from fitter.memory import estimator, replay
+from fitter.memory import estimator
+from fitter.memory import graph_replay as replay
 from fitter.memory.devices import CUDA, RPC, Device
 from fitter.memory.estimator import MemoryPlan, estimate
 from fitter.memory.fit import FitResult, fit

@@ -128,7 +128,7 @@ def test_expert_layers_to_the_cpu_count_only_layers_with_experts() -> None:
 
 @pytest.mark.slow  # ~6 s: a fit of 62 MLA layers
 def test_fit_on_deepseek_v3_with_its_nextn_block_counts_only_layers_with_experts() -> None:
-    from fitter.memory.render import fit_table
+    from fitter.memory.plan_render import fit_table
 
     spec = load_model_spec(str(model_file("deepseek-v3-nextn", sparse=True)))
     assert len(spec.skipped) == 22 and spec.n_layer_trunk == 61  # block 61 is the NextN block, never loaded
@@ -141,8 +141,8 @@ def test_fit_on_deepseek_v3_with_its_nextn_block_counts_only_layers_with_experts
 
 
 class _Build:
-    """A build's projection, as fitter.measure.projection.Projector gives it: its GPU compute grows by 1 MiB per
-    expert tensor kept on the GPU, which a hint (the projection of another placement of the same layers) cannot
+    """A build's projection, as fitter.measure.llamacpp.projection.Projector gives it: its GPU compute grows by 1 MiB
+    per expert tensor kept on the GPU, which a hint (the projection of another placement of the same layers) cannot
     know; its KV cache is fixed."""
 
     source = "the fake build"

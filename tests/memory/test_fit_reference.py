@@ -164,7 +164,7 @@ def _on(config: LaunchConfig, names: dict[str, str], endpoints: tuple[str, ...])
 @pytest.mark.llama
 @pytest.mark.parametrize("case_id", SMALL)
 def test_fitter_placement_loads_on_the_capped_device_using_what_it_predicted(case_id: str) -> None:
-    from fitter.measure.emulated_gpu import EmulatedGpus
+    from fitter.measure.emulator.emulated_gpu import EmulatedGpus
     from fitter.measure.loader import load_and_capture
 
     case = CASES[case_id]

@@ -1,5 +1,5 @@
-"""fitter.memory.overhead and fitter.machine.overhead: memory a CUDA device uses outside llama.cpp's buffers, its
-own line in estimates and budgets, the default by GPU class replaced by what NVML measured on this machine."""
+"""fitter.memory.overhead and fitter.machine.measured_overhead: memory a CUDA device uses outside llama.cpp's buffers,
+its own line in estimates and budgets, the default by GPU class replaced by what NVML measured on this machine."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import json
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
+from fitter.machine.measured_overhead import overhead_for, record, record_measurements
 from fitter.machine.nvidia import GpuInfo
-from fitter.machine.overhead import overhead_for, record, record_measurements
-from fitter.measure.render import bench_json
+from fitter.measure.bench_table import bench_json
 from fitter.measure.types import Measurement
 from fitter.memory.budgets import device_budgets
 from fitter.memory.devices import CUDA, Device, parse_devices, rpc_devices
 from fitter.memory.estimator import estimate
 from fitter.memory.overhead import default_overhead, measured_overhead, sm_count
-from fitter.memory.render import plan_json
+from fitter.memory.plan_render import plan_json
 from fitter.paths import fitter_home
 from fitter.units import MIB
 from tests.disks import refused_writes

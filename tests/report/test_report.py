@@ -23,7 +23,7 @@ from fitter.cli.results import cmd_report
 from fitter.errors import FitterError
 from fitter.report import dashboard_command, load_study_result, write_report
 from fitter.report.figures import FEW_TRIALS
-from fitter.tune.trials import write_trials_csv
+from fitter.results.trials import write_trials_csv
 from tests.disks import refused_writes
 
 MIB = 1024 * 1024
@@ -340,7 +340,7 @@ def test_report_on_a_real_tune_result(tmp_path: Path, llama_tools: dict[str, Pat
     report = write_report(load_study_result(pareto.parent), pareto.parent / "report")
     doc = json.loads(pareto.read_text())
     assert report.front.source == "pareto.json"
-    assert [r["trial"] for r in report.front.rows] == ["base", *(e["trial"] for e in doc["pareto"])]
+    assert [r.trial for r in report.front.rows] == ["base", *(e["trial"] for e in doc["pareto"])]
     assert len(report.trials) == doc["study"]["trials"]
     check_files(pareto.parent / "report", ["decode-vs-vram.png", "history-tg.png", "memory.png", "trials.csv"])
     # the emulated GPU's own peak is what the estimator predicted, trial by trial
@@ -365,14 +365,14 @@ def test_the_report_and_the_tune_write_one_trials_csv(tmp_path: Path) -> None:
 
 
 def test_the_front_text_shows_each_ratio_with_its_interval_and_ties() -> None:
-    from fitter.report.tables import Front, pareto_text
+    from fitter.report.tables import pareto_text
+    from fitter.results.table import Front, FrontRow
 
-    row = {"trial": 5, "phase": "neighbour", "picks": "balanced", "pp_ts": 582.8, "tg_ts": 135.9, "vram_mib": 78.1,
-           "pp_ratio": 0.945, "tg_ratio": 1.186, "pp_ci_low": 0.83, "pp_ci_high": 1.07, "tg_ci_low": 0.94,
-           "tg_ci_high": 1.49, "ties": "0 3", "flags": "-ub 256 -ncmoe 6"}
-    line = pareto_text(Front([row], "pareto.json")).splitlines()[2]
-    assert line.startswith("    5     582.8   135.9      78.1  0.945 [0.83–1.07]   1.186 [0.94–1.49]   ")
-    assert line.endswith("balanced (tie: 0, 3): -ub 256 -ncmoe 6")
+    row = FrontRow(5, "neighbour", ("balanced",), 582.8, 135.9, 78.1, None, {"pp": 0.945, "tg": 1.186},
+                   {"pp": (0.83, 1.07), "tg": (0.94, 1.49)}, (0, 3), ("-c", "4096", "-ub", "256", "-ncmoe", "6"))
+    line = pareto_text(Front([row], "pareto.json", baseline_trial=0)).splitlines()[2]
+    assert line == ("    5      582.8    135.9      78.1  0.945 [0.83–1.07]    1.186 [0.94–1.49]    "
+                    "balanced (tie: base, 3): -ub 256 -ncmoe 6")
 
 
 def test_a_study_whose_objectives_are_not_fitters_is_refused(tmp_path: Path) -> None:

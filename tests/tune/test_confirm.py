@@ -13,10 +13,10 @@ import pytest
 from fitter.flags import LaunchConfig
 from fitter.flags.pin import pin
 from fitter.measure.types import BenchSpec, Measurement, SpeedStats, TrialResult
+from fitter.search.pooling import RULES, pool_key
+from fitter.search.request import candidate
 from fitter.tune.baseline import Baseline
 from fitter.tune.confirm import Contender, annotate, drift_record, final_front, pooled, run_rounds
-from fitter.tune.pooling import RULES, pool_key
-from fitter.tune.request import candidate
 from fitter.tune.study import Tuner
 from tests.tune.test_study import FakeRunner, _request, _study, speeds
 

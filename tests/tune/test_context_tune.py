@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,14 @@ import pytest
 from fitter.errors import FitterError
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
-from fitter.tune.render import pareto_table
-from fitter.tune.result import load_result
-from fitter.tune.session import TuneOptions, run_tune
+from fitter.grid.replay_tune import run_replay
+from fitter.results.pareto import load_result
+from fitter.results.table import pareto_table
+from fitter.tune.options import TuneOptions
+from fitter.tune.session import run_tune
 from fitter.workload import Workload, searched_context
 from tests.models import model_file
+from tests.tune.options import tune_options, with_options
 
 MIN_CTX = 32768
 
@@ -27,7 +29,7 @@ MIN_CTX = 32768
 def _options(tmp_path: Path, workload: Workload, flags: list[str] = (), **kw: object) -> TuneOptions:
     model = str(model_file("gpt-oss-20b", sparse=True))
     base = searched_context(workload, parse_launch_flags(["-fa", "on", *flags]))
-    return TuneOptions(model=model, spec=load_model_spec(model), base=base, workload=workload, trials=10,
+    return tune_options(model=model, spec=load_model_spec(model), base=base, workload=workload, trials=10,
                        repetitions=2, confirm_rounds=2, results=tmp_path / "r", backend="sim",
                        machine="gpu-8gb", **kw)  # type: ignore[arg-type]
 
@@ -94,7 +96,7 @@ def test_min_ctx_past_the_training_context_or_on_a_replay_and_a_ctx_objective_wi
         run_tune(_options(tmp_path, Workload(min_ctx=262144)), None)
     with pytest.raises(FitterError, match=r"^flags: a replayed landscape holds the contexts it recorded: drop "
                                           r"--min-ctx$"):
-        run_tune(replace(_options(tmp_path, Workload(min_ctx=MIN_CTX)), backend="replay"), None)
+        run_replay(with_options(_options(tmp_path, Workload(min_ctx=MIN_CTX)), backend="replay"))
     with pytest.raises(FitterError, match=r"^--objectives ctx: the context is an objective where it is searched: "
                                           r"give --min-ctx N$"):
         run_tune(_options(tmp_path, Workload(), objectives=("tg", "ctx")), None)

@@ -11,10 +11,11 @@ import pytest
 from fitter.export.launchers import render
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
+from fitter.results.pareto import ParetoDoc
 from fitter.sim import MACHINES_DIR
-from fitter.tune.result import ParetoDoc
-from fitter.tune.session import TuneOptions, run_tune
+from fitter.tune.session import run_tune
 from tests.models import model_file
+from tests.tune.options import tune_options
 
 EXPS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"
 
@@ -25,7 +26,7 @@ def routed_tune(tmp_path: Path, last: float) -> ParetoDoc:
     machine.write_text(f"routing_spread_first = 1.0\nrouting_spread_last = {last}\n{text}")
     model = str(model_file("gpt-oss-20b", sparse=True))
     base = parse_launch_flags(["-c", "8192", "-fa", "on"])
-    options = TuneOptions(model=model, spec=load_model_spec(model), base=base, trials=10, repetitions=2,
+    options = tune_options(model=model, spec=load_model_spec(model), base=base, trials=10, repetitions=2,
                           confirm_rounds=2, results=tmp_path / "r", backend="sim", machine=str(machine),
                           objectives=("tg", "pp"))
     outcome = run_tune(options, None)

@@ -20,11 +20,11 @@ import pytest
 from optuna.trial import TrialState
 
 from fitter.gguf.model_spec import load_model_spec
+from fitter.grid.points import sim_request
+from fitter.search import split
+from fitter.search.plan import Screener
+from fitter.search.request import OBJECTIVES, TuneRequest, candidate, is_placement_key
 from fitter.sim import SimRunner, load_machine, shipped_machines
-from fitter.tune import split
-from fitter.tune.grid import sim_request
-from fitter.tune.plan import Screener
-from fitter.tune.request import OBJECTIVES, TuneRequest, candidate, is_placement_key
 from fitter.tune.study import Tuner
 from tests.models import model_file
 

@@ -16,13 +16,15 @@ from fitter.errors import FitterError
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.machine.snapshot import take_snapshot
-from fitter.measure.noise import ratio_interval
+from fitter.noise import ratio_interval
 from fitter.sim import MACHINES_DIR
-from fitter.tune.session import TuneOptions, run_tune
-from fitter.tune.storage import machine_dir_name, result_dir
+from fitter.storage.studies import machine_dir_name, result_dir
+from fitter.tune.options import TuneOptions
+from fitter.tune.session import run_tune
 from fitter.workload import Workload
 from tests.conftest import BUILT_TOOLS
 from tests.models import model_file, unknown_arch_model
+from tests.tune.options import tune_options
 
 FAST = ["-p", "32", "-n", "8", "-r", "2", "--llama-fit-params", str(BUILT_TOOLS / "llama-fit-params")]
 
@@ -140,7 +142,7 @@ def _study_db(tmp_path: Path) -> Path:
     from fitter.gguf.demo_models import demo_model_path
     from fitter.machine.llama_cpp import llama_cpp_python_build
     from fitter.machine.snapshot import take_snapshot
-    from fitter.tune.storage import machine_dir_name, result_dir
+    from fitter.storage.studies import machine_dir_name, result_dir
 
     machine = take_snapshot().record()
     commit = llama_cpp_python_build()["commit"]
@@ -178,7 +180,7 @@ def test_an_unwritable_results_folder_is_an_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     from fitter.errors import FitterError
-    from fitter.tune.storage import ensure_writable
+    from fitter.storage.studies import ensure_writable
 
     with pytest.raises(FitterError, match=r"results folder .*file/sub: cannot create it"):
         ensure_writable(blocker / "sub")
@@ -197,7 +199,7 @@ def test_a_foreign_sqlite_file_is_refused_and_left_as_it_was(tmp_path: Path) -> 
     import optuna
 
     from fitter.errors import FitterError
-    from fitter.tune.storage import StudyKey, open_study
+    from fitter.storage.studies import StudyKey, open_study
 
     db = tmp_path / "study.db"
     with sqlite3.connect(db) as con:
@@ -236,7 +238,7 @@ class NeverStarted:
 
 
 def _options(model: Path, **kw: object) -> TuneOptions:
-    return TuneOptions(model=str(model), spec=load_model_spec(str(model)), base=parse_launch_flags(["-c", "2048"]),
+    return tune_options(model=str(model), spec=load_model_spec(str(model)), base=parse_launch_flags(["-c", "2048"]),
                        **kw)  # type: ignore[arg-type]
 
 
@@ -258,7 +260,7 @@ def test_a_corrupt_study_db_is_refused_before_the_runner_starts(tmp_path: Path,
 
 def test_a_simulated_baseline_without_llama_cpp_python_is_skipped_before_anything_is_created(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("fitter.measure.capdev.llama_cpp_python_lib_dir", lambda: None)  # not installed
+    monkeypatch.setattr("fitter.measure.emulator.capdev.llama_cpp_python_lib_dir", lambda: None)  # not installed
     ran = tmp_path / "fit-tool-ran"
     tool = tmp_path / "llama-fit-params"
     tool.write_text(f"#!/bin/sh\ntouch {ran}\nexit 1\n")
@@ -272,7 +274,7 @@ def test_a_simulated_baseline_without_llama_cpp_python_is_skipped_before_anythin
     assert baseline["measurement"] is None and baseline["reason"].endswith(
         f"the emulated GPU serves llama.cpp's RPC backend from a shared llama.cpp build or from llama-cpp-python: "
         f"{tmp_path} has no shared ggml with RPC (libggml-base.so.0, libggml.so.0, libggml-rpc.so.0), and "
-        "llama-cpp-python is not installed (python -m fitter.measure.tools --llama-cpp-python builds both)")
+        "llama-cpp-python is not installed (python -m fitter.measure.llamacpp.tools --llama-cpp-python builds both)")
     assert not ran.exists()  # llama.cpp's fit needs the emulated GPU: never started without it
     assert outcome.result.study["launched"] == 3 and (outcome.folder / "pareto.json").is_file()
 
@@ -285,8 +287,8 @@ def test_a_local_tune_without_llama_cpp_python_is_refused_before_anything_is_cre
     with pytest.raises(FitterError) as e:
         run_tune(_options(model_file("gpt-oss-tiny"), results=tmp_path / "r", trials=2), take_snapshot())
     assert str(e.value) == ("fitter tune measures with llama.cpp: give your build's bin/ folder with --llama-cpp DIR, "
-                            "or install llama-cpp-python (python -m fitter.measure.tools --llama-cpp-python builds "
-                            "llama.cpp and installs it on that build); here llama-cpp-python is not installed")
+                            "or install llama-cpp-python (python -m fitter.measure.llamacpp.tools --llama-cpp-python "
+                            "builds llama.cpp and installs it on that build); here llama-cpp-python is not installed")
     assert NeverStarted.entered == 0 and not (tmp_path / "r").exists()
 
 

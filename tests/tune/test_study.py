@@ -19,12 +19,13 @@ from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.types import BenchSpec, Measurement, OomInfo, SpeedStats, TrialResult
 from fitter.memory.devices import CPU_AVX2, RPC, Device
 from fitter.memory.estimator import estimate
-from fitter.tune.fleet import MemoryClaims, Row, Worker
-from fitter.tune.request import OBJECTIVES, TuneRequest, _choices, candidate
-from fitter.tune.result import Entry, picks
-from fitter.tune.screen import Budgets, cpu_bytes_per_token, device_totals
-from fitter.tune.space import resolve, shipped_space
-from fitter.tune.storage import StudyKey, open_study
+from fitter.results.measurement import MeasurementRecord
+from fitter.results.pareto import Entry, picks
+from fitter.search.request import OBJECTIVES, TuneRequest, _choices, candidate
+from fitter.search.screen import Budgets, cpu_bytes_per_token, device_totals
+from fitter.search.space import resolve, shipped_space
+from fitter.storage.fleet import MemoryClaims, Row, Worker
+from fitter.storage.studies import StudyKey, open_study
 from fitter.tune.study import Tuner
 from tests.models import model_file
 
@@ -100,7 +101,7 @@ def grid_best_tg(req: TuneRequest, runner: FakeRunner) -> float:
     keys = list(req.distributions)
     for values in itertools.product(*(_choices(req.distributions[k]) for k in keys)):
         params = dict(zip(keys, values, strict=True))
-        from fitter.tune.plan import Screener
+        from fitter.search.plan import Screener
 
         cand = candidate(req, params)
         if not Screener(req)(cand).feasible:
@@ -177,7 +178,7 @@ def test_a_single_objective_study_runs(tmp_path: Path, demo_spec: Any) -> None:
 
 
 def _entry(trial: int, pp: float, tg: float, vram: int) -> Entry:
-    return Entry(trial, (), {"pp": {"avg_ts": pp}, "tg": {"avg_ts": tg}}, vram_bytes=vram)
+    return Entry(trial, (), MeasurementRecord.of({"pp": {"avg_ts": pp}, "tg": {"avg_ts": tg}}), vram_bytes=vram)
 
 
 def test_picks_balanced_is_the_best_worse_ratio_never_a_sum() -> None:
@@ -204,7 +205,7 @@ import sys
 from pathlib import Path
 from fitter.gguf.model_spec import load_model_spec
 from fitter.tune.study import Tuner
-from fitter.tune.storage import open_study, StudyKey
+from fitter.storage.studies import open_study, StudyKey
 from tests.tune.test_study import SlowRunner, _request, _study
 from tests.models import model_file
 spec = load_model_spec(str(model_file("gpt-oss-tiny")))

@@ -16,11 +16,11 @@ import pytest
 from optuna.trial import TrialState
 
 from fitter.gguf.model_spec import load_model_spec
+from fitter.grid.points import GridPoint, best, grid, sim_request
+from fitter.search.plan import Screener
+from fitter.search.request import OBJECTIVES, candidate
+from fitter.search.screen import device_totals
 from fitter.sim import SimRunner, load_machine, out_of_memory, shipped_machines
-from fitter.tune.grid import GridPoint, best, grid, sim_request
-from fitter.tune.plan import Screener
-from fitter.tune.request import OBJECTIVES, candidate
-from fitter.tune.screen import device_totals
 from fitter.tune.study import Tuner
 from tests.models import model_file
 
@@ -42,7 +42,7 @@ PP_BOUND = {"arm-slowfa": 0.98, "laptop-2p8e": 0.98}
 # after removing it here, or in benchmarks/search_efficiency.py.
 NOT_IN_CI = {"egpu-12gb"}
 
-# Machines with two or more GPUs search a per-device placement (fitter.tune.split) that no grid of one -ncmoe covers:
+# Machines with two or more GPUs search a per-device placement (fitter.search.split) that no grid of one -ncmoe covers:
 # their regression is tests/tune/test_multi_gpu_regression.py.
 CASES = [(name, load_machine(name).models[0]) for name in shipped_machines()
          if name not in NOT_IN_CI and len(load_machine(name).gpus) < 2]

@@ -15,9 +15,11 @@ from fitter.errors import FitterError
 from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import demo_model_path
 from fitter.gguf.model_spec import load_model_spec
-from fitter.tune.render import pareto_table
-from fitter.tune.session import TuneOptions, run_tune
+from fitter.results.table import pareto_table
+from fitter.tune.options import TuneOptions
+from fitter.tune.session import run_tune
 from fitter.workload import Workload, load_workload, serving_config
+from tests.tune.options import tune_options
 
 ROUNDS, REPS = 2, 2
 
@@ -25,7 +27,7 @@ ROUNDS, REPS = 2, 2
 def _options(tmp_path: Path, workload: Workload, flags: list[str], **kw: object) -> TuneOptions:
     model = str(demo_model_path())
     base = serving_config(workload, parse_launch_flags(flags))
-    return TuneOptions(model=model, spec=load_model_spec(model), base=base, workload=workload, trials=4,
+    return tune_options(model=model, spec=load_model_spec(model), base=base, workload=workload, trials=4,
                        repetitions=REPS, confirm_rounds=ROUNDS, results=tmp_path / "r", **kw)  # type: ignore[arg-type]
 
 
@@ -62,7 +64,7 @@ def test_the_result_records_the_workload_and_each_configs_speeds_at_each_depth(d
 
 
 def test_the_table_shows_speed_against_depth(deep: Path) -> None:
-    from fitter.tune.result import load_result
+    from fitter.results.pareto import load_result
 
     text = pareto_table(load_result(deep))
     assert "workload flags — pp and tg are their tokens over their time at the depths" in text

@@ -19,7 +19,7 @@ from fitter.workload import (
     parse_depths,
     parse_workload,
     serving_config,
-    shipped_names,
+    shipped_workload_names,
 )
 
 
@@ -54,7 +54,7 @@ def test_a_workloads_speed_is_its_tokens_over_their_time() -> None:
 
 
 def test_the_shipped_workloads_load_by_name() -> None:
-    assert shipped_names() == ("long-chat", "team-server")
+    assert shipped_workload_names() == ("long-chat", "team-server")
     chat = load_workload("long-chat")
     assert (chat.depths, chat.weights, chat.concurrency, chat.source) == (
         (0, 16384, 32768, 65536), (1.0, 2.0, 3.0, 2.0), 1, "shipped:long-chat")

@@ -1,1 +1,0 @@
-"""C sources fitter compiles at first use (see fitter.measure.emulated_gpu)."""
