@@ -17,12 +17,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from fitter.flags import LaunchConfig, parse_launch_flags
+from fitter.flags import LaunchConfig, parse_launch_flags, pin
 from fitter.flags.overrides import ncmoe_rules
 from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.measure.emulator.emulated_gpu import EmulatedGpus
-from fitter.measure.llamacpp.fit_params import LlamaFitError, baseline_flags, find_llama_fit_params, run_llama_fit
+from fitter.measure.llamacpp.fit_params import LlamaFitError, baseline_config, find_llama_fit_params, run_llama_fit
 from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.devices import Device, parse_devices
 from fitter.memory.estimator import estimate
@@ -78,13 +78,14 @@ def llama_cpp_fit(tool: Path, model: Path, spec: ModelSpec, base: LaunchConfig, 
     with EmulatedGpus(caps, beside=tool) as gpus:
         rpc = gpus.devices()
         try:
-            answer = run_llama_fit(tool, model, list(base.flags), gpus.endpoints, (DEFAULT_FIT_TARGET_MIB,))
+            answer = run_llama_fit(tool, model, pin(base, given=True), gpus.endpoints, (DEFAULT_FIT_TARGET_MIB,))
         except LlamaFitError as e:
             return f"llama.cpp --fit: {e}"
         took = time.perf_counter() - t0
         on_rpc = ["--rpc", ",".join(gpus.endpoints)]
-        theirs = estimate(spec, parse_launch_flags([*baseline_flags(answer, list(base.flags)), *on_rpc]), rpc)
-        ours = fit(spec, parse_launch_flags([*base.flags, *on_rpc]), rpc).plan
+        chosen = baseline_config(answer, base).with_given(rpc=tuple(gpus.endpoints))
+        theirs = estimate(spec, chosen, rpc)
+        ours = fit(spec, base.with_given(rpc=tuple(gpus.endpoints)), rpc).plan
     lines = []
     for who, plan in (("llama.cpp --fit", theirs), ("fitter fit", ours)):
         totals = plan.totals()
@@ -92,7 +93,7 @@ def llama_cpp_fit(tool: Path, model: Path, spec: ModelSpec, base: LaunchConfig, 
         left = [caps[i] * MIB - DEFAULT_FIT_TARGET_MIB * MIB - u for i, u in enumerate(used)]
         lines.append(f"{who}: {' + '.join(f'{u / MIB:.0f}' for u in used)} = {sum(used) / MIB:.0f} MiB (left beyond "
                      f"the budgets {', '.join(f'{x / MIB:.0f}' for x in left)} MiB)")
-    flags = " ".join(f for f in baseline_flags(answer, list(base.flags)) if len(f) < 40)
+    flags = " ".join(f for f in pin(chosen, given=True) if len(f) < 40 and f not in on_rpc)
     return (f"on RPC devices of the same free memory: {lines[0]}, {flags}, in {took:.1f} s; "
             f"{lines[1]}")
 

@@ -28,8 +28,10 @@ from fitter.paths import fitter_home
 
 pytest_plugins = ["pytester"]  # tests/test_markers.py runs the markers on a pytest of its own
 
-STARTING_HOME = fitter_home()  # the user's (or CI's) home, where the tools were built
-BUILT_TOOLS = tools_dir()  # resolved in STARTING_HOME, before the session home replaces it
+# The user's (or CI's) home, where the tools were built: resolved once, by the first process of the session (a
+# pytest-xdist worker inherits the environment its controller set, so it reads the home the controller started with).
+STARTING_HOME = Path(os.environ.setdefault("FITTER_TEST_STARTING_HOME", str(fitter_home())))
+BUILT_TOOLS = STARTING_HOME / "tools" / tools_dir().name  # the recipe names the folder, the home holds it
 SESSION_HOME = Path(tempfile.mkdtemp(prefix="fitter-test-session-home-"))
 os.environ["FITTER_HOME"] = str(SESSION_HOME)  # before any test module is imported or any fixture runs
 

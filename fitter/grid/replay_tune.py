@@ -19,7 +19,7 @@ from fitter.flags.consumers import with_bench_context
 from fitter.flags.parse import parse_launch_flags
 from fitter.grid.landscape import Landscape, load_landscape
 from fitter.grid.replay import ReplayRunner
-from fitter.tune.options import TuneOptions, check_workload
+from fitter.tune.options import TuneOptions
 from fitter.tune.session import TuneOutcome, run_tune
 from fitter.tune.study import StudyCallback
 from fitter.tune.targets import RecordedBaseline, Target
@@ -94,7 +94,7 @@ def replayed_options(o: TuneOptions, land: Landscape) -> tuple[TuneOptions, str]
 def run_replay(o: TuneOptions, log: Callable[[str], None] = lambda _: None,
                progress: Callable[[Any], StudyCallback] | None = None, dry_run: bool = False,
                stop: threading.Event | None = None) -> TuneOutcome:
-    """`fitter tune --backend replay --landscape FILE`: run_tune on the landscape's target (a workload it cannot
-    replay is refused before the landscape is read)."""
-    check_workload(o)
-    return run_tune(o, None, log, progress, dry_run, stop, target=replay_target(o.measure.landscape, o.search.seed))
+    """`fitter tune --backend replay --landscape FILE`: run_tune on the landscape's target, read where run_tune reads
+    a target (after the build, tools and workload are checked)."""
+    return run_tune(o, None, log, progress, dry_run, stop,
+                    target=lambda o: replay_target(o.measure.landscape, o.search.seed))

@@ -28,7 +28,7 @@ class FrontRow:
     picks: tuple[str, ...]
     pp_ts: float | None
     tg_ts: float | None
-    vram_mib: float | None
+    vram_mib: float | None  # as measured (the CSV rounds it to 0.01)
     n_ctx: int | None
     ratios: dict[str, float | None]
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -39,7 +39,8 @@ class FrontRow:
         """The row as pareto.csv and `fitter report --json` write it (PARETO_COLUMNS)."""
         iv = self.intervals
         return {"trial": self.trial, "phase": self.phase, "picks": ",".join(self.picks), "pp_ts": self.pp_ts,
-                "tg_ts": self.tg_ts, "vram_mib": self.vram_mib, "pp_ratio": self.ratios.get("pp"),
+                "tg_ts": self.tg_ts, "vram_mib": round(self.vram_mib, 2) if self.vram_mib is not None else None,
+                "pp_ratio": self.ratios.get("pp"),
                 "tg_ratio": self.ratios.get("tg"), "pp_ci_low": iv["pp"][0] if "pp" in iv else None,
                 "pp_ci_high": iv["pp"][1] if "pp" in iv else None, "tg_ci_low": iv["tg"][0] if "tg" in iv else None,
                 "tg_ci_high": iv["tg"][1] if "tg" in iv else None, "ties": " ".join(map(str, self.ties)),
@@ -73,13 +74,12 @@ def front_of_entries(baseline: Entry | None, entries: Sequence[Entry], picks: di
     for name, n in picks.items():
         by_trial.setdefault(n, []).append(name)
     rows, note = [], None
-    if baseline is not None and baseline.ok and baseline.measurement is not None:
-        m = baseline.measurement
+    m = baseline.measurement if baseline is not None else None
+    if baseline is not None and m is not None and m.ok and m.speed("tg") is not None:
         rows.append(FrontRow(BASE, "baseline", (), m.speed("pp"), m.speed("tg"), _mib(m.vram_bytes), baseline.n_ctx,
                              {"pp": 1.0, "tg": 1.0}, flags=tuple(baseline.flags or ())))
-    elif baseline is not None and (baseline.flags or baseline.data.get("reason") or baseline.measurement):
-        note = (baseline.measurement.outcome if baseline.measurement is not None else None) or \
-            str(baseline.data.get("reason") or "")
+    elif baseline is not None and (baseline.flags or baseline.data.get("reason") or (m is not None and m.data)):
+        note = str((m.outcome if m is not None else None) or baseline.data.get("reason"))
     for e in entries:
         rows.append(FrontRow(e.trial if e.trial is not None else "?", e.phase, tuple(by_trial.get(e.trial or -1, [])),
                              e.speed("pp"), e.speed("tg"), _mib(e.vram_bytes), e.n_ctx, dict(e.ratios),
@@ -96,11 +96,12 @@ def front_lines(front: Front, ctx: bool = False) -> list[str]:
         lines.append(f"{BASE:>5}  llama.cpp --fit: {front.baseline_note}")
     for r in front.rows:
         ctx_cell = f" {r.n_ctx or '-':>7}" if ctx else ""
+        if r.trial == BASE:  # the ratios' unit
+            lines.append(f"{BASE:>5}  {_num(r.pp_ts, 9)} {_num(r.tg_ts, 8)} {_num(r.vram_mib, 9)}{ctx_cell}  "
+                         f"{'1':<20} {'1':<20} llama.cpp --fit: " + " ".join(r.flags))
+            continue
         cells = (f"{r.trial!s:>5}  {_num(r.pp_ts, 9)} {_num(r.tg_ts, 8)} {_num(r.vram_mib, 9)}{ctx_cell}  "
                  f"{_ratio(r, 'pp'):<20} {_ratio(r, 'tg'):<20} ")
-        if r.trial == BASE:
-            lines.append(cells + "llama.cpp --fit: " + " ".join(r.flags))
-            continue
         ties = (f" (tie: {', '.join(BASE if t == front.baseline_trial else str(t) for t in r.ties)})"
                 if r.ties else "")
         lines.append(cells + f"{','.join(r.picks) or '-'}{ties}: "
@@ -151,7 +152,7 @@ def _num(x: float | None, width: int) -> str:
 
 
 def _mib(b: int | None) -> float | None:
-    return round(b / MIB, 2) if b is not None else None
+    return b / MIB if b is not None else None
 
 
 def workload_lines(result: ParetoDoc) -> list[str]:

@@ -2,7 +2,7 @@
 and prints (and the analysis notebook reads).
 
 Columns, in order: fitter's own (`TRIAL_COLUMNS`: what the trial was, how it ended and why, its speeds, its VRAM as
-measured (fitter.results.pareto.vram_bytes), predicted and measured device MiB, the largest constraint violation,
+measured (fitter.results.measurement.vram_bytes), predicted and measured device MiB, the largest constraint violation,
 `same_as` for an answer from storage), then Optuna's `values_<i>` (the objectives in study order), `params_<key>`
 (the searched parameters), `datetime_start` and `duration`, then `flags`.
 """
@@ -32,7 +32,7 @@ def predicted_device_bytes(t: FrozenTrial) -> dict[str, int]:
 
 
 def trial_vram(t: FrozenTrial) -> int | None:
-    """A trial's VRAM in bytes: the objective it was told (its measurement's, fitter.results.pareto.vram_bytes), or
+    """A trial's VRAM in bytes: the objective it was told (its measurement's, fitter.results.measurement.vram_bytes), or
     for a COMPLETE trial answered from storage, its copied measurement's."""
     if "vram_bytes" in t.user_attrs:
         return int(t.user_attrs["vram_bytes"])

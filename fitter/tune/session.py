@@ -101,9 +101,9 @@ class Opened:
 
 def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str], None] = lambda _: None,
              progress: Callable[[TuneRequest], StudyCallback] | None = None, dry_run: bool = False,
-             stop: threading.Event | None = None, target: Target | None = None) -> TuneOutcome:
-    """Tune `o.model` on this machine (`snapshot`), a simulated one, or the `target` given (a replayed landscape,
-    fitter.grid.replay_tune); see the module docstring for the steps."""
+             stop: threading.Event | None = None, target: Callable[[TuneOptions], Target] | None = None) -> TuneOutcome:
+    """Tune `o.model` on this machine (`snapshot`), a simulated one, or the target `target` makes of the options (a
+    replayed landscape, fitter.grid.replay_tune); see the module docstring for the steps."""
     t_start = time.monotonic()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # fitter reports its own progress
     ready = prepare(o, snapshot, log, target)
@@ -131,7 +131,7 @@ def run_tune(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[st
 
 
 def prepare(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str], None],
-            target: Target | None = None) -> Ready:
+            make_target: Callable[[TuneOptions], Target] | None = None) -> Ready:
     """Step 1: a wrong build folder, tool path, workload, target or fit target stops here, before any study is
     opened; then the request planned for the target's devices and whether anything of the space fits."""
     from fitter.measure.llamacpp.fit_params import find_llama_fit_params
@@ -149,7 +149,7 @@ def prepare(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str
         str(users.llama_fit_params) if users and users.llama_fit_params else None)
     tool = find_llama_fit_params(fit_params)
     check_workload(o)
-    target = target or tune_target(o, snapshot)
+    target = make_target(o) if make_target is not None else tune_target(o, snapshot)
     if target.fixed_options is not None:
         o, note = target.fixed_options(o)
         log(note)

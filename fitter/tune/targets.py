@@ -1,5 +1,5 @@
 """What a tune runs on: this machine (its GPUs, `--rpc` devices, or fitter's emulated GPU) or a simulated one; a
-recorded landscape replayed (`--backend replay`) is a target fitter.grid.replay makes.
+recorded landscape replayed (`--backend replay`) is a target fitter.grid.replay_tune makes.
 
 A `Target` says everything the study needs before anything starts: the runner to make, the devices the estimator
 plans for (placeholders for an emulated GPU whose port is not chosen yet: same size, so the same verdicts), the
@@ -199,7 +199,7 @@ def tune_target(o: TuneOptions, snapshot: MachineSnapshot | None) -> Target:
     if m.backend == "sim":
         return sim_target(m.machine, m.emulated_gpu_mib, o.spec, o.search.seed)
     if m.backend == "replay":  # a landscape is read above the tune (fitter.grid): its target is handed in
-        raise FitterError("--backend replay: the replayed landscape's target is fitter.grid.replay.replay_target's")
+        raise FitterError("--backend replay: a replayed landscape is tuned by fitter.grid.replay_tune.run_replay")
     assert snapshot is not None, "a tune on this machine needs its snapshot"
     return local_target(snapshot, o.base, o.process, m.emulated_gpu_mib, o.demo, o.search.fit_targets,
                         m.emulated_cuda, m.llama_cpp)
