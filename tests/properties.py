@@ -10,6 +10,14 @@ from contextlib import contextmanager
 from types import FrameType
 
 MIB = 1024 * 1024
+# The README's test command runs a quarter of each property test's examples (derandomized: the same ones on every run);
+# CI's second command runs them all (`FITTER_ALL_EXAMPLES=1 pytest -m "slow or properties"`, .ci/run).
+ALL_EXAMPLES = os.environ.get("FITTER_ALL_EXAMPLES") == "1"
+
+
+def examples(n: int) -> int:
+    """A property test's example count: all `n` under FITTER_ALL_EXAMPLES=1, else a quarter of them."""
+    return n if ALL_EXAMPLES else max(20, n // 4)
 
 
 class Runaway(Exception):

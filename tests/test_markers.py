@@ -50,6 +50,7 @@ def test_a_tools_test_skips_without_the_tools_and_fails_when_ci_requires_them(py
         for k, v in empty.items():
             mp.setenv(k, v)
         mp.delenv("FITTER_REQUIRE_TOOLS", raising=False)
+        mp.delenv("FITTER_TEST_STARTING_HOME", raising=False)  # this session's: the inner one starts from `empty`
         skipped = pytester.runpytest_subprocess("-rs")
         mp.setenv("FITTER_REQUIRE_TOOLS", "1")
         required = pytester.runpytest_subprocess()

@@ -7,6 +7,7 @@ LaunchConfigError naming a flag or token it was given; nothing else escapes, not
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,9 @@ from fitter.flags.config import LOAD_MODES
 from fitter.flags.consumers import CONSUMER_NAMES
 from fitter.flags.parse import flag_groups, flag_value, process_flags_of, without
 from fitter.flags.vocabulary import BY_NAME, FLAGS, Kind
-from tests.properties import assert_one_line_naming, bounded
+from tests.properties import assert_one_line_naming, bounded, examples
+
+pytestmark = pytest.mark.properties  # all their examples: FITTER_ALL_EXAMPLES=1 (tests/properties.py)
 
 NUMBERS = st.one_of(st.integers(-3, 5000).map(str), st.sampled_from(
     ["0", "-1", "-2", "512", "4096", "1e3", "0x10", " 12", "1_000", "+7", "٣", "nan", "inf", "", "auto", "all"]))
@@ -115,13 +118,13 @@ def reads_back(argv: list[str], consumer: str) -> bool:
     return True
 
 
-@settings(max_examples=600)
+@settings(max_examples=examples(600))
 @given(ARGV, st.sampled_from(CONSUMER_NAMES))
 def test_arbitrary_argv(argv: list[str], consumer: str) -> None:
     reads_back(argv, consumer)
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(PLAUSIBLE_ARGV, st.sampled_from(CONSUMER_NAMES))
 def test_plausible_argv_reads_back_pinned(argv: list[str], consumer: str) -> None:
     reads_back(argv, consumer)
@@ -136,7 +139,7 @@ def _with_value(name: str) -> st.SearchStrategy[tuple[str, str]]:
     return st.tuples(st.just(name), st.one_of(HUGE, PLAUSIBLE.get(BY_NAME[name].canonical, VALUES), VALUES))
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(st.lists(st.sampled_from(_value_flags()).flatmap(_with_value), min_size=1, max_size=6), st.booleans())
 def test_every_value_flag_with_any_value(pairs: list[tuple[str, str]], check: bool) -> None:
     """Each flag that takes a value, given any value: parsed, or refused naming the flag (and the list helpers that

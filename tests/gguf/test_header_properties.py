@@ -25,7 +25,9 @@ from fitter.memory.estimator import estimate
 from fitter.memory.plan_render import plan_json, plan_table
 from tests.gguf.fields import Field, header_fields
 from tests.models import model_file
-from tests.properties import assert_one_line_naming, bounded
+from tests.properties import assert_one_line_naming, bounded, examples
+
+pytestmark = pytest.mark.properties  # all their examples: FITTER_ALL_EXAMPLES=1 (tests/properties.py)
 
 DEMO = model_file("demo", sparse=True)
 HEADER = DEMO.read_bytes()[: read_header(DEMO).shards[0].data_offset]
@@ -84,7 +86,7 @@ def test_the_demo_header_itself_is_estimated() -> None:
     assert (spec.n_layer, len(spec.tensors)) == (8, 155)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.lists(st.tuples(st.integers(0, len(HEADER) - 1), st.integers(0, 255)), min_size=1, max_size=8))
 def test_flipped_bytes(mutant: Path, flips: list[tuple[int, int]]) -> None:
     header = bytearray(HEADER)
@@ -93,13 +95,13 @@ def test_flipped_bytes(mutant: Path, flips: list[tuple[int, int]]) -> None:
     estimate_as_the_cli_does(mutant, bytes(header))
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.sampled_from(_of(*COUNTS)), HUGE)
 def test_huge_counts_and_lengths(mutant: Path, field: Field, value: int) -> None:
     estimate_as_the_cli_does(mutant, _with(HEADER, field, value))
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.sampled_from(FIELDS), st.integers(-9, 9))
 def test_truncated_at_every_kind_of_field(mutant: Path, field: Field, shift: int) -> None:
     estimate_as_the_cli_does(mutant, HEADER[: max(0, field.offset + shift)])
@@ -124,7 +126,7 @@ def renamed(draw: st.DrawFn) -> tuple[Field, str]:
     return field, new
 
 
-@settings(max_examples=250)
+@settings(max_examples=examples(250))
 @given(renamed())
 def test_renamed_tensors(mutant: Path, rename: tuple[Field, str]) -> None:
     field, name = rename
@@ -134,7 +136,7 @@ def test_renamed_tensors(mutant: Path, rename: tuple[Field, str]) -> None:
     estimate_as_the_cli_does(mutant, header)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.sampled_from(_of(*TYPES)), st.one_of(st.integers(0, 64), st.integers(0, 2**32 - 1)))
 def test_bad_types_and_dimension_counts(mutant: Path, field: Field, value: int) -> None:
     estimate_as_the_cli_does(mutant, _with(HEADER, field, value))
@@ -144,7 +146,7 @@ def _integers(kind: str) -> list[Field]:
     return [f for f in _of(kind) if f.fmt in ("<B", "<b", "<H", "<h", "<I", "<i", "<Q", "<q")]
 
 
-@settings(max_examples=250)
+@settings(max_examples=examples(250))
 @given(st.sampled_from(_integers("value")), st.one_of(
     st.integers(0, 9), st.sampled_from([255, 511, 512, 513, 2**16, 2**31, 2**32 - 1]), HUGE, st.integers(-(2**63), -1)))
 def test_replaced_hyperparameters(mutant: Path, field: Field, value: int) -> None:
@@ -152,7 +154,7 @@ def test_replaced_hyperparameters(mutant: Path, field: Field, value: int) -> Non
     estimate_as_the_cli_does(mutant, _with(HEADER, field, value))
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(st.sampled_from(_integers("dim") + _integers("data_offset")),
        st.one_of(st.integers(0, 9), st.integers(-(2**63), 2**64 - 1)))
 def test_replaced_dimensions_and_data_offsets(mutant: Path, field: Field, value: int) -> None:

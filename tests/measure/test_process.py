@@ -70,8 +70,9 @@ def test_the_first_ctrl_c_only_asks_to_stop_and_the_second_stops_the_children() 
     # SIGINT ignored, the child inherits that, and fitter rightly keeps an ignored Ctrl-C ignored
     code = ("import signal, time\nfrom fitter.measure import process\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            "child = process.spawn(['sleep', '300'])\nprint(child.pid, flush=True)\n"
+            "child = process.spawn(['sleep', '300'])\n"
             "try:\n    with process.first_interrupt_deferred(lambda: print('asked', flush=True)):\n"
+            "        print(child.pid, flush=True)  # the first Ctrl-C is sent once this is read: deferred by then\n"
             "        while True:\n            time.sleep(0.05)\n"
             "except KeyboardInterrupt:\n    print('interrupted', flush=True)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

@@ -36,7 +36,7 @@ from fitter.results.measurement import measurement_json
 from fitter.results.pareto import POLICIES, Entry, picks, ratios
 from fitter.results.table import front_of
 from tests.models import model_file
-from tests.properties import assert_one_line_naming, bounded
+from tests.properties import assert_one_line_naming, bounded, examples
 
 MIB = 1024 * 1024
 MODEL = model_file("gpt-oss-tiny")
@@ -211,6 +211,8 @@ HOSTILE = st.one_of(
     st.just([[1.0, 2.0, 3.0]]), st.just({"bytes": "x", "source": 1}),
 )
 
+pytestmark = pytest.mark.properties  # all their examples: FITTER_ALL_EXAMPLES=1 (tests/properties.py)
+
 
 def _has(node: Any, key: Any) -> bool:
     if isinstance(node, list):
@@ -256,7 +258,7 @@ def mutated(draw: st.DrawFn) -> dict[str, Any]:
     return doc
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(mutated(), st.sampled_from(POLICIES), st.sampled_from(FORMATS))
 def test_mutated_documents(result_file: Path, doc: dict[str, Any], policy: str, fmt: str) -> None:
     result_file.write_text(json.dumps(doc))
@@ -278,7 +280,7 @@ def spliced(draw: st.DrawFn) -> bytes:
     return text[: draw(st.integers(0, len(text)))] if draw(st.booleans()) else text
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(spliced(), st.sampled_from(POLICIES), st.sampled_from(FORMATS))
 def test_spliced_text(result_file: Path, text: bytes, policy: str, fmt: str) -> None:
     result_file.write_bytes(text)
@@ -294,7 +296,7 @@ def _renamed_device(node: Any, old: str, new: str) -> Any:
     return node
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(st.sampled_from(DEVICE_KEYS) | st.text(max_size=12), st.sampled_from(POLICIES), st.sampled_from(FORMATS))
 def test_renamed_devices(result_file: Path, name: str, policy: str, fmt: str) -> None:
     """Device names are the measurement's keys, read back as llama.cpp's (RPC0[host:port], CUDA0): a re-plan

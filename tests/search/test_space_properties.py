@@ -29,7 +29,7 @@ from fitter.search.space import (
     params_to_flags,
     resolve,
 )
-from tests.properties import assert_one_line_naming, bounded
+from tests.properties import assert_one_line_naming, bounded, examples
 
 
 class Raw(str):
@@ -114,6 +114,8 @@ DOCUMENTS = st.one_of(
     st.fixed_dictionaries({"params": PARAMS}, optional={"description": VALUES}),
     st.dictionaries(TEXT | st.sampled_from(["params", "description"]), VALUES, max_size=3),  # any document at all
 )
+
+pytestmark = pytest.mark.properties  # all their examples: FITTER_ALL_EXAMPLES=1 (tests/properties.py)
 MACHINES = st.fixed_dictionaries({"n_layer": st.integers(1, 512), "physical_cores": st.integers(1, 256),
                                   "performance_cores": st.integers(1, 256)})
 
@@ -145,7 +147,7 @@ def tune_reads(path: Path, text: str, machine: dict[str, int], data: st.DataObje
             parse_flags(flags)
 
 
-@settings(max_examples=500)
+@settings(max_examples=examples(500))
 @given(DOCUMENTS, MACHINES, st.data())
 def test_generated_documents(space_file: Path, doc: dict[str, Any], machine: dict[str, int],
                              data: st.DataObject) -> None:
@@ -169,7 +171,7 @@ def spliced(draw: st.DrawFn) -> str:
     return text
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(spliced(), MACHINES, st.data())
 def test_spliced_shipped_spaces(space_file: Path, text: str, machine: dict[str, int], data: st.DataObject) -> None:
     tune_reads(space_file, text, machine, data)

@@ -249,7 +249,8 @@ def check_fleet(study: optuna.Study, pids: list[int], trials: int, results: list
 
 
 @pytest.mark.tools("llama-fit-params")
-@pytest.mark.parametrize("kind", ["sqlite-folder", *SLOW_STORAGES])
+# the default storage in the default run; a shared SQLite file, a journal and PostgreSQL under -m slow
+@pytest.mark.parametrize("kind", ["sqlite-folder", *(pytest.param(k, marks=pytest.mark.slow) for k in STORAGES)])
 def test_three_workers_share_one_study(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """Three sim workers started together: whoever is first creates the study, the others join; no config runs
     twice, nothing finished is lost, one worker confirms and names the others."""
