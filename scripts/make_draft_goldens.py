@@ -28,11 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fitter import process
 from fitter.gguf.demo_models import SHAPES, write_model
-from fitter.measure import process
+from fitter.measure.llamacpp.builds import server_build
 from fitter.measure.llamacpp.tools import ensure_tools
 from fitter.measure.logs import parse_buffer_lines
-from fitter.measure.server import server_build, start_server
+from fitter.measure.server import start_server
 
 REPO = Path(__file__).resolve().parent.parent
 CANONICAL_RPC = "127.0.0.1:50052"

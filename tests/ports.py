@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fitter.measure import ports
+from fitter import ports
 
 # how the other program holds the port: bound only (a bind without SO_REUSEADDR still refuses others), listening, or
 # listening with SO_REUSEPORT (a server that sets it too, as llama-server does with --reuse-port, binds beside it)

@@ -9,8 +9,8 @@ import fitter
 
 ROOT = Path(fitter.__file__).resolve().parent
 # Lower imports nothing higher: the flow of the README's Layout section, leaves first.
-LAYERS = ("errors", "paths", "units", "noise", "gguf", "flags", "workload", "memory", "machine", "measure", "sim",
-          "search", "storage", "results", "tune", "check", "grid", "export", "report", "cli")
+LAYERS = ("errors", "paths", "units", "noise", "process", "ports", "gguf", "flags", "workload", "memory", "machine",
+          "measure", "sim", "search", "storage", "results", "tune", "check", "grid", "export", "report", "cli")
 MAX_LINES = 520
 
 
@@ -112,3 +112,34 @@ def test_no_public_name_is_defined_twice() -> None:
             if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_"):
                 where.setdefault(node.name, []).append(module)
     assert {name: found for name, found in where.items() if len(found) > 1 and name not in CONVENTIONS} == {}
+
+
+def _room(module: str) -> str:
+    """A module's room: its package under fitter (a subpackage of measure is a room of its own), or the leaf itself."""
+    parts = module.split(".")
+    if len(parts) > 3 or (len(parts) == 3 and (ROOT / parts[1] / parts[2]).is_dir()):
+        return ".".join(parts[1:3])
+    return parts[1] if len(parts) > 1 else "fitter"
+
+
+def test_no_import_circle_between_rooms() -> None:
+    # every import counts, a function's too: measure's rooms (its runners, the emulator, llama.cpp's builds) and the
+    # packages above them form no circle, so each can be read knowing only the rooms below it
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        for target in _imports(path, False, modules):
+            if _room(target) != _room(module):
+                graph.setdefault(_room(module), set()).add(_room(target))
+
+    def below(start: str) -> set[str]:  # every room `start` reaches
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    assert sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if a in below(b)) == []

@@ -17,7 +17,7 @@ import pytest
 from tests.storage.postgres import server_binaries
 
 REPO = Path(__file__).resolve().parent.parent
-CTRL_C = "tests/measure/test_process.py::test_the_first_ctrl_c_only_asks_to_stop_and_the_second_stops_the_children"
+CTRL_C = "tests/test_process.py::test_the_first_ctrl_c_only_asks_to_stop_and_the_second_stops_the_children"
 FLEET = "tests/storage/test_fleet.py::test_claims_hold_settle_finish_and_go_stale[postgres]"
 
 

@@ -90,7 +90,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     resume (the same command); a second one stops at once."""
     from fitter.export.launchers import render
     from fitter.machine.snapshot import take_snapshot
-    from fitter.measure.process import first_interrupt_deferred
+    from fitter.process import first_interrupt_deferred
     from fitter.results.table import pareto_table
     from fitter.tune.options import MeasureOptions, SearchOptions, StorageOptions, TuneOptions, parse_objectives
     from fitter.tune.session import run_tune

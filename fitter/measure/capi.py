@@ -29,13 +29,13 @@ from typing import Any
 from fitter.flags import LaunchConfig, TensorOverride
 from fitter.flags.config import SPLIT_MODES
 from fitter.flags.consumers import consumer
+from fitter.measure.emulator.capdev import CUDA_RPC_ENV
 from fitter.memory.devices import OFFLOAD_MIN_BATCH_ENV, offload_min_batch
 
 # llama.h enum llama_load_mode / enum llama_flash_attn_type
 LOAD_MODE_AUTO = -1
 LOAD_MODE_NONE = 0
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
-CUDA_RPC_ENV = "FITTER_CUDA_RPC"  # RPC endpoints (comma-separated) of CUDA-shaped emulated GPUs, for the children
 _LOG_ERROR, _LOG_CONT = 4, 5  # ggml.h enum ggml_log_level (llama-cpp-python's _logger.py comment is stale)
 
 

@@ -12,8 +12,8 @@ import subprocess
 import time
 from typing import Any
 
+from fitter import process
 from fitter.flags import LaunchConfig, override_flags
-from fitter.measure import process
 from fitter.measure.logs import classify_exit, parse_buffer_lines, tail
 from fitter.measure.types import BenchSpec, Measurement, SpeedStats
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fitter import process
 from fitter.flags import LaunchConfig
-from fitter.measure import process
 from fitter.measure.capi import (
     Ggml,
     LogSink,

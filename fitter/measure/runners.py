@@ -223,7 +223,7 @@ class ServerRunner(_Devices):
 
     def build(self) -> dict[str, Any]:
         """The commit, version and backends the binary reports, and the binary (results and exports name it)."""
-        from fitter.measure.server import binary_build
+        from fitter.measure.llamacpp.builds import binary_build
 
         return binary_build(self.binary)
 

@@ -8,7 +8,7 @@ the last one) and decodes n tokens after them, at depth d, as llama-bench's tg t
 is one token. The buffers come from the server's log, the build from `llama-server --version`.
 
 The server listens on 127.0.0.1 only, on a port fitter picks: one lost to another process before the server held it
-is given up for a fresh one (fitter.measure.ports). A server that dies during a trial makes that trial a crash that
+is given up for a fresh one (fitter.ports). A server that dies during a trial makes that trial a crash that
 names its signal or exit status; each trial starts a server of its own.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import subprocess
 import tempfile
 import time
@@ -26,9 +25,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from fitter import ports, process
 from fitter.errors import FitterError
 from fitter.machine.rss import peak_rss
-from fitter.measure import ports, process
+from fitter.measure.llamacpp.builds import server_build
 from fitter.measure.logs import classify_exit, parse_buffer_lines
 from fitter.measure.types import BenchSpec, Latency, Measurement, SpeedStats
 
@@ -110,60 +110,6 @@ def start_server(binary: str, model: str, flags: list[str], log_path: Path,
         return proc, port, None if state == "ok" else state
     raise FitterError(f"llama-server --port {port}: taken by another process before llama-server held it, "
                       f"{_START_ATTEMPTS} free ports on {HOST} in a row")
-
-
-def server_build(binary: str) -> dict[str, str]:
-    """The build the binary reports: its commit and version (`version_info`)."""
-    try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return {"commit": "unknown", "source": f"{binary} --version failed"}
-    version, commit = version_info(out.stdout + out.stderr)
-    return {"commit": commit, "source": f"{Path(binary).name} --version", "version": version}
-
-
-# `--version` as llama.cpp prints it: common/build-info.cpp.in at 0c1e570 (`version: %s (build %d, commit %s)`), and
-# common/arg.cpp before it (`version: %d (%s)`, e.g. e3a74b2, llama-cpp-python 0.3.30's) — builds deployed today
-_VERSION_NOW = re.compile(r"^version: (.*) \(build (\d+), commit (\S+)\)\s*$", re.M)
-_VERSION_BEFORE = re.compile(r"^version: (\d+) \((\S+)\)\s*$", re.M)
-
-
-def version_info(text: str) -> tuple[str, str]:
-    """(version, commit) a llama.cpp binary's `--version` names; "unknown" for what it does not name."""
-    if (m := _VERSION_NOW.search(text)) is not None:
-        return f"{m.group(1)}, build {m.group(2)}", m.group(3)
-    if (m := _VERSION_BEFORE.search(text)) is not None:
-        return f"build {m.group(1)}", m.group(2)
-    return "unknown", "unknown"
-
-
-# ggml's backend libraries (ggml/src/ggml-<name>/) by the name their devices carry (CUDA0, ROCm0, Vulkan0, RPC0[…])
-_BACKEND_NAMES = {"cpu": "CPU", "rpc": "RPC", "cuda": "CUDA", "hip": "ROCm", "vulkan": "Vulkan", "metal": "Metal",
-                  "sycl": "SYCL", "opencl": "OpenCL", "musa": "MUSA", "cann": "CANN", "blas": "BLAS"}
-_BACKEND_LIBRARY = re.compile(r"libggml-([a-z]+)(?:-[\w-]+)?\.so(?:\.[\d.]+)?")
-
-
-def build_backends(binary: str) -> list[str]:
-    """The backends a build has: its ggml backend libraries beside the binary (a shared build), the devices it lists
-    (`--list-devices`: a static build's GPUs; RPC servers are not listed without --rpc), and the CPU."""
-    from fitter.measure.llamacpp.builds import LlamaCppBuild, list_devices
-
-    path = Path(binary).resolve()
-    found = {"CPU"}
-    for f in path.parent.iterdir():
-        if (m := _BACKEND_LIBRARY.fullmatch(f.name)) is not None and m.group(1) != "base":
-            found.add(_BACKEND_NAMES.get(m.group(1), m.group(1)))
-    try:
-        listed = list_devices(LlamaCppBuild(path.parent, path, None, None))
-    except FitterError:
-        listed = ()
-    found.update(m.group(0) for d in listed if (m := re.match(r"[A-Za-z]+", d.name)) is not None)
-    return sorted(found)
-
-
-def binary_build(binary: str) -> dict[str, Any]:
-    """`server_build`, the backends and the binary itself (results and exports name it: `--llama-cpp DIR`)."""
-    return {**server_build(binary), "backends": build_backends(binary), "llama_server": str(Path(binary).resolve())}
 
 
 def _stats(n: int, depth: int, samples_ts: list[float]) -> SpeedStats:

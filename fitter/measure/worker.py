@@ -45,10 +45,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from fitter import process
 from fitter.flags import LaunchConfig, pin
 from fitter.flags.vocabulary import MODEL_LEVEL
 from fitter.machine.rss import peak_rss, reset_peak_rss
-from fitter.measure import process
 from fitter.measure.capi import (
     Ggml,
     LogSink,

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from fitter import ports, process
 from fitter.flags import parse_launch_flags
-from fitter.measure import ports, process
 from fitter.measure import server as server_module
 from fitter.measure.runners import ServerRunner
 from fitter.measure.server import measure_server, server_argv, start_server

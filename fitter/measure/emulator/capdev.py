@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from fitter import process
 from fitter.errors import FitterError
 from fitter.machine.llama_cpp import llama_cpp_python_lib_dir
-from fitter.measure import process
 from fitter.paths import fitter_home
 
+CUDA_RPC_ENV = "FITTER_CUDA_RPC"  # RPC endpoints (comma-separated) of CUDA-shaped emulated GPUs, for the children
 SHIM_SOURCE = "capdev.c"  # in the fitter.measure.emulator.native package: the server's memory cap
 CUDA_SOURCE = "cudadev.c"  # the client's CUDA device rules (the CUDA-shaped emulated GPU)
 _HEADERS = ("cudarules.h",)  # included by both

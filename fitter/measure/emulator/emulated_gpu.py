@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from fitter import ports, process
 from fitter.machine.environment import with_environment
-from fitter.measure import ports, process
-from fitter.measure.capi import CUDA_RPC_ENV
 from fitter.measure.emulator.capdev import (
     _DIR_PREFIX,
     _LOG_TAIL,
+    CUDA_RPC_ENV,
     STATS_SIZE,
     EmulatedGpuError,
     EmulatedGpuStats,

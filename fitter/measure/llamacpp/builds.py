@@ -43,9 +43,7 @@ class LlamaCppBuild:
 
     def build(self) -> dict[str, Any]:
         """The commit and version the build reports, where they were read (`llama-server --version`), its
-        backends and its llama-server (`fitter.measure.server.binary_build`)."""
-        from fitter.measure.server import binary_build
-
+        backends and its llama-server (`binary_build`)."""
         return binary_build(str(self.llama_server))
 
 
@@ -111,3 +109,58 @@ def build_devices(listed: tuple[ListedDevice, ...]) -> tuple[tuple[Device, ...],
         name = f"{d.name}[{d.description}]" if profile is RPC else d.name
         devices.append(Device(name, profile, d.total_bytes, d.free_bytes))
     return tuple(devices), warnings
+
+
+# -- what a binary reports of its build -----------------------------------------------------------------------
+
+
+def server_build(binary: str) -> dict[str, str]:
+    """The build the binary reports: its commit and version (`version_info`)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": "unknown", "source": f"{binary} --version failed"}
+    version, commit = version_info(out.stdout + out.stderr)
+    return {"commit": commit, "source": f"{Path(binary).name} --version", "version": version}
+
+
+# `--version` as llama.cpp prints it: common/build-info.cpp.in at 0c1e570 (`version: %s (build %d, commit %s)`), and
+# common/arg.cpp before it (`version: %d (%s)`, e.g. e3a74b2, llama-cpp-python 0.3.30's) — builds deployed today
+_VERSION_NOW = re.compile(r"^version: (.*) \(build (\d+), commit (\S+)\)\s*$", re.M)
+_VERSION_BEFORE = re.compile(r"^version: (\d+) \((\S+)\)\s*$", re.M)
+
+
+def version_info(text: str) -> tuple[str, str]:
+    """(version, commit) a llama.cpp binary's `--version` names; "unknown" for what it does not name."""
+    if (m := _VERSION_NOW.search(text)) is not None:
+        return f"{m.group(1)}, build {m.group(2)}", m.group(3)
+    if (m := _VERSION_BEFORE.search(text)) is not None:
+        return f"build {m.group(1)}", m.group(2)
+    return "unknown", "unknown"
+
+
+# ggml's backend libraries (ggml/src/ggml-<name>/) by the name their devices carry (CUDA0, ROCm0, Vulkan0, RPC0[…])
+_BACKEND_NAMES = {"cpu": "CPU", "rpc": "RPC", "cuda": "CUDA", "hip": "ROCm", "vulkan": "Vulkan", "metal": "Metal",
+                  "sycl": "SYCL", "opencl": "OpenCL", "musa": "MUSA", "cann": "CANN", "blas": "BLAS"}
+_BACKEND_LIBRARY = re.compile(r"libggml-([a-z]+)(?:-[\w-]+)?\.so(?:\.[\d.]+)?")
+
+
+def build_backends(binary: str) -> list[str]:
+    """The backends a build has: its ggml backend libraries beside the binary (a shared build), the devices it lists
+    (`--list-devices`: a static build's GPUs; RPC servers are not listed without --rpc), and the CPU."""
+    path = Path(binary).resolve()
+    found = {"CPU"}
+    for f in path.parent.iterdir():
+        if (m := _BACKEND_LIBRARY.fullmatch(f.name)) is not None and m.group(1) != "base":
+            found.add(_BACKEND_NAMES.get(m.group(1), m.group(1)))
+    try:
+        listed = list_devices(LlamaCppBuild(path.parent, path, None, None))
+    except FitterError:
+        listed = ()
+    found.update(m.group(0) for d in listed if (m := re.match(r"[A-Za-z]+", d.name)) is not None)
+    return sorted(found)
+
+
+def binary_build(binary: str) -> dict[str, Any]:
+    """`server_build`, the backends and the binary itself (results and exports name it: `--llama-cpp DIR`)."""
+    return {**server_build(binary), "backends": build_backends(binary), "llama_server": str(Path(binary).resolve())}

@@ -37,11 +37,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fitter import process
 from fitter.errors import FitterError
 from fitter.flags.config import LaunchConfig
 from fitter.flags.parse import flag_groups, parse_launch_flags
 from fitter.flags.vocabulary import FLAGS, Kind, Level, flag, names_of
-from fitter.measure import process
 from fitter.measure.llamacpp.tools import tools_dir
 
 __all__ = [

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from fitter import process
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, parse_launch_flags, pin, split_process_flags
 from fitter.gguf.model_spec import ModelSpec
-from fitter.measure import process
 from fitter.measure.llamacpp.fit_params import find_llama_fit_params, fit_env, fit_flags
 from fitter.memory.devices import CpuProfile, Device, rpc_device_name
 from fitter.memory.estimator import CPU, MemoryPlan, alloc_size, estimate

@@ -14,8 +14,7 @@ from fitter.cli import main
 from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.gguf.model_spec import load_model_spec
-from fitter.measure.capi import CUDA_RPC_ENV
-from fitter.measure.emulator.capdev import server_env
+from fitter.measure.emulator.capdev import CUDA_RPC_ENV, server_env
 from fitter.measure.emulator.emulated_gpu import EmulatedGpu
 from fitter.memory.devices import CUDA, rpc_devices
 from fitter.memory.estimator import estimate

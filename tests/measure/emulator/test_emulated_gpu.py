@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from fitter import ports
 from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import SHAPES, write_model
-from fitter.measure import ports
 from fitter.measure.emulator.capdev import (
     STATS_MAGIC,
     STATS_SIZE,

@@ -40,7 +40,7 @@ def test_the_devices_a_build_lists() -> None:
 
 
 def test_the_commit_from_either_version_format() -> None:
-    from fitter.measure.server import version_info
+    from fitter.measure.llamacpp.builds import version_info
 
     assert version_info("version: 0.5.0-dev (build 1, commit 0c1e570)\nbuilt with GNU 12.2.0\n") == (
         "0.5.0-dev, build 1", "0c1e570")
@@ -54,7 +54,7 @@ def test_the_commit_from_either_version_format() -> None:
 def test_the_backends_of_a_build_from_its_libraries(tmp_path: Path) -> None:
     # a shared CUDA build's bin/: ggml's backend libraries name its backends (its --list-devices fails here: the
     # "binary" is a script that prints nothing, so the devices add none)
-    from fitter.measure.server import build_backends
+    from fitter.measure.llamacpp.builds import build_backends
 
     server = tmp_path / "llama-server"
     server.write_text("#!/bin/sh\nexit 1\n")

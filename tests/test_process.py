@@ -1,4 +1,4 @@
-"""fitter.measure.process: the children fitter starts get one environment, a process group each, and die with it."""
+"""fitter.process: the children fitter starts get one environment, a process group each, and die with it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fitter.measure import process
+from fitter import process
 from fitter.paths import SOURCE_ROOT
 
 
@@ -47,7 +47,7 @@ def test_run_kills_a_child_past_its_timeout_and_keeps_what_it_wrote() -> None:
 
 @pytest.mark.parametrize("how", ["exits", "is terminated"])
 def test_children_die_when_fitter_exits_or_is_terminated(how: str) -> None:
-    code = ("import sys\nfrom fitter.measure import process\n"
+    code = ("import sys\nfrom fitter import process\n"
             "child = process.spawn(['sleep', '300'])\nprint(child.pid, flush=True)\nsys.stdin.readline()\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, env=process.child_env())
@@ -68,7 +68,7 @@ def test_children_die_when_fitter_exits_or_is_terminated(how: str) -> None:
 def test_the_first_ctrl_c_only_asks_to_stop_and_the_second_stops_the_children() -> None:
     # Ctrl-C enabled in the child whatever this test was started with: a background shell starts everything with
     # SIGINT ignored, the child inherits that, and fitter rightly keeps an ignored Ctrl-C ignored
-    code = ("import signal, time\nfrom fitter.measure import process\n"
+    code = ("import signal, time\nfrom fitter import process\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "child = process.spawn(['sleep', '300'])\n"
             "try:\n    with process.first_interrupt_deferred(lambda: print('asked', flush=True)):\n"
