@@ -51,14 +51,20 @@ def paced(folder: Path, pace: float = PACE) -> Path:
     return path
 
 
+def _ctrl_c_enabled() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the child's Python then turns it into KeyboardInterrupt
+
+
 class Tune:
     """`fitter tune` in a subprocess, its stderr (progress lines end in \\r, not \\n) collected as it comes."""
 
     def __init__(self, model: Path, machine: Path, results: Path, trials: int) -> None:
         self.argv = [sys.executable, "-m", "fitter.cli", "tune", str(model), "--backend", "sim", "--machine",
                      str(machine), "--trials", str(trials), "--confirm-rounds", "1", "--results", str(results)]
+        # Ctrl-C as a terminal gives it, whatever this suite was started with: a background shell starts everything
+        # with SIGINT ignored, a child inherits that, and fitter rightly keeps an ignored Ctrl-C ignored
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     env={**os.environ, "PYTHONPATH": str(SOURCE_ROOT)})
+                                     env={**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}, preexec_fn=_ctrl_c_enabled)
         self.err = b""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
