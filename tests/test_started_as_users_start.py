@@ -2,7 +2,8 @@
 ignored (and so inherited ignored by every child), stdin /dev/null, no controlling terminal, PATH without
 /usr/sbin. The README's test command hung for 66 minutes that way: the Ctrl-C test waited forever on a child that,
 as fitter rightly does, kept an inherited ignored Ctrl-C ignored (so did the tune's Ctrl-C fault tests); the
-PostgreSQL fleet tests could not find runuser. Each runs here in a pytest of its own under those conditions, with a deadline."""
+PostgreSQL fleet tests could not find runuser. Each runs here in a pytest of its own under those conditions, with a
+deadline."""
 
 from __future__ import annotations
 
