@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,10 +16,17 @@ from typing import Any
 import pytest
 
 
-def _mount(*args: str) -> None:
-    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"mount {' '.join(args)} refused here: {proc.stderr.strip() or proc.returncode}")
+def _mount(*args: str, busy_s: float = 0.0) -> None:
+    """`mount ARGS`, or a skip where mounting is refused. `busy_s`: how long a "busy" refusal is tried again (a
+    remount read-only waits for the files a child opened for writing through the new mount to close)."""
+    deadline = time.monotonic() + busy_s
+    while True:
+        proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return
+        if "busy" not in proc.stderr or time.monotonic() > deadline:
+            pytest.skip(f"mount {' '.join(args)} refused here: {proc.stderr.strip() or proc.returncode}")
+        time.sleep(0.01)
 
 
 def _umount(path: Path) -> None:
@@ -43,7 +51,7 @@ def read_only(path: Path) -> Iterator[Path]:
     already keep writing through the mount below, as they would on a filesystem remounted read-only under them."""
     _mount("--bind", str(path), str(path))
     try:
-        _mount("-o", "remount,bind,ro", str(path))
+        _mount("-o", "remount,bind,ro", str(path), busy_s=10)
         yield path
     finally:
         _umount(path)
