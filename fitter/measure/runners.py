@@ -145,12 +145,16 @@ class _Devices:
             return False
         return self._gpu.restart_dead()  # type: ignore[no-any-return]
 
-    def _measured(self, measure: Callable[[], Measurement]) -> TrialResult:
+    def _measured(self, measure: Callable[[], Measurement], emptied: bool = True) -> TrialResult:
         """Run `measure` with the emulated GPUs' peaks restarted and NVML sampling; the device peaks it reached. A
-        trial during which an emulated GPU's server died is a crash that says so (its client died or hung with it)."""
+        trial during which an emulated GPU's server died is a crash that says so (its client died or hung with it).
+        `emptied`: no client holds a buffer on the devices now (the last trial's process ended, or its model was
+        unloaded), so the peaks restart once the servers have freed them all."""
         from fitter.machine.nvml_peak import NvmlPeakSampler
 
         if self._gpu is not None:
+            if emptied:
+                self._gpu.wait_until_empty()
             self._gpu.reset_peak()
         sampler: Any = NvmlPeakSampler(order=self._gpu_order) if self._nvml else contextlib.nullcontext()
         with sampler:
@@ -202,9 +206,10 @@ class WorkerRunner(_Devices):
         _one_stream(spec, "fitter's worker")
         if self._fresh_gpu():
             self._worker.close_child()  # its RPC connection died with the old server: a new child registers the new one
-        if self._gpu is not None and self._worker.will_reload(model, config):
+        reload = self._worker.will_reload(model, config)
+        if self._gpu is not None and reload:
             self._worker.unload()  # else the old model's bytes are still in use when the peak restarts
-        return self._measured(lambda: self._worker.run(model, config, spec, timeout))
+        return self._measured(lambda: self._worker.run(model, config, spec, timeout), emptied=reload)
 
 
 class ServerRunner(_Devices):

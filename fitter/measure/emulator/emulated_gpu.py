@@ -372,6 +372,20 @@ class EmulatedGpus:
         for g in self.gpus:
             g.reset_peak()
 
+    def wait_until_empty(self, timeout_s: float = 10.0) -> bool:
+        """Wait until no buffer is allocated on any of the devices (False: some still were after `timeout_s`).
+
+        A client's frees reach the server after the client has moved on (ggml-rpc sends FREE_BUFFER without waiting
+        for the server; a client that exits is torn down by the server after it left), and the shim restarts a peak
+        from the bytes in use when it applies the reset: a reset the server meets before those frees would count
+        the previous trial's buffers in the next one's peak."""
+        deadline = time.monotonic() + timeout_s
+        while any(g.stats().used_bytes for g in self.gpus):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def peaks(self) -> dict[str, int]:
         """Peak bytes per device name since the last reset."""
         return {g.device_name: g.stats().peak_bytes for g in self.gpus}
