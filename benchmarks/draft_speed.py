@@ -29,7 +29,7 @@ from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.llamacpp.tools import ensure_tools
 from fitter.measure.server import measure_server
 from fitter.measure.types import BenchSpec
-from fitter.memory.estimator import estimate
+from fitter.memory.plan.estimator import estimate
 from fitter.noise import ratio_interval
 from fitter.units import MIB
 from fitter.workload.prompts import read_prompts

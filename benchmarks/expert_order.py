@@ -27,8 +27,8 @@ from fitter.gguf.demo_models import demo_model_path
 from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.runners import WorkerRunner
 from fitter.measure.types import BenchSpec
-from fitter.memory.devices import CPU_AVX2
-from fitter.memory.estimator import estimate
+from fitter.memory.backends.devices import CPU_AVX2
+from fitter.memory.plan.estimator import estimate
 from fitter.noise import ratio_interval
 from fitter.search.split import last_experts_rule
 from fitter.units import MIB

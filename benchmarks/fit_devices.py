@@ -23,10 +23,10 @@ from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.measure.emulator.emulated_gpu import EmulatedGpus
 from fitter.measure.llamacpp.fit_params import LlamaFitError, baseline_config, find_llama_fit_params, run_llama_fit
-from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
-from fitter.memory.devices import Device, parse_devices
-from fitter.memory.estimator import estimate
-from fitter.memory.fit import fit
+from fitter.memory.backends.devices import Device, parse_devices
+from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
+from fitter.memory.fit.fit import fit
+from fitter.memory.plan.estimator import estimate
 
 MIB = 1024 * 1024
 CASES = ("cuda:24576,12288", "cuda:24576,24576", "cuda:24576,12288,12288", "cuda:16384,8192")

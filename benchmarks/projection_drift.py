@@ -28,7 +28,7 @@ from fitter.measure.llamacpp.tools import (
     sdist_archive,
     submodule_head,
 )
-from fitter.memory.devices import CPU_AVX2, rpc_devices
+from fitter.memory.backends.devices import CPU_AVX2, rpc_devices
 from fitter.paths import fitter_home
 from fitter.units import MIB
 

@@ -240,7 +240,7 @@ def landscape_case(path: str, objective: str) -> Case:
 
     from fitter.flags import parse_launch_flags
     from fitter.measure.types import BenchSpec
-    from fitter.memory.budgets import device_budgets
+    from fitter.memory.fit.budgets import device_budgets
     from fitter.search.screen import Budgets
 
     land = load_landscape(path)

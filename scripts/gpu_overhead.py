@@ -4,8 +4,8 @@
 For each model and flag list: in one process, NVML's per-process used memory on CUDA0 after `llama_backend_init`
 (the CUDA context, where the backend creates it), after the model load, after the context (KV and compute buffers),
 and after the first prefill (cuBLAS workspaces, the CUDA pool's temporaries), each beside the device buffers
-llama.cpp logged so far; the difference is what fitter.memory.overhead predicts. Every case runs in a child process
-of its own, so each starts from an empty CUDA context.
+llama.cpp logged so far; the difference is what fitter.memory.backends.overhead predicts. Every case runs in a child
+process of its own, so each starts from an empty CUDA context.
 
     python scripts/gpu_overhead.py [--out tests/golden/cuda-overhead.json] [--models demo,gpt-oss-tiny]
 

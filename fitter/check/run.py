@@ -42,9 +42,9 @@ from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.runners import RunnerFactory, ServerRunner, WorkerRunner
 from fitter.measure.served import WorkloadRunner
 from fitter.measure.types import BenchSpec
-from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, target_of
-from fitter.memory.devices import CPU_AVX2, CpuProfile, Device, rpc_devices
-from fitter.memory.estimator import MemoryPlan, estimate
+from fitter.memory.backends.devices import CPU_AVX2, CpuProfile, Device, rpc_devices
+from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, target_of
+from fitter.memory.plan.estimator import MemoryPlan, estimate
 from fitter.noise import between_run_sd
 from fitter.results.measurement import measurement_json, round_avgs, vram_bytes
 from fitter.results.pareto import Entry, ParetoDoc, load_result

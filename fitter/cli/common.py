@@ -15,7 +15,7 @@ from fitter.flags.parse import process_flags_from_args
 if TYPE_CHECKING:
     from fitter.gguf.model_spec import ModelSpec
     from fitter.machine.snapshot import MachineSnapshot
-    from fitter.memory.devices import CpuProfile, Device
+    from fitter.memory.backends.devices import CpuProfile, Device
 
 
 class _EmulatedGpuAction(argparse.Action):
@@ -121,7 +121,7 @@ def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: Machi
     GPUs (already read as the llama.cpp fitter starts will see them); each as that llama.cpp will see it
     (fitter.machine.environment.with_environment)."""
     from fitter.machine.environment import with_environment
-    from fitter.memory.devices import parse_devices, rpc_devices
+    from fitter.memory.backends.devices import parse_devices, rpc_devices
 
     if getattr(ns, "llama_cpp", None) and not getattr(ns, "devices", ""):
         return with_environment(llama_cpp_devices(ns.llama_cpp, config))
@@ -158,7 +158,7 @@ def build_projector(ns: argparse.Namespace, spec: ModelSpec, rpc: tuple[str, ...
     """The build's projector where fitter guesses a kind for the model
     (fitter.measure.llamacpp.projection.projector_for), else None; fitter.measure is imported only then (it is most of
     a CLI's start-up)."""
-    from fitter.memory.projected import guessed_kinds
+    from fitter.memory.plan.projected import guessed_kinds
 
     if ns.projection == "never" or not guessed_kinds(spec):
         return None

@@ -22,7 +22,7 @@ from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments
 
 
 def cmd_estimate(ns: argparse.Namespace) -> int:
-    from fitter.memory.estimator import estimate
+    from fitter.memory.plan.estimator import estimate
     from fitter.memory.plan_render import plan_json, plan_table
 
     config, _ = launch_args(ns)

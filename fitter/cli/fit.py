@@ -23,12 +23,12 @@ from fitter.cli.common import (
 )
 from fitter.errors import LaunchConfigError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, parse_launch_flags, pin, server_command
-from fitter.memory.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, parse_fit_targets
-from fitter.memory.devices import Device
+from fitter.memory.backends.devices import Device
+from fitter.memory.fit.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, parse_fit_targets
 
 
 def cmd_fit(ns: argparse.Namespace) -> int:
-    from fitter.memory.fit import fit
+    from fitter.memory.fit.fit import fit
     from fitter.memory.plan_render import fit_json, fit_table
 
     config, _ = launch_args(ns)

@@ -18,7 +18,7 @@ from fitter.cli.common import (
 )
 from fitter.errors import FitterError
 from fitter.flags import SERVER_DEFAULTS_HELP, add_launch_arguments, add_process_arguments
-from fitter.memory.budgets import parse_fit_targets
+from fitter.memory.fit.budgets import parse_fit_targets
 
 
 def cmd_grid(ns: argparse.Namespace) -> int:

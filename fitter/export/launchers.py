@@ -24,7 +24,7 @@ from fitter.flags.config import SPLIT_MODES
 from fitter.flags.overrides import with_bufts
 from fitter.flags.parse import flag_groups, process_flags_of
 from fitter.flags.vocabulary import BY_NAME
-from fitter.memory.devices import emulated_gpu_names
+from fitter.memory.backends.devices import emulated_gpu_names
 from fitter.results.pareto import POLICIES, Entry, ParetoDoc
 
 FORMATS = ("server", "preset-ini", "llama-swap", "python", "json")

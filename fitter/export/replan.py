@@ -17,8 +17,8 @@ from fitter.flags.consumers import retarget
 from fitter.flags.overrides import with_bufts
 from fitter.flags.parse import flag_value
 from fitter.gguf.model_spec import ModelSpec
-from fitter.memory.devices import CPU_AVX2, CUDA, CpuProfile, Device, emulated_gpu_names, rpc_devices
-from fitter.memory.estimator import estimate
+from fitter.memory.backends.devices import CPU_AVX2, CUDA, CpuProfile, Device, emulated_gpu_names, rpc_devices
+from fitter.memory.plan.estimator import estimate
 from fitter.results.pareto import Entry, ParetoDoc
 from fitter.units import MIB
 

@@ -2,7 +2,7 @@
 
 The rows follow each model's `load_arch_hparams` (src/models/<arch>.cpp) and `llama_model::create_memory`
 (src/llama-model.cpp). An architecture not listed here is one fitter has no memory rules for: its spec says so and
-names it (fitter.gguf.model_spec). tests/memory/test_arch_goldens.py checks every row against the buffers llama.cpp
+names it (fitter.gguf.model_spec). tests/memory/plan/test_arch_goldens.py checks every row against the buffers llama.cpp
 logged for the tiny model of that architecture that llama.cpp's own tests/test-llama-archs.cpp builds.
 """
 

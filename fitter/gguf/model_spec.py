@@ -122,7 +122,7 @@ class ModelSpec:
     n_embd_s: int = 0
     skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
     # The draft model llama-server loads beside this one (`-md`, its header read at the edge: `with_draft`), whose
-    # buffers every estimate of a config with `-md` adds (fitter.memory.estimator)
+    # buffers every estimate of a config with `-md` adds (fitter.memory.plan.estimator)
     draft: ModelSpec | None = None
     # What every command prints about this model ("fitter: warning: …"), e.g. an architecture fitter has not matched
     warnings: tuple[str, ...] = field(default=(), compare=False)

@@ -23,8 +23,8 @@ from typing import Any
 
 from fitter.errors import FitterError
 from fitter.measure.types import OUTCOMES
-from fitter.memory.devices import CUDA, RPC, CpuProfile, Device
-from fitter.memory.overhead import Overhead
+from fitter.memory.backends.devices import CUDA, RPC, CpuProfile, Device
+from fitter.memory.backends.overhead import Overhead
 from fitter.noise import tied
 from fitter.paths import write_atomic
 

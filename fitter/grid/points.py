@@ -15,8 +15,8 @@ from typing import Any
 
 from fitter.flags import parse_launch_flags
 from fitter.measure.types import BenchSpec
-from fitter.memory.budgets import device_budgets
-from fitter.memory.fit_devices import expert_layers
+from fitter.memory.fit.budgets import device_budgets
+from fitter.memory.fit.fit_devices import expert_layers
 from fitter.search.plan import Screener
 from fitter.search.request import TuneRequest, _choices, candidate
 from fitter.search.screen import Budgets

@@ -28,7 +28,7 @@ from fitter.flags import pin
 from fitter.grid.landscape import DeviceRecord, Landscape, Point, best_within_noise, load_landscape, write_landscape
 from fitter.grid.points import space_points
 from fitter.machine.snapshot import MachineSnapshot
-from fitter.memory.budgets import check_target_count
+from fitter.memory.fit.budgets import check_target_count
 from fitter.paths import safe_name
 from fitter.results.measurement import measurement_json
 from fitter.search.plan import Screener

@@ -41,8 +41,8 @@ from fitter.measure.types import (
     TrialResult,
     WorkerError,
 )
-from fitter.memory.devices import CpuProfile, Device
-from fitter.memory.estimator import MemoryPlan
+from fitter.memory.backends.devices import CpuProfile, Device
+from fitter.memory.plan.estimator import MemoryPlan
 from fitter.units import MIB
 
 

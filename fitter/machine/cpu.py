@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fitter.memory.devices import CpuProfile, cpu_profile_for
+from fitter.memory.backends.devices import CpuProfile, cpu_profile_for
 
 # Two core classes differ when their max frequencies are at least this far apart (1 - low/high). Preferred-core
 # boosts on one die (AMD CPPC, Intel Turbo Boost Max 3.0) stay within ~5 %; P/E and big.LITTLE differ by 20-40 %.

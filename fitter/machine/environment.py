@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from fitter.memory.devices import OFFLOAD_MIN_BATCH_ENV, Device, with_offload_min_batch
+from fitter.memory.backends.devices import OFFLOAD_MIN_BATCH_ENV, Device, with_offload_min_batch
 
 
 def with_environment(devices: tuple[Device, ...]) -> tuple[Device, ...]:

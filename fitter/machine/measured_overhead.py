@@ -1,6 +1,6 @@
 """The overhead NVML measured on this machine's GPUs, kept between commands: per machine fingerprint, NVIDIA driver
 and GPU (`fitter_home()/overhead.json`), the largest seen. Read when a command builds this machine's devices, so
-the estimate, fit and tune budgets use what this machine showed instead of fitter.memory.overhead's default."""
+the estimate, fit and tune budgets use what this machine showed instead of fitter.memory.backends.overhead's default."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.machine.nvidia import GpuInfo
-from fitter.memory.overhead import Overhead, default_overhead, measured_overhead, sm_count
+from fitter.memory.backends.overhead import Overhead, default_overhead, measured_overhead, sm_count
 from fitter.paths import WriteError, fitter_home, write_atomic
 
 FILE = "overhead.json"

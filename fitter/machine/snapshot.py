@@ -26,7 +26,7 @@ from fitter.machine.gpu_order import (
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.machine.measured_overhead import overhead_for
 from fitter.machine.nvidia import GpuInfo, NvidiaInfo, detect_nvidia
-from fitter.memory.devices import (
+from fitter.memory.backends.devices import (
     CUDA,
     CpuProfile,
     Device,

@@ -12,8 +12,8 @@ from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.bench_table import bench_json
 from fitter.measure.runners import TrialRunner, with_rpc
 from fitter.measure.types import BenchSpec
-from fitter.memory.devices import CpuProfile, Device
-from fitter.memory.estimator import estimate
+from fitter.memory.backends.devices import CpuProfile, Device
+from fitter.memory.plan.estimator import estimate
 from fitter.workload import measure_problem
 
 

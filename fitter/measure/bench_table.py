@@ -11,7 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 from fitter.measure.types import Measurement
-from fitter.memory.estimator import MemoryPlan
+from fitter.memory.plan.estimator import MemoryPlan
 from fitter.units import MIB
 
 NOISY = 0.10  # stddev / avg above which a speed is flagged noisy
@@ -56,7 +56,7 @@ def bench_json(
         for name, d in devices.items()
     }
     out["peak_vram"] = peak_vram
-    for name, peak in peak_vram.items():  # what NVML saw beyond llama.cpp's buffers (fitter.memory.overhead)
+    for name, peak in peak_vram.items():  # what NVML saw beyond llama.cpp's buffers (fitter.memory.backends.overhead)
         if peak.get("source") == "nvml" and name in out["devices"]:
             out["devices"][name]["overhead"] = max(0, int(peak["bytes"]) - int(out["devices"][name]["total"]))
     return out

@@ -30,7 +30,7 @@ from fitter.flags import LaunchConfig, TensorOverride
 from fitter.flags.config import SPLIT_MODES
 from fitter.flags.consumers import consumer
 from fitter.measure.emulator.capdev import CUDA_RPC_ENV
-from fitter.memory.devices import OFFLOAD_MIN_BATCH_ENV, offload_min_batch
+from fitter.memory.backends.devices import OFFLOAD_MIN_BATCH_ENV, offload_min_batch
 
 # llama.h enum llama_load_mode / enum llama_flash_attn_type
 LOAD_MODE_AUTO = -1

@@ -24,8 +24,8 @@ from fitter.flags.consumers import server_flags
 from fitter.machine.llama_cpp import llama_cpp_python_build
 from fitter.measure.types import BenchSpec, Measurement, TrialResult, WorkerError
 from fitter.measure.worker import LlamaWorker
-from fitter.memory.devices import CpuProfile, Device
-from fitter.memory.estimator import MemoryPlan
+from fitter.memory.backends.devices import CpuProfile, Device
+from fitter.memory.plan.estimator import MemoryPlan
 
 # The CUDA-shaped emulated GPU's client rules are loaded into fitter's own llama.cpp client (fitter.measure.capi):
 # a llama-server or llama-bench binary would see a plain RPC device.

@@ -18,8 +18,8 @@ from typing import Any
 from fitter.flags import LaunchConfig
 from fitter.measure.runners import TrialRunner
 from fitter.measure.types import AtDepth, BenchSpec, Latency, Measurement, SpeedStats, TrialResult
-from fitter.memory.devices import CpuProfile, Device
-from fitter.memory.estimator import MemoryPlan
+from fitter.memory.backends.devices import CpuProfile, Device
+from fitter.memory.plan.estimator import MemoryPlan
 from fitter.workload import Workload, combined_rate
 
 

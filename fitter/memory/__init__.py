@@ -4,10 +4,10 @@ must fit, and `fit`, the placement that uses the most device memory within them.
 
 from __future__ import annotations
 
-from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, parse_fit_targets
-from fitter.memory.devices import CUDA, RPC, CpuProfile, Device, DeviceProfile, parse_devices, rpc_devices
-from fitter.memory.estimator import Buffer, DeviceTotals, MemoryPlan, estimate
-from fitter.memory.fit import FitResult, fit
+from fitter.memory.backends.devices import CUDA, RPC, CpuProfile, Device, DeviceProfile, parse_devices, rpc_devices
+from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, parse_fit_targets
+from fitter.memory.fit.fit import FitResult, fit
+from fitter.memory.plan.estimator import Buffer, DeviceTotals, MemoryPlan, estimate
 
 __all__ = ["CUDA", "DEFAULT_FIT_TARGET_MIB", "RPC", "Buffer", "CpuProfile", "Device", "DeviceProfile", "DeviceTotals",
            "FitResult", "MemoryPlan", "device_budgets", "estimate", "fit", "parse_devices", "parse_fit_targets",

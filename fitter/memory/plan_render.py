@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fitter.flags import ContextParams, pin
-from fitter.memory.estimator import MemoryPlan
-from fitter.memory.fit import FitResult
-from fitter.memory.fit_devices import expert_layers
+from fitter.memory.fit.fit import FitResult
+from fitter.memory.fit.fit_devices import expert_layers
+from fitter.memory.plan.estimator import MemoryPlan
 from fitter.units import MIB
 
 

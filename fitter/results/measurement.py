@@ -17,7 +17,7 @@ from typing import Any
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.measure.bench_table import bench_json
 from fitter.measure.types import TrialResult
-from fitter.memory.devices import rpc_devices
+from fitter.memory.backends.devices import rpc_devices
 
 
 def measurement_json(result: TrialResult, backend: str, plan: Any, emulated: bool) -> dict[str, Any]:

@@ -10,9 +10,9 @@ from typing import Any
 
 from fitter.errors import FitterError
 from fitter.flags import LaunchConfig
-from fitter.memory.estimator import MemoryPlan
-from fitter.memory.fit_devices import DeviceSearch
-from fitter.memory.projected import guessed_kinds
+from fitter.memory.fit.fit_devices import DeviceSearch
+from fitter.memory.plan.estimator import MemoryPlan
+from fitter.memory.plan.projected import guessed_kinds
 from fitter.search import split
 from fitter.search.request import (
     CTX_KEY,
@@ -84,7 +84,7 @@ class Screener:
                order: str = "last") -> dict[str, Any] | None:
         """On several devices: fitter fit's whole-layer layout (the split in proportion to the budgets and improved
         a layer at a time; `counts`: this split, kept), each device keeping the experts of as many of its layers as
-        fit (fitter.memory.fit_devices); `order`: which of a device's layers give theirs to the CPU (the search
+        fit (fitter.memory.fit.fit_devices); `order`: which of a device's layers give theirs to the CPU (the search
         counts them as its last; the first ones, when they do not fit, fall back to the last)."""
         context = {k: v for k, v in params.items() if not split.is_split_key(k)}
         memory = tuple(sorted((k, v) for k, v in context.items() if k not in THREAD_KEYS))  # threads: no memory

@@ -15,8 +15,8 @@ from fitter.flags import LaunchConfig, ProcessFlags, pin, validate
 from fitter.flags.parse import with_params
 from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.types import BenchSpec
-from fitter.memory.devices import CpuProfile, Device
-from fitter.memory.projected import Projects
+from fitter.memory.backends.devices import CpuProfile, Device
+from fitter.memory.plan.projected import Projects
 from fitter.search.screen import Budgets
 from fitter.search.space import is_valid_combination
 from fitter.search.split import ORDER, apply_split, is_split_key, last_experts_rule, read_split
@@ -62,8 +62,8 @@ class TuneRequest:
     rpc: tuple[str, ...] = ()
     space_source: str = ""  # where the search space came from (a file, or shipped:<name>)
     # the build's own projection of a config (device → {model, kv, compute} bytes), asked before each launch when
-    # fitter guesses a kind for the model (fitter.memory.projected) or the build is not the llama.cpp fitter's rules
-    # were matched against (the drift guard, fitter.tune.session)
+    # fitter guesses a kind for the model (fitter.memory.plan.projected) or the build is not the llama.cpp fitter's
+    # rules were matched against (the drift guard, fitter.tune.session)
     projector: Projects | None = field(default=None, compare=False)
 
     @property

@@ -13,9 +13,9 @@ from typing import Any
 
 from fitter.errors import FitterError
 from fitter.gguf.model_spec import ModelSpec, Role
-from fitter.memory.devices import CpuProfile, Device
-from fitter.memory.estimator import CPU, MemoryPlan, estimate
-from fitter.memory.projected import with_projection
+from fitter.memory.backends.devices import CpuProfile, Device
+from fitter.memory.plan.estimator import CPU, MemoryPlan, estimate
+from fitter.memory.plan.projected import with_projection
 from fitter.units import MIB
 
 
@@ -67,7 +67,7 @@ def device_totals(plan: MemoryPlan) -> dict[str, int]:
 def screen(spec: ModelSpec, config: Any, devices: tuple[Device, ...], cpu: CpuProfile, budgets: Budgets,
            projected: tuple[Mapping[str, Mapping[str, int]], str] | None = None) -> Screen:
     """The config's verdict; `projected` (llama.cpp's projection of it, and where from) replaces the memory fitter
-    only guesses for the model (fitter.memory.projected). A projection that lacks a device raises: no config can
+    only guesses for the model (fitter.memory.plan.projected). A projection that lacks a device raises: no config can
     be screened then."""
     try:
         plan = estimate(spec, config, devices, cpu)

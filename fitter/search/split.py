@@ -19,7 +19,7 @@ On one GPU ``expert-order`` is searched beside `n-cpu-moe N` when the space list
 (`last_experts_rule`), the order llama.cpp's `--fit` uses (common/fit.cpp moves experts from the last layers
 first); ik_llama.cpp #2262 measured it ~10 % faster prefill at equal VRAM.
 
-The fewest bytes from RAM are found the way `fitter fit` finds them (fitter.memory.fit_devices); the speed of each
+The fewest bytes from RAM are found the way `fitter fit` finds them (fitter.memory.fit.fit_devices); the speed of each
 GPU is measured: moving layers from a slow GPU to a fast one, or the model onto one GPU, are the neighbours.
 """
 
@@ -35,8 +35,8 @@ from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, TensorOverride
 from fitter.flags.overrides import FFN_EXPS_REGEX
 from fitter.gguf.model_spec import ModelSpec
-from fitter.memory.devices import Device
-from fitter.memory.fit_devices import expert_layers, expert_ranges
+from fitter.memory.backends.devices import Device
+from fitter.memory.fit.fit_devices import expert_layers, expert_ranges
 
 ORDER = "expert-order"
 MODE = "split-mode"

@@ -3,8 +3,8 @@ estimator's memory plan, for tuning without hardware (`--backend sim --machine N
 
 A machine profile (`fitter/sim/machines/*.toml`, or any TOML file of the same keys) holds physical parameters only;
 nothing in it refers to a flag or a configuration. Where each tensor lives, the KV cache, the context and the
-device totals all come from `fitter.memory.estimator.estimate`. The equations, for one ubatch of m tokens whose queries
-attend n_kv cells on average:
+device totals all come from `fitter.memory.plan.estimator.estimate`. The equations, for one ubatch of m tokens whose
+queries attend n_kv cells on average:
 
     ubatch(m)  = Σ_work max(flops / F_dev, bytes / B_dev)          roofline of each weight and each layer's attention
                + Σ_cpu-resident weights bytes_w / B_pcie            op offload only: m ≥ 32 and a GPU (ggml-cuda.cu
@@ -59,8 +59,8 @@ import itertools
 from fitter.flags import KV_CACHE_TYPES
 from fitter.gguf.model_spec import Role
 from fitter.measure.types import BenchSpec, OomInfo
-from fitter.memory.estimator import CPU, KINDS, Buffer, MemoryPlan, model_devices, row_bytes
-from fitter.memory.fit_devices import expert_layers
+from fitter.memory.fit.fit_devices import expert_layers
+from fitter.memory.plan.estimator import CPU, KINDS, Buffer, MemoryPlan, model_devices, row_bytes
 from fitter.sim.profile import Cpu, Machine
 from fitter.units import GIB, MIB
 

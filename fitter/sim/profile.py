@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fitter.errors import FitterError
-from fitter.memory.devices import CPU_AVX2, CPU_AVX512, CPU_NO_REPACK
+from fitter.memory.backends.devices import CPU_AVX2, CPU_AVX512, CPU_NO_REPACK
 
 MACHINES_DIR = Path(__file__).parent / "machines"
 CPU_PROFILES = {"avx2": CPU_AVX2, "avx512": CPU_AVX512, "none": CPU_NO_REPACK}

@@ -26,8 +26,8 @@ from fitter.measure.types import (
     TrialResult,
     WorkerError,
 )
-from fitter.memory.devices import CUDA, CpuProfile, Device
-from fitter.memory.estimator import CPU, Buffer, MemoryPlan, estimate
+from fitter.memory.backends.devices import CUDA, CpuProfile, Device
+from fitter.memory.plan.estimator import CPU, Buffer, MemoryPlan, estimate
 from fitter.sim.physics import context_bytes, decode_seconds, out_of_memory, prefill_seconds
 from fitter.sim.profile import CPU_PROFILES, Machine
 from fitter.units import GIB, MIB

@@ -15,8 +15,8 @@ from fitter.errors import LaunchConfigError
 from fitter.flags import ProcessFlags, parse_flags, pin, validate
 from fitter.flags.parse import flag_value, with_endpoint, with_endpoints
 from fitter.measure.llamacpp.fit_params import LlamaFit, LlamaFitError, baseline_config, run_llama_fit
-from fitter.memory.devices import Device, rpc_device_name
-from fitter.memory.estimator import estimate
+from fitter.memory.backends.devices import Device, rpc_device_name
+from fitter.memory.plan.estimator import estimate
 from fitter.search.request import Candidate, TuneRequest
 from fitter.storage.fleet import measured
 from fitter.storage.optuna_api import frozen

@@ -22,7 +22,7 @@ from optuna.trial import TrialState
 from fitter.flags import pin, resolve_context
 from fitter.measure.runners import TrialRunner
 from fitter.measure.types import Latency, samples_json
-from fitter.memory.estimator import MemoryPlan
+from fitter.memory.plan.estimator import MemoryPlan
 from fitter.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
 from fitter.results.measurement import measurement_json, round_avgs, vram_bytes
 from fitter.results.pareto import Entry, ParetoDoc, picks, ratios

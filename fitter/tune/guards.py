@@ -13,8 +13,8 @@ from fitter.flags import placement_flags
 from fitter.flags.parse import searched_flags
 from fitter.measure.llamacpp.builds import LlamaCppBuild
 from fitter.measure.llamacpp.projection import Projector, guess_projector
-from fitter.memory.fit import fit
-from fitter.memory.projected import guessed_kinds
+from fitter.memory.fit.fit import fit
+from fitter.memory.plan.projected import guessed_kinds
 from fitter.search import split
 from fitter.search.plan import Screener
 from fitter.search.request import TuneRequest, candidate, combos

@@ -37,8 +37,8 @@ from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.llamacpp.builds import LlamaCppBuild
 from fitter.measure.llamacpp.projection import guess_projector
 from fitter.measure.served import WorkloadRunner
-from fitter.memory.budgets import check_target_count
-from fitter.memory.projected import guess_warning, guessed_kinds
+from fitter.memory.fit.budgets import check_target_count
+from fitter.memory.plan.projected import guess_warning, guessed_kinds
 from fitter.results.pareto import RESULT_FILE, ParetoDoc, load_result, write_result
 from fitter.results.trials import write_trials_csv
 from fitter.search.dry_run import dry_run_text

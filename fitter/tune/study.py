@@ -37,7 +37,7 @@ from optuna.trial import FrozenTrial, TrialState
 from fitter.flags import resolve_context
 from fitter.measure.runners import TrialRunner
 from fitter.measure.types import TrialResult
-from fitter.memory.devices import Device
+from fitter.memory.backends.devices import Device
 from fitter.results.measurement import measurement_json, vram_bytes
 from fitter.search.plan import Screener, neighbours, structured_start
 from fitter.search.pooling import SamplePool

@@ -27,9 +27,9 @@ from fitter.machine.snapshot import MachineSnapshot, gpus_now
 from fitter.measure.emulator.emulated_gpu import emulated_device
 from fitter.measure.runners import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner, emulated_caps
 from fitter.measure.types import BenchSpec
-from fitter.memory.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
-from fitter.memory.devices import CpuProfile, Device, rpc_device_name, rpc_devices
-from fitter.memory.fit_devices import expert_layers
+from fitter.memory.backends.devices import CpuProfile, Device, rpc_device_name, rpc_devices
+from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
+from fitter.memory.fit.fit_devices import expert_layers
 from fitter.search import split
 from fitter.search.request import CTX_KEY, TuneRequest
 from fitter.search.screen import Budgets

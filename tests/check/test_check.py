@@ -30,7 +30,7 @@ from fitter.flags import LaunchConfig, ProcessFlags, parse_launch_flags, pin
 from fitter.gguf.model_spec import load_model_spec
 from fitter.machine.snapshot import take_snapshot
 from fitter.measure.types import BenchSpec, Measurement, OomInfo, SpeedStats, TrialResult
-from fitter.memory.devices import RPC, Device
+from fitter.memory.backends.devices import RPC, Device
 from tests.models import model_file, unknown_arch_model
 
 MIB = 1024 * 1024
@@ -416,8 +416,8 @@ def test_check_re_measures_a_recorded_emulated_run_on_llama_cpp(tmp_path: Path,
     """Record a confirm run on an emulated GPU as tune does, let that GPU go, check on a fresh one; then the same
     result with a smaller recorded cap no longer fits (predicted over budget and out of memory)."""
     from fitter.measure.runners import WorkerRunner
-    from fitter.memory.devices import CPU_AVX2
-    from fitter.memory.estimator import estimate
+    from fitter.memory.backends.devices import CPU_AVX2
+    from fitter.memory.plan.estimator import estimate
     from fitter.results.measurement import measurement_json
 
     folder = write_result(tmp_path)

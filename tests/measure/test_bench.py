@@ -13,7 +13,7 @@ from fitter.measure.bench_table import bench_json
 from fitter.measure.logs import classify_exit
 from fitter.measure.server import server_argv
 from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, SpeedStats
-from fitter.memory.estimator import estimate
+from fitter.memory.plan.estimator import estimate
 from tests.models import model_file
 
 MIB = 1024 * 1024

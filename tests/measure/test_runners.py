@@ -13,7 +13,7 @@ from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.runners import ServerRunner, WorkerRunner
 from fitter.measure.types import BenchSpec
-from fitter.memory.estimator import estimate
+from fitter.memory.plan.estimator import estimate
 from fitter.search.screen import device_totals
 from tests.ports import OCCUPANTS, first_pick_taken
 

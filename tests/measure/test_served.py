@@ -14,7 +14,7 @@ from fitter.flags import LaunchConfig, parse_launch_flags
 from fitter.flags.pin import pin
 from fitter.measure.served import WorkloadRunner
 from fitter.measure.types import BenchSpec, Latency, Measurement, SpeedStats, TrialResult
-from fitter.memory.devices import CpuProfile, Device
+from fitter.memory.backends.devices import CpuProfile, Device
 from fitter.workload import Workload
 
 CONFIG = parse_launch_flags(["-c", "16384"])

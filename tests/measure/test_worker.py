@@ -15,8 +15,8 @@ from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.logs import parse_oom, sum_by
 from fitter.measure.types import BenchSpec, Measurement
 from fitter.measure.worker import LlamaWorker, measure
-from fitter.memory.devices import rpc_devices
-from fitter.memory.estimator import estimate
+from fitter.memory.backends.devices import rpc_devices
+from fitter.memory.plan.estimator import estimate
 from tests.models import model_file
 
 pytestmark = pytest.mark.llama

@@ -28,8 +28,8 @@ from fitter.flags import LaunchConfig, ProcessFlags, parse_launch_flags, pin
 from fitter.gguf.model_spec import load_model_spec
 from fitter.machine.snapshot import take_snapshot
 from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, SpeedStats, TrialResult
-from fitter.memory.devices import RPC, Device, rpc_devices
-from fitter.memory.estimator import estimate
+from fitter.memory.backends.devices import RPC, Device, rpc_devices
+from fitter.memory.plan.estimator import estimate
 from fitter.report.load import _read_pareto
 from fitter.report.tables import pareto_frame, pareto_text
 from fitter.results.measurement import measurement_json

@@ -12,7 +12,7 @@ from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig
 from fitter.gguf.model_spec import ModelSpec, Role, load_model_spec
 from fitter.grid.points import sim_request
-from fitter.memory.estimator import CPU, estimate
+from fitter.memory.plan.estimator import CPU, estimate
 from fitter.search import split
 from fitter.search.plan import Screener, neighbours
 from fitter.search.request import TuneRequest, candidate, combos
@@ -188,7 +188,7 @@ def test_last_keeps_as_many_expert_layers_on_the_cpu_as_ncmoe_the_last_ones_as_o
 
 def test_the_rule_tune_writes_for_last_is_the_one_the_golden_matrix_measured() -> None:
     # tests/golden/rpc.json and cuda-emulated.json: <model>/ngl-all-ot-experts-last2, estimated exactly
-    # (tests/memory/test_golden.py)
+    # (tests/memory/plan/test_golden.py)
     demo = load_model_spec(str(model_file("demo")))  # 8 layers, experts in each
     req = replace(one_gpu(), spec=demo, base=LaunchConfig(), distributions={"n-cpu-moe": IntDistribution(0, 8)})
     cand = candidate(req, {"n-cpu-moe": 2, "expert-order": "last"})

@@ -14,7 +14,7 @@ from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.measure.runners import TrialRunner
 from fitter.measure.types import BenchSpec, TrialResult, WorkerError
-from fitter.memory.devices import CPU_AVX2, CUDA, Device
+from fitter.memory.backends.devices import CPU_AVX2, CUDA, Device
 from fitter.sim import MACHINES_DIR, Machine, SimRunner, load_machine, machines_table, shipped_machines, speeds
 from fitter.sim.physics import thread_capacity, ubatch_stages
 from fitter.units import GIB, MIB

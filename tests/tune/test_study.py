@@ -17,8 +17,8 @@ from optuna.trial import TrialState
 from fitter.flags import LaunchConfig, parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.types import BenchSpec, Measurement, OomInfo, SpeedStats, TrialResult
-from fitter.memory.devices import CPU_AVX2, RPC, Device
-from fitter.memory.estimator import estimate
+from fitter.memory.backends.devices import CPU_AVX2, RPC, Device
+from fitter.memory.plan.estimator import estimate
 from fitter.results.measurement import MeasurementRecord
 from fitter.results.pareto import Entry, picks
 from fitter.search.request import OBJECTIVES, TuneRequest, _choices, candidate

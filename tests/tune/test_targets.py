@@ -9,8 +9,8 @@ import pytest
 from fitter.flags import ProcessFlags, parse_launch_flags
 from fitter.machine.nvidia import GpuInfo
 from fitter.machine.snapshot import take_snapshot
-from fitter.memory.devices import CUDA, RPC, Device
-from fitter.memory.overhead import default_overhead
+from fitter.memory.backends.devices import CUDA, RPC, Device
+from fitter.memory.backends.overhead import default_overhead
 from fitter.tune.targets import local_target
 
 GIB = 1024**3

@@ -52,7 +52,7 @@ from fitter.measure.emulator.capdev import (
     server_env,
     shim_library,
 )
-from fitter.memory.devices import CUDA, RPC, Device, rpc_device_name
+from fitter.memory.backends.devices import CUDA, RPC, Device, rpc_device_name
 from fitter.units import MIB
 
 __all__ = ["EmulatedGpu", "EmulatedGpuError", "EmulatedGpuStats", "EmulatedGpus", "emulated_gpu_problem"]

@@ -18,7 +18,7 @@ from typing import Any
 
 from fitter.errors import FitterError
 from fitter.machine.snapshot import MachineSnapshot
-from fitter.memory.devices import CUDA, RPC, Device, DeviceProfile
+from fitter.memory.backends.devices import CUDA, RPC, Device, DeviceProfile
 from fitter.units import MIB
 
 BINARIES = ("llama-server", "llama-fit-params", "llama-bench")

@@ -32,9 +32,9 @@ from fitter.errors import FitterError
 from fitter.flags import LaunchConfig, parse_launch_flags, pin, split_process_flags
 from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.llamacpp.fit_params import find_llama_fit_params, fit_env, fit_flags
-from fitter.memory.devices import CpuProfile, Device, rpc_device_name
-from fitter.memory.estimator import CPU, MemoryPlan, alloc_size, estimate
-from fitter.memory.projected import guessed_kinds, with_projection
+from fitter.memory.backends.devices import CpuProfile, Device, rpc_device_name
+from fitter.memory.plan.estimator import CPU, MemoryPlan, alloc_size, estimate
+from fitter.memory.plan.projected import guessed_kinds, with_projection
 from fitter.paths import fitter_home, write_atomic
 from fitter.units import MIB
 
@@ -49,7 +49,8 @@ class Projection:
 
 def parse_fit_print(stdout: str, rpc: Sequence[str] = ()) -> dict[str, dict[str, int]]:
     """`common_fit_print`'s lines; the host is `CPU`. The tool prints an RPC device by its ggml name, RPC<i> for
-    the i-th server of --rpc; fitter names it as its buffers are named (fitter.memory.devices.rpc_device_name)."""
+    the i-th server of --rpc; fitter names it as its buffers are named
+    (fitter.memory.backends.devices.rpc_device_name)."""
     out: dict[str, dict[str, int]] = {}
     for line in stdout.splitlines():
         m = re.fullmatch(r"\s*(\S+) (\d+) (\d+) (\d+)\s*", line)

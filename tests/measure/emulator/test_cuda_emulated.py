@@ -16,8 +16,8 @@ from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.emulator.capdev import CUDA_RPC_ENV, server_env
 from fitter.measure.emulator.emulated_gpu import EmulatedGpu
-from fitter.memory.devices import CUDA, rpc_devices
-from fitter.memory.estimator import estimate
+from fitter.memory.backends.devices import CUDA, rpc_devices
+from fitter.memory.plan.estimator import estimate
 from fitter.units import MIB
 
 

@@ -10,7 +10,7 @@ import pytest
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.measure.emulator.emulated_gpu import EmulatedGpus
-from fitter.memory.estimator import MemoryPlan, estimate, first_failure
+from fitter.memory.plan.estimator import MemoryPlan, estimate, first_failure
 from tests.models import model_file
 
 pytestmark = pytest.mark.llama

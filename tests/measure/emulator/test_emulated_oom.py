@@ -8,8 +8,8 @@ import pytest
 
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
-from fitter.memory.devices import RPC, Device
-from fitter.memory.estimator import estimate, first_failure
+from fitter.memory.backends.devices import RPC, Device
+from fitter.memory.plan.estimator import estimate, first_failure
 from tests.models import model_file
 
 MIB = 1024 * 1024

@@ -13,7 +13,7 @@ import pytest
 from fitter.cli import main
 from fitter.errors import FitterError
 from fitter.measure.llamacpp.builds import build_devices, find_build, list_devices, parse_list_devices
-from fitter.memory.devices import CUDA, RPC
+from fitter.memory.backends.devices import CUDA, RPC
 from fitter.units import MIB
 from tests.conftest import BUILT_TOOLS
 
@@ -109,7 +109,7 @@ def test_tune_through_a_users_build_end_to_end(llama_tools: dict[str, Path], tmp
     from fitter.gguf.demo_models import demo_model_path
     from fitter.gguf.model_spec import load_model_spec
     from fitter.measure.llamacpp.projection import tool_estimate
-    from fitter.memory.devices import CPU_AVX2, rpc_devices
+    from fitter.memory.backends.devices import CPU_AVX2, rpc_devices
 
     spec = load_model_spec(str(demo_model_path()))
     storage = f"sqlite:///{folder / 'study.db'}"

@@ -22,13 +22,13 @@ from fitter.measure.llamacpp.projection import (
     projector_for,
     tool_estimate,
 )
-from fitter.memory.devices import CPU_AVX2, rpc_devices
-from fitter.memory.estimator import estimate
-from fitter.memory.graphs import GRAPH_ARCHS
-from fitter.memory.projected import guess_warning, guessed_kinds
+from fitter.memory.backends.devices import CPU_AVX2, rpc_devices
+from fitter.memory.graph.graphs import GRAPH_ARCHS
+from fitter.memory.plan.estimator import estimate
+from fitter.memory.plan.projected import guess_warning, guessed_kinds
 from fitter.units import MIB
 from tests.conftest import BUILT_TOOLS
-from tests.memory.test_arch_goldens import GOLDEN, models  # noqa: F401 (the fixture)
+from tests.memory.plan.test_arch_goldens import GOLDEN, models  # noqa: F401 (the fixture)
 from tests.models import model_file, unknown_arch_model
 
 

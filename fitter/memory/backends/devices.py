@@ -1,0 +1,135 @@
+"""Devices an estimate reasons about: their buffer rules (pure data), and the targets `--devices` names.
+
+Buffer rules mirror ggml's backends: CUDA buffers align to 128 bytes and pad the last row of quantized matrices to
+512 elements (ggml/src/ggml-cuda/ggml-cuda.cu `ggml_backend_cuda_buffer_type_get_alloc_size`, MATRIX_ROW_PADDING
+in common.cuh) and own a pinned host buffer type `CUDA_Host`; an RPC device forwards to the remote CPU backend
+(32-byte alignment, TENSOR_ALIGNMENT in ggml-impl.h) and has no host buffer type (ggml/src/ggml-rpc/ggml-rpc.cpp).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from fitter.errors import LaunchConfigError
+from fitter.memory.backends.overhead import Overhead, default_overhead
+from fitter.units import MIB
+
+CPU_ALIGNMENT = 32  # TENSOR_ALIGNMENT, ggml/src/ggml-impl.h
+OFFLOAD_MIN_BATCH_ENV = "GGML_OP_OFFLOAD_MIN_BATCH"  # ggml-cuda.cu: read once when the CUDA backend registers
+OFFLOAD_MIN_BATCH = 32  # its value when unset
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    kind: str  # "cuda" | "rpc"
+    alignment: int
+    row_padding: int  # elements the last row of a quantized matrix is padded to; 0 = none
+    host_buft: str | None  # pinned host buffer type offered to the CPU buffer list
+    op_offload: bool  # does the scheduler copy CPU weights over for large batches (ggml-backend.cpp)
+    validated: str  # how this profile was checked against llama.cpp
+    cuda_rules: bool = False  # CUDA's allocation sizes and flash-attention support (fitter.memory.graph.cuda_ops)
+    # the batch from which op offload takes an op with a host weight: ggml-cuda.cu reads GGML_OP_OFFLOAD_MIN_BATCH
+    # once, default 32 (fitter.machine.environment.with_environment applies the environment at a command's edge)
+    offload_min_batch: int = OFFLOAD_MIN_BATCH
+
+
+CUDA = DeviceProfile("cuda", 128, 512, "CUDA_Host", True,
+                     "validated against fitter's CUDA-shaped emulated GPU (tests/golden/cuda-emulated.json), not yet "
+                     "against a CUDA build", cuda_rules=True)
+RPC = DeviceProfile("rpc", CPU_ALIGNMENT, 0, None, False, "validated against llama.cpp's RPC backend")
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # as llama.cpp names its buffer type: "CUDA0", "RPC0[127.0.0.1:50052]"
+    profile: DeviceProfile
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    overhead: Overhead | None = None  # memory it uses outside llama.cpp's buffers (fitter.memory.backends.overhead)
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    """What decides CPU_REPACK (ggml/src/ggml-cpu/repack.cpp `ggml_repack_get_optimal_repack_type`)."""
+
+    # Which weight types the CPU backend repacks, with the row multiple (ne[1] % n == 0) each requires.
+    repack_types: tuple[tuple[str, int], ...]
+    description: str
+
+
+# x86-64 with AVX2 and without AVX-512 (llama-cpp-python built with GGML_NATIVE=OFF compiles AVX2 in).
+CPU_AVX2 = CpuProfile((("Q4_0", 8), ("Q4_K", 8), ("IQ4_NL", 8), ("MXFP4", 8)), "x86-64 AVX2")
+CPU_AVX512 = CpuProfile((*CPU_AVX2.repack_types, ("Q2_K", 8)), "x86-64 AVX-512")
+CPU_NO_REPACK = CpuProfile((), "no repacking kernels")
+
+
+def parse_devices(spec: str) -> tuple[Device, ...]:
+    """`--devices none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]` (CONTRACTS.md). A hypothetical CUDA GPU has all
+    its memory free and the default overhead of a GPU of unknown class."""
+    spec = spec.strip()
+    if spec == "none":
+        return ()
+    kind, sep, rest = spec.partition(":")
+    if kind == "cuda" and sep:
+        devices = []
+        for i, mib in enumerate(rest.split(",")):
+            if not re.fullmatch(r"\d+", mib) or int(mib) <= 0:
+                raise LaunchConfigError(f"--devices {spec!r}: {mib!r} is not a positive number of MiB")
+            size = int(mib) * MIB
+            devices.append(Device(f"CUDA{i}", CUDA, size, size, default_overhead()))
+        return tuple(devices)
+    if kind == "rpc" and sep:
+        return rpc_devices(rest.split(","), flag="--devices")
+    raise LaunchConfigError(f"--devices {spec!r}: expected none, cuda:MiB[,MiB...] or rpc:HOST:PORT[,...]")
+
+
+def rpc_device_name(endpoint: str) -> str:
+    """The device of the RPC server at `endpoint`, as ggml-rpc.cpp names a server's devices `RPC<index on that
+    server>[HOST:PORT]`: each server fitter meets serves one, so `RPC0[…]` whatever its place in `--rpc`."""
+    return f"RPC0[{endpoint}]"
+
+
+def emulated_gpu_names(endpoints: Sequence[str]) -> dict[str, str]:
+    """Emulated GPUs (their RPC device names, in `--rpc` order) → the CUDA<i> devices they stand for."""
+    return {rpc_device_name(e): f"CUDA{i}" for i, e in enumerate(endpoints)}
+
+
+def rpc_devices(endpoints: list[str], flag: str = "--rpc") -> tuple[Device, ...]:
+    """One device per RPC server, named as ggml-rpc.cpp names a server's devices, `RPC<index on that
+    server>[HOST:PORT]`: each server's (only) device is `RPC0[…]` whatever its place in the list."""
+    devices = []
+    for endpoint in endpoints:
+        if not re.fullmatch(r"[\w.\-\[\]:]+:\d+", endpoint):
+            raise LaunchConfigError(f"{flag} {endpoint!r}: expected HOST:PORT")
+        devices.append(Device(rpc_device_name(endpoint), RPC))
+    if len({d.name for d in devices}) < len(devices):
+        raise LaunchConfigError(f"{flag} {','.join(endpoints)}: an RPC server is named twice")
+    return tuple(devices)
+
+
+def c_atoi(text: str) -> int:
+    """C's atoi: optional blanks and sign, then digits; anything else (or nothing) is 0."""
+    m = re.match(r"\s*([+-]?\d+)", text)
+    return int(m.group(1)) if m else 0
+
+
+def offload_min_batch(value: str | None) -> int:
+    """GGML_OP_OFFLOAD_MIN_BATCH as ggml-cuda.cu reads it: `getenv(...) ? atoi(getenv(...)) : 32`."""
+    return OFFLOAD_MIN_BATCH if value is None else c_atoi(value)
+
+
+def with_offload_min_batch(devices: tuple[Device, ...], value: str | None) -> tuple[Device, ...]:
+    """The CUDA devices with GGML_OP_OFFLOAD_MIN_BATCH (`value`, the environment's) applied."""
+    if value is None:
+        return devices
+    n = offload_min_batch(value)
+    return tuple(replace(d, profile=replace(d.profile, offload_min_batch=n)) if d.profile.op_offload else d
+                 for d in devices)
+
+
+def cpu_profile_for(isa_flags: frozenset[str] | set[str]) -> CpuProfile:
+    """The repack rules of a CPU with these ISA flags (/proc/cpuinfo spellings). The pinned wheel is built with
+    GGML_NATIVE=OFF: AVX2 kernels are compiled in, AVX-512 ones are not."""
+    return CPU_AVX2 if "avx2" in isa_flags else CPU_NO_REPACK
