@@ -34,7 +34,9 @@ Deterministic: the same llama.cpp build gives the same file (cases sorted by id,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import sys
 import tempfile
 import time
@@ -148,6 +150,7 @@ MULTI_FLAGS: dict[str, list[str]] = {
     "ngl-all-sm-none-mg1": [*ALL, "-sm", "none", "-mg", "1"],
 }
 MULTI_CAPS_MIB = {"rpc2": (3000, 1500), "rpc3": (3000, 2000, 1000)}  # the split follows free memory: unequal caps
+VULKAN_CAP_MIB = 2048  # lavapipe's heap: no case reaches it
 
 # Real shapes on the emulated GPU: dense weights on the device (their holes are read and sent), experts mapped.
 REAL_RPC_FLAGS: dict[str, dict[str, list[str]]] = {
@@ -170,6 +173,23 @@ CUDA_FLAGS: dict[str, list[str]] = {
     "ngl-all-fa-auto": [*ALL, "-fa", "auto"],
     "ngl-0": [*C4K, "-ngl", "0"],  # nothing offloaded, yet CUDA takes the prompt's big ops: a device compute buffer
     "ngl-0-no-op-offload": [*C4K, "-ngl", "0", "--no-op-offload"],
+}
+# Vulkan's own rules on Mesa's lavapipe (the emulated Vulkan GPU): its buffer range (128 MiB) keeps a tensor past it
+# off the device (a 201k-vocabulary output weight, gpt-oss-20b's expert tensors, a long context's KQ scores without
+# flash attention) and aborts the load for a KV cache past it; Vulkan_Host for the host's buffers.
+VULKAN_REAL_FLAGS: dict[str, dict[str, list[str]]] = {
+    "gpt-oss-20b": {"ngl-all-cmoe-nr-c8192": ["-c", "8192", "-ngl", "all", "-cmoe", "-nr"],
+                    "ngl-all-cmoe-nr-c8192-ub2048": ["-c", "8192", "-ngl", "all", "-cmoe", "-nr", "-ub", "2048"],
+                    "ngl-all-nr-c8192": ["-c", "8192", "-ngl", "all", "-nr"],
+                    "ngl-all-cmoe-nr-c8192-fa-off": ["-c", "8192", "-ngl", "all", "-cmoe", "-nr", "-fa", "off"]},
+    # lavapipe's 2 GiB: two layers' experts on the device, at 4096 cells
+    "qwen3-30b-a3b": {"ngl-all-ncmoe46-nr-c4096": ["-c", "4096", "-ngl", "all", "-ncmoe", "46", "-nr"],
+                      "ngl-all-ncmoe46-nr-c4096-kv-q8_0-fa-on": ["-c", "4096", "-ngl", "all", "-ncmoe", "46", "-nr",
+                                                                 "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]},
+    # 2 KiB of K per cell and layer: at 98304 cells each layer's K is 192 MiB, past lavapipe's range
+    "mixtral-8x7b": {"ngl-8-nr-c4096": ["-c", "4096", "-ngl", "8", "-nr"],
+                     "ngl-2-nr-c98304": ["-c", "98304", "-ngl", "2", "-nr"],
+                     "ngl-2-nr-c98304-nkvo": ["-c", "98304", "-ngl", "2", "-nr", "-nkvo"]},
 }
 CUDA_REAL_FLAGS: dict[str, dict[str, list[str]]] = {
     "gpt-oss-20b": {"ngl-all-cmoe-nr-c8192-ub2048": ["-c", "8192", "-ngl", "all", "-cmoe", "-nr", "-ub", "2048"]},
@@ -203,12 +223,17 @@ def last_experts_flags(model: str) -> list[str]:
     return [*ALL, "-ot", rf"blk\.({n - 2}|{n - 1})\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"]
 
 
-def build_rpc_cases(c_api: bool = False, cuda: bool = False) -> list[Case]:
-    flag_sets = {**RPC_FLAGS, **(CUDA_FLAGS if cuda else {})}
+def build_rpc_cases(c_api: bool = False, cuda: bool = False, vulkan: bool = False) -> list[Case]:
+    """The emulated GPU's cases; `cuda`: with CUDA's own (op offload, scratch, the host type), which Vulkan shares
+    (`vulkan`: with its own, its buffer range)."""
+    flag_sets = {**RPC_FLAGS, **(CUDA_FLAGS if cuda or vulkan else {})}
     cases = [Case(f"{m}/{name}", m, flags) for m in SMALL_MODELS for name, flags in flag_sets.items()]
     cases += [Case(f"{m}/ngl-all-ot-experts-last2", m, last_experts_flags(m)) for m in SMALL_MODELS]
-    real = {m: {**sets, **(C_API_REAL_RPC_FLAGS.get(m, {}) if c_api else {}),
-                **(CUDA_REAL_FLAGS.get(m, {}) if cuda else {})} for m, sets in REAL_RPC_FLAGS.items()}
+    if vulkan:  # lavapipe holds 2 GiB: the real shapes' cases of its own
+        real = VULKAN_REAL_FLAGS
+    else:
+        real = {m: {**sets, **(C_API_REAL_RPC_FLAGS.get(m, {}) if c_api else {}),
+                    **(CUDA_REAL_FLAGS.get(m, {}) if cuda else {})} for m, sets in REAL_RPC_FLAGS.items()}
     cases += [Case(f"{m}/{name}", m, flags) for m, sets in real.items() for name, flags in sets.items()]
     return sorted(cases, key=lambda c: c.id)
 
@@ -268,6 +293,8 @@ def run_case(
     else:
         res = load_and_capture(model_path, config)
     error = None if res.ok else (res.error or "unknown error").replace(str(folder), "<models>")
+    if error:  # an abort names the source file where the build was made: only its place in llama.cpp is kept
+        error = re.sub(r"\S*/vendor/llama\.cpp/", "", error)
     buffers = [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers]
     if endpoint is not None:
         for b in buffers:
@@ -301,7 +328,8 @@ def multi_flag(flag: str, endpoints: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cpu", "rpc", "cuda-emulated", "cuda", *MULTI_CAPS_MIB), default="cpu")
+    ap.add_argument("--device", choices=("cpu", "rpc", "cuda-emulated", "cuda", "vulkan-emulated", *MULTI_CAPS_MIB),
+                    default="cpu")
     ap.add_argument("--for", dest="consumer", choices=CONSUMER_NAMES, default=DEFAULT_CONSUMER,
                     help="the program whose defaults and memory rules the loads follow (default llama-server)")
     ap.add_argument("--out", type=Path, default=None,
@@ -318,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device in MULTI_CAPS_MIB:
         cases = build_multi_cases()
     else:
-        cases = build_cases(c_api) if args.device == "cpu" else build_rpc_cases(c_api, args.device.startswith("cuda"))
+        cases = build_cases(c_api) if args.device == "cpu" else build_rpc_cases(
+            c_api, args.device.startswith("cuda"), args.device == "vulkan-emulated")
     only = set(args.models.split(",")) if args.models else None
     if only is not None:
         unknown = only - set(SMALL_MODELS) - set(REAL_MODELS)
@@ -339,6 +368,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         device_name = "CUDA0"
         args.jobs = 1
+    vulkan = None
+    if args.device == "vulkan-emulated":
+        from fitter.measure.emulator.emulated_vulkan import EmulatedVulkanGpus
+
+        # lavapipe's whole heap: only sizes are recorded (and the loads run on the Vulkan build's libraries)
+        vulkan = EmulatedVulkanGpus((VULKAN_CAP_MIB,)).start()
+        device_name = "Vulkan0"
+        info = llama_cpp_info()  # the Vulkan build's own system info
     if args.device in ("rpc", "cuda-emulated"):
         from fitter.measure.emulator.emulated_gpu import EmulatedGpu
 
@@ -394,6 +431,14 @@ def main(argv: list[str] | None = None) -> int:
         caps = MULTI_CAPS_MIB[args.device]
         golden["device"] = {"kind": "rpc-multi", "endpoints": canonical_endpoints(len(caps)), "caps_mib": list(caps),
                             "emulated": True}
+    if vulkan is not None:
+        from fitter.machine.vulkan import vulkan_devices
+
+        lavapipe = next((d for d in vulkan_devices() or () if d.device_type == "cpu"), None)
+        golden["device"] = {"kind": "vulkan-emulated", "name": "Vulkan0", "cap_mib": VULKAN_CAP_MIB, "emulated": True,
+                            "driver": lavapipe.name if lavapipe else None,
+                            "limits": dataclasses.asdict(lavapipe.limits()) if lavapipe else None}
+        vulkan.stop()
     if args.device == "cuda":
         from fitter.machine.nvidia import detect_nvidia
 

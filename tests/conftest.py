@@ -6,7 +6,9 @@
   session started with ($FITTER_HOME, else ~/.cache/fitter), before that home is replaced: the `llama_tools` fixture.
 - Markers (pyproject.toml): `llama` skips where llama-cpp-python is not installed; `gpu` where NVML sees no NVIDIA
   GPU; `tools(NAME…)` where those tools are not built, unless FITTER_REQUIRE_TOOLS=1 (.ci/run sets it, so a
-  missing build step fails there instead of skipping); `slow` marks the long matrices the default test command
+  missing build step fails there instead of skipping); `vulkan` where fitter's Vulkan build of llama.cpp
+  (`.ci/setup --vulkan`) or Mesa's lavapipe is missing, under the same rule; `slow` marks the long matrices the
+  default test command
   deselects (.ci/run runs them as its second command).
 - Property tests (hypothesis) run under the `fitter` profile: the same examples on every run (`derandomize`), no
   example database or cache left in the clone, a deadline per example; each test sets its own `max_examples`.
@@ -32,6 +34,7 @@ pytest_plugins = ["pytester"]  # tests/test_markers.py runs the markers on a pyt
 # pytest-xdist worker inherits the environment its controller set, so it reads the home the controller started with).
 STARTING_HOME = Path(os.environ.setdefault("FITTER_TEST_STARTING_HOME", str(fitter_home())))
 BUILT_TOOLS = STARTING_HOME / "tools" / tools_dir().name  # the recipe names the folder, the home holds it
+BUILT_VULKAN = STARTING_HOME / "tools" / tools_dir("vulkan").name  # fitter's Vulkan build (.ci/setup --vulkan)
 SESSION_HOME = Path(tempfile.mkdtemp(prefix="fitter-test-session-home-"))
 os.environ["FITTER_HOME"] = str(SESSION_HOME)  # before any test module is imported or any fixture runs
 
@@ -63,7 +66,18 @@ def marker_skips(item: pytest.Item, llama_problem: str | None, gpu_problem: str 
         missing = [name for name in marker.args or TOOLS if not (tools / name).is_file()]
         if missing and not require_tools:
             return f"llama.cpp's {', '.join(missing)} not built in {tools} (python -m fitter.measure.llamacpp.tools)"
+    if item.get_closest_marker("vulkan") is not None and not require_tools:
+        return vulkan_problem()
     return None
+
+
+def vulkan_problem() -> str | None:
+    """Why the emulated Vulkan GPU's tests cannot run here (fitter's Vulkan build or lavapipe missing), or None."""
+    from fitter.measure.emulator.emulated_vulkan import emulated_vulkan_problem
+
+    if not (BUILT_VULKAN / "llama-server").is_file():
+        return f"fitter's Vulkan build of llama.cpp is not in {BUILT_VULKAN} (bash .ci/setup --vulkan)"
+    return emulated_vulkan_problem(BUILT_VULKAN / "llama-server")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -86,6 +100,16 @@ def llama_tools(request: pytest.FixtureRequest) -> dict[str, Path]:
         pytest.fail(f"llama.cpp's {', '.join(missing)} not built in {BUILT_TOOLS}: the set-up must build them "
                     "(python -m fitter.measure.llamacpp.tools)")
     return {name: BUILT_TOOLS / name for name in TOOLS}
+
+
+@pytest.fixture
+def vulkan_build(request: pytest.FixtureRequest) -> Path:
+    """fitter's Vulkan build's folder; a `vulkan` test fails where it is missing (it was not skipped:
+    FITTER_REQUIRE_TOOLS=1)."""
+    why = vulkan_problem()
+    if why is not None:
+        pytest.fail(f"the emulated Vulkan GPU cannot run: {why}; the set-up must provide it (bash .ci/setup --vulkan)")
+    return BUILT_VULKAN
 
 
 @pytest.fixture(autouse=True)

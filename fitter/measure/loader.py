@@ -27,6 +27,7 @@ from typing import Any
 
 from fitter import process
 from fitter.flags import LaunchConfig
+from fitter.machine.llama_cpp import lib_dir_of
 from fitter.measure.capi import (
     Ggml,
     LogSink,
@@ -147,7 +148,7 @@ def _child_load(request: dict[str, Any], log_path: Path) -> dict[str, Any]:
     model = ctx = None
     t0 = time.perf_counter()
     try:
-        ggml = Ggml(Path(llama_cpp.__file__).parent / "lib")
+        ggml = Ggml(lib_dir_of(Path(llama_cpp.__file__).parent))
         if config.rpc:
             ggml.add_rpc_servers(config.rpc)
         keep_alive: list[Any] = []

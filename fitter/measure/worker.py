@@ -48,6 +48,7 @@ from typing import IO, Any
 from fitter import process
 from fitter.flags import LaunchConfig, pin
 from fitter.flags.vocabulary import MODEL_LEVEL
+from fitter.machine.llama_cpp import lib_dir_of
 from fitter.machine.rss import peak_rss, reset_peak_rss
 from fitter.measure.capi import (
     Ggml,
@@ -327,7 +328,7 @@ class _ChildState:
         llama_cpp.llama_backend_init()
         self.sink = LogSink(log_path)
         llama_cpp.llama_log_set(self.sink.callback, ctypes.c_void_p(0))
-        self.ggml = Ggml(Path(llama_cpp.__file__).parent / "lib")
+        self.ggml = Ggml(lib_dir_of(Path(llama_cpp.__file__).parent))
         self.rpc: tuple[str, ...] | None = None
         self.model: Any = None
         self.model_key: tuple[Any, ...] | None = None

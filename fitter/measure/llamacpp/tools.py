@@ -65,17 +65,54 @@ CMAKE_ARGS = [
 
 SUBMODULE_HEAD = ".git/modules/vendor/llama.cpp/HEAD"  # in the sdist: the vendored llama.cpp's commit
 
+# The builds fitter makes of the pinned source: the CPU one (with RPC: the emulated GPU) that everything uses, and a
+# Vulkan one (`--vulkan`: fitter's emulated Vulkan GPU runs it on Mesa's software driver, lavapipe). The Vulkan one
+# also needs glslc and the Vulkan headers (Debian: glslc, libvulkan-dev), and compiles against Debian 12's 1.3.239
+# headers through fitter's compatibility header (compat/vulkan/vulkan.hpp), put first on the include path; the web UI
+# is not fetched (LLAMA_USE_PREBUILT_UI).
+VARIANTS: dict[str, list[str]] = {"cpu": [], "vulkan": ["-DGGML_VULKAN=ON", "-DLLAMA_USE_PREBUILT_UI=OFF"]}
+COMPAT = Path(__file__).resolve().parent / "compat"  # the Vulkan build's compatibility headers
+VULKAN_PACKAGES = "mesa-vulkan-drivers libvulkan-dev glslc glslang-tools spirv-headers"  # Debian's, for --vulkan
 
-def recipe() -> dict[str, Any]:
-    """What decides the binaries: the source, its commit, the cmake arguments."""
-    return {"llama_cpp_python": LLAMA_CPP_PYTHON, "llama_cpp_commit": LLAMA_CPP_COMMIT,
-            "cmake_args": [*CMAKE_ARGS, *commit_args(LLAMA_CPP_COMMIT)]}
+
+def _compat_digest() -> str:
+    files = sorted(p for p in COMPAT.rglob("*") if p.is_file())
+    return hashlib.sha256(b"".join(p.relative_to(COMPAT).as_posix().encode() + p.read_bytes() for p in files)
+                          ).hexdigest()[:16]
 
 
-def tools_dir() -> Path:
+def recipe(variant: str = "cpu") -> dict[str, Any]:
+    """What decides the binaries: the source, its commit, the cmake arguments (and, for the Vulkan build, its
+    compatibility headers' contents)."""
+    out: dict[str, Any] = {"llama_cpp_python": LLAMA_CPP_PYTHON, "llama_cpp_commit": LLAMA_CPP_COMMIT,
+                           "cmake_args": [*CMAKE_ARGS, *VARIANTS[variant], *commit_args(LLAMA_CPP_COMMIT)]}
+    if variant == "vulkan":
+        out["compat_headers"] = _compat_digest()
+    return out
+
+
+def tools_dir(variant: str = "cpu") -> Path:
     """The cache of tools built from the pinned source with this recipe (its hash in the name)."""
-    key = hashlib.sha256(json.dumps(recipe(), sort_keys=True).encode()).hexdigest()[:8]
-    return fitter_home() / "tools" / f"llama.cpp-{LLAMA_CPP_PYTHON}-{LLAMA_CPP_COMMIT}-{key}"
+    key = hashlib.sha256(json.dumps(recipe(variant), sort_keys=True).encode()).hexdigest()[:8]
+    kind = "" if variant == "cpu" else f"{variant}-"
+    return fitter_home() / "tools" / f"llama.cpp-{LLAMA_CPP_PYTHON}-{LLAMA_CPP_COMMIT}-{kind}{key}"
+
+
+def built_tools(variant: str = "cpu") -> Path | None:
+    """The folder of a finished build of `variant` (its build.json written last), or None."""
+    home = tools_dir(variant)
+    return home if (home / "build.json").is_file() and all((home / n).is_file() for n in TOOLS) else None
+
+
+def vulkan_build_problem() -> str | None:
+    """What the Vulkan build lacks on this machine (glslc, the Vulkan headers), or None."""
+    missing = [what for what, ok in (("glslc", shutil.which("glslc") is not None),
+                                     ("the Vulkan headers", Path("/usr/include/vulkan/vulkan.hpp").is_file()
+                                      or bool(os.environ.get("VULKAN_SDK")))) if not ok]
+    if not missing:
+        return None
+    return (f"the Vulkan build needs {' and '.join(missing)}: on Debian or Ubuntu `apt-get install "
+            f"--no-install-recommends {VULKAN_PACKAGES}` (and vulkan-tools for vulkaninfo)")
 
 
 def commit_args(commit: str) -> list[str]:
@@ -204,26 +241,29 @@ def copy_entry(src: Path, folder: Path) -> None:
     os.replace(part, folder / src.name)
 
 
-def ensure_tools(names: list[str], llama_src: Path | None = None, rebuild: bool = False) -> dict[str, Path]:
+def ensure_tools(names: list[str], llama_src: Path | None = None, rebuild: bool = False,
+                 variant: str = "cpu") -> dict[str, Path]:
     """The cached tools, building them all (one tree: the libraries they share) first when one is missing."""
     unknown = [n for n in names if n not in TOOLS]
     if unknown:
         raise FitterError(f"unknown llama.cpp tool(s) {unknown}; known: {', '.join(TOOLS)}")
-    home = tools_dir()
+    home = tools_dir(variant)
     paths = {n: home / n for n in names}
     if rebuild or not (home / "build.json").is_file() or not all(p.is_file() for p in paths.values()):
         # every tool: one built later in another tree would come with other copies of the libraries
-        build_llama_cpp(home, list(TOOLS), llama_src)
+        build_llama_cpp(home, list(TOOLS), llama_src, variant=variant)
     return paths
 
 
 def build_llama_cpp(home: Path, targets: list[str], llama_src: Path | None = None,
-                    version: str = LLAMA_CPP_PYTHON) -> dict[str, Any]:
+                    version: str = LLAMA_CPP_PYTHON, variant: str = "cpu") -> dict[str, Any]:
     """Build `targets` with fitter's recipe from `llama_src` (a git checkout: cmake reads its commit itself) or from
     llama-cpp-python `version`'s sdist, into `home` with the libraries; what was built (also in home/build.json)."""
     cmake = shutil.which("cmake")
     if cmake is None:
         raise FitterError("building llama.cpp tools needs cmake on PATH and a C++ compiler (apt-get install cmake g++)")
+    if variant == "vulkan" and (problem := vulkan_build_problem()) is not None:
+        raise FitterError(problem)
     home.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=home, prefix=".build-") as tmp:
@@ -236,7 +276,11 @@ def build_llama_cpp(home: Path, targets: list[str], llama_src: Path | None = Non
             named = commit_args(commit)
         build = work / "build"
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-        _run([cmake, "-S", str(src), "-B", str(build), *gen, *CMAKE_ARGS, *named], log)
+        extra = list(VARIANTS[variant])
+        if variant == "vulkan":  # the compatibility headers first on the include path, from a copy in the build
+            shutil.copytree(COMPAT, work / "compat")
+            extra.append(f"-DCMAKE_CXX_FLAGS=-I{work / 'compat'}")
+        _run([cmake, "-S", str(src), "-B", str(build), *gen, *CMAKE_ARGS, *extra, *named], log)
         jobs = str(max(1, os.cpu_count() or 1))
         _run([cmake, "--build", str(build), "--target", *targets, "-j", jobs], log)
         ggml_commit = ggml_build(build / "bin").get("ggml_commit", "unknown")
@@ -249,7 +293,8 @@ def build_llama_cpp(home: Path, targets: list[str], llama_src: Path | None = Non
             "llama_cpp_python": version if llama_src is None else None,
             "llama_cpp_commit": commit,
             "source": str(src) if llama_src is not None else f"llama-cpp-python {version} sdist",
-            "cmake_args": [*CMAKE_ARGS, *named],
+            "cmake_args": [*CMAKE_ARGS, *VARIANTS[variant], *named],
+            "variant": variant,
             "targets": targets,
             "libraries": libraries,
             "ggml_commit": ggml_commit,
@@ -269,10 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rebuild", action="store_true")
     ap.add_argument("--llama-cpp-python", action="store_true",
                     help="also install llama-cpp-python into this Python without its own compile, on these libraries")
+    ap.add_argument("--vulkan", action="store_true",
+                    help="also build the Vulkan variant (fitter's emulated Vulkan GPU runs it on Mesa's lavapipe; "
+                    f"needs {VULKAN_PACKAGES})")
     ns = ap.parse_args(argv)
     try:
         for tool, path in ensure_tools(ns.tools, ns.llama_src, ns.rebuild).items():
             print(f"{tool}: {path}")
+        if ns.vulkan:
+            for tool, path in ensure_tools(ns.tools, ns.llama_src, ns.rebuild, variant="vulkan").items():
+                print(f"{tool} (Vulkan): {path}")
         if ns.llama_cpp_python:
             from fitter.measure.llamacpp.bindings import install_llama_cpp_python
 
@@ -284,5 +335,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # python -m fitter.measure.llamacpp.tools [--llama-src DIR] [--rebuild] [--llama-cpp-python] [TOOL...]
+    # python -m fitter.measure.llamacpp.tools [--llama-src DIR] [--rebuild] [--llama-cpp-python] [--vulkan] [TOOL...]
     sys.exit(main())

@@ -23,22 +23,77 @@ OFFLOAD_MIN_BATCH = 32  # its value when unset
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    kind: str  # "cuda" | "rpc"
+    """A device's buffer rules: what its backend does with the tensors, buffers and ops llama.cpp gives it."""
+
+    kind: str  # the backend (fitter.memory.backends.registry): "cuda" | "rpc" | "vulkan" | "rocm" | "musa" | ...
     alignment: int
     row_padding: int  # elements the last row of a quantized matrix is padded to; 0 = none
     host_buft: str | None  # pinned host buffer type offered to the CPU buffer list
     op_offload: bool  # does the scheduler copy CPU weights over for large batches (ggml-backend.cpp)
     validated: str  # how this profile was checked against llama.cpp
-    cuda_rules: bool = False  # CUDA's allocation sizes and flash-attention support (fitter.memory.graph.cuda_ops)
-    # the batch from which op offload takes an op with a host weight: ggml-cuda.cu reads GGML_OP_OFFLOAD_MIN_BATCH
-    # once, default 32 (fitter.machine.environment.with_environment applies the environment at a command's edge)
+    # which ops the device runs and the bytes it gives a tensor in the compute graph: "cpu" (every op, ggml_nbytes:
+    # the CPU's and RPC's), "cuda" (fitter.memory.graph.cuda_ops), "vulkan" (fitter.memory.graph.vulkan_ops)
+    ops: str = "cpu"
+    # the batch from which op offload takes an op with a host weight: ggml-cuda.cu and ggml-vulkan.cpp read
+    # GGML_OP_OFFLOAD_MIN_BATCH once, default 32 (fitter.machine.environment.with_environment applies the environment
+    # at a command's edge)
     offload_min_batch: int = OFFLOAD_MIN_BATCH
+    max_op_bytes: int | None = None  # the largest tensor its ops take (Vulkan: maxStorageBufferRange); None: any
+    max_alloc: int | None = None  # its buffer type's maximum size: larger buffers are split (None: no maximum)
+    host_alignment: int = CPU_ALIGNMENT  # the host buffer type's alignment
+    host_extra: int = 0  # bytes the host buffer type adds to each buffer it makes
+    host_max_alloc: int | None = None  # the host buffer type's maximum size
+    graph_optimize: bool = True  # Vulkan: each split reordered before it is allocated (GGML_VK_DISABLE_GRAPH_OPTIMIZE)
+    unified: bool = False  # the device's memory is the host's (an integrated GPU, Apple silicon): one budget
+    projected: bool = False  # fitter has no rules for its backend: its buffers come from the build's projection
+
+    @property
+    def cuda_rules(self) -> bool:
+        """CUDA's allocation sizes and flash-attention support (fitter.memory.graph.cuda_ops)."""
+        return self.ops == "cuda"
 
 
 CUDA = DeviceProfile("cuda", 128, 512, "CUDA_Host", True,
                      "validated against fitter's CUDA-shaped emulated GPU (tests/golden/cuda-emulated.json), not yet "
-                     "against a CUDA build", cuda_rules=True)
+                     "against a CUDA build", ops="cuda")
 RPC = DeviceProfile("rpc", CPU_ALIGNMENT, 0, None, False, "validated against llama.cpp's RPC backend")
+
+VULKAN_SUBALLOCATION = 1 << 30  # ggml-vulkan.cpp ggml_vk_get_device: suballocation_block_size, 1 GiB by default
+VULKAN_HOST_EXTRA = 32  # ggml_backend_vk_host_buffer_type_alloc_buffer: "size += 32; // Behave like the CPU buffer…"
+VULKAN_VALIDATED = ("validated against llama.cpp's Vulkan backend on Mesa's lavapipe "
+                    "(tests/golden/vulkan-emulated.json)")
+
+
+@dataclass(frozen=True)
+class VulkanLimits:
+    """What ggml-vulkan reads from a Vulkan device to size and place buffers (ggml-vulkan.cpp `ggml_vk_get_device`,
+    llama.cpp 0c1e570); fitter.machine.vulkan reads them from this machine's devices."""
+
+    storage_alignment: int  # minStorageBufferOffsetAlignment: the device buffer type's alignment
+    map_alignment: int  # minMemoryMapAlignment: the pinned host buffer type's (Vulkan_Host)
+    max_storage_range: int  # maxStorageBufferRange: the largest tensor the device's ops take
+    max_allocation: int  # maxMemoryAllocationSize, capped by maxBufferSize (VK_KHR_maintenance4)
+    max_buffer: int  # maxBufferSize (maintenance4), else maxMemoryAllocationSize
+    integrated: bool = False  # an integrated GPU: its memory is the host's (uma)
+
+
+# A discrete GPU of unknown make (`--devices vulkan:MiB`): the limits RADV reports for an AMD card (alignment 4 rounded
+# up to NVIDIA's 16, storage range 4 GiB - 1, 4 GiB allocations, Vulkan_Host at 64), the most common among cards
+# people run Vulkan builds on; an actual card is read from its driver (fitter.machine.vulkan).
+DISCRETE_VULKAN = VulkanLimits(16, 64, (1 << 32) - 1, 1 << 32, 1 << 32)
+
+
+def vulkan_profile(limits: VulkanLimits, validated: str = VULKAN_VALIDATED) -> DeviceProfile:
+    """The buffer rules of a Vulkan device with these limits (ggml/src/ggml-vulkan/ggml-vulkan.cpp): buffers aligned
+    to minStorageBufferOffsetAlignment at ggml_nbytes (`ggml_backend_vk_buffer_type_get_alloc_size`), split into
+    suballocation blocks of at most 1 GiB (`_get_max_size`); the pinned host type `Vulkan_Host` aligned to
+    minMemoryMapAlignment, 32 bytes over each buffer; op offload as CUDA's (`ggml_backend_vk_device_offload_op`);
+    no tensor past the buffer range in an op (`ggml_backend_vk_device_supports_op`)."""
+    block = min(VULKAN_SUBALLOCATION, limits.max_allocation)
+    return DeviceProfile("vulkan", limits.storage_alignment, 0, "Vulkan_Host", True, validated, ops="vulkan",
+                         max_op_bytes=min(limits.max_storage_range, limits.max_buffer), max_alloc=block,
+                         host_alignment=limits.map_alignment, host_extra=VULKAN_HOST_EXTRA, host_max_alloc=block,
+                         unified=limits.integrated)
 
 
 @dataclass(frozen=True)

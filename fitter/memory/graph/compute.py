@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from fitter.flags import ContextParams
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.backends.devices import CPU_ALIGNMENT, Device
+from fitter.memory.graph.ggml_graph import BufferType
 from fitter.memory.graph.graph_replay import Replayed, flash_attn_devices_match, graph_compute_bytes
 from fitter.memory.graph.graphs import GRAPH_ARCHS, BackendMap, GraphParams
+from fitter.memory.graph.op_rules import OpRules
 
 F32 = 4
 I32 = 4
@@ -124,7 +126,7 @@ def backend_map(
         full_offload=bool(devices) and all(d is not None for d in layer_dev),
         offload_min_batch=tuple(d.profile.offload_min_batch if op_offload and d.profile.op_offload else None
                                 for d in devices),
-        cuda=tuple(d.profile.cuda_rules for d in devices),
+        ops=tuple(OpRules(d.profile.ops, d.profile.max_op_bytes, d.profile.graph_optimize) for d in devices),
         n_copies=SCHED_MAX_COPIES if pipeline_parallel else 1,
     )
 
@@ -140,11 +142,26 @@ def auto_flash_attn_mismatch(
         return None
     n = ctx.n_seq_max  # the probe graph: one token per sequence
     params = GraphParams(n, n, kv_sizes, ctx.n_stream, True, *cache_types, backends, ctx.v_trans)
-    return flash_attn_devices_match(spec, params, _alignments(devices), replayed)
+    return flash_attn_devices_match(spec, params, compute_bufts(devices), replayed)
 
 
-def _alignments(devices: tuple[Device, ...]) -> tuple[int, ...]:
-    return (*(d.profile.alignment for d in devices), CPU_ALIGNMENT)
+def compute_bufts(devices: tuple[Device, ...]) -> tuple[BufferType, ...]:
+    """The buffer types of the scheduler's compute buffers, devices first: each device's own, and for the CPU
+    backend the host buffer type of the model's first device when it has one (src/llama-context.cpp: "use the
+    host buffer of the first device CPU for faster transfer of the intermediate state"), else the CPU's."""
+    own = tuple(BufferType(d.profile.alignment, d.profile.max_alloc) for d in devices)
+    first = devices[0].profile if devices else None
+    if first is not None and first.host_buft:
+        return (*own, BufferType(first.host_alignment, first.host_max_alloc, first.host_extra))
+    return (*own, BufferType(CPU_ALIGNMENT))
+
+
+def reserved(before: tuple[int, ...], after: tuple[int, ...]) -> tuple[int, ...]:
+    """A compute buffer's chunks after one more graph is reserved: ggml_gallocr_reserve_n makes the buffer anew (of
+    the new graph's chunks) when a chunk grows or none was made, else keeps it (ggml-alloc.c)."""
+    if not before or any(new > (before[i] if i < len(before) else 0) for i, new in enumerate(after)):
+        return after
+    return before
 
 
 def compute_bytes_by_device(
@@ -164,14 +181,17 @@ def compute_bytes_by_device(
     if spec.arch not in GRAPH_ARCHS:
         return _phase_bytes_by_device(spec, ctx, layer_dev, g)
     cpu = len(devices)
-    alignments = _alignments(devices)
-    # sched_reserve reserves the prompt graph and the one-token-per-sequence graph; buffers only ever grow.
-    peaks = [0] * (cpu + 1)
+    bufts = compute_bufts(devices)
+    # sched_reserve reserves the prompt graph and the one-token-per-sequence graph; a buffer is made anew only when
+    # one of its chunks grows (one chunk unless its buffer type has a maximum size: the larger of the two graphs)
+    chunks: list[tuple[int, ...]] = [()] * (cpu + 1)
     graphs = [(g.n_tokens, g.n_outputs), (ctx.n_seq_max, ctx.n_seq_max)]
     for n_tokens, n_outputs in graphs[:1] if prompt_only else graphs:
         params = GraphParams(n_tokens, n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types, backends,
                              ctx.v_trans)
-        peaks = [max(a, b) for a, b in zip(peaks, graph_compute_bytes(spec, params, alignments, replayed), strict=True)]
+        sized = graph_compute_bytes(spec, params, bufts, replayed)
+        chunks = [reserved(a, b) for a, b in zip(chunks, sized, strict=True)]
+    peaks = [buft.bytes(c) for buft, c in zip(bufts, chunks, strict=True)]
     return {**{d.name: peaks[i] for i, d in enumerate(devices)}, "CPU": peaks[cpu]}
 
 

@@ -9,7 +9,7 @@ holds them to each other. Each rule names the function it mirrors:
   of K and V where its kernel needs them (fattn.cu `ggml_cuda_flash_attn_ext_get_alloc_size`, fattn-common.cuh
   `ggml_cuda_flash_attn_ext_get_f16_extra_data`): 2 bytes per element of the K (and V) view, which spans the whole
   cache in the worst-case graph.
-- `fattn_kernel` / `supports`: fattn.cu `ggml_cuda_get_best_fattn_kernel` for an NVIDIA GPU of compute
+- `fattn_kernel` / `cuda_supports_op`: fattn.cu `ggml_cuda_get_best_fattn_kernel` for an NVIDIA GPU of compute
   capability 8.9 or newer (other generations choose other kernels: not modelled); no kernel = the op is not
   supported there, so the scheduler runs it on the CPU and `-fa auto` turns flash attention off. Not modelled
   either, in the one-token graph only: the MMA kernel's sparse decode path (bf16/f32 caches, GQA > 4) and the
@@ -88,7 +88,7 @@ def fattn_kernel(dst: Tensor) -> str | None:
     return "mma"  # the MMA kernel (the tile kernel for head sizes 40 and 72 converts alike)
 
 
-def supports(t: Tensor) -> bool:
+def cuda_supports_op(t: Tensor) -> bool:
     """ggml_backend_cuda_device_supports_op, for the ops whose support differs from the CPU's here."""
     return t.op != "FLASH_ATTN_EXT" or fattn_kernel(t) is not None
 

@@ -242,6 +242,25 @@ class Graph:
 
 # --- ggml-alloc ---------------------------------------------------------------------------------------------------
 
+MAX_CHUNKS = 16  # GGML_VBUFFER_MAX_CHUNKS, ggml-alloc.c
+_CHUNK_BITS = 56  # a chunked allocator's address: chunk << _CHUNK_BITS | offset (offsets stay far below 2**56)
+
+
+@dataclass(frozen=True)
+class BufferType:
+    """What ggml-alloc sizes a compute buffer by: the buffer type's alignment (ggml_backend_buft_get_alignment), its
+    maximum buffer size (ggml_backend_buft_get_max_size: past it the allocation is split into chunks, one backend
+    buffer each; None: no maximum), and the bytes its alloc_buffer adds to each buffer it makes (ggml-vulkan's
+    pinned host type adds 32, `ggml_backend_vk_host_buffer_type_alloc_buffer`)."""
+
+    alignment: int
+    max_size: int | None = None
+    extra: int = 0
+
+    def bytes(self, chunks: tuple[int, ...]) -> int:
+        """The size llama.cpp logs for a buffer of these chunks (ggml_vbuffer_size: each chunk's buffer)."""
+        return sum(chunks) + self.extra * len(chunks)
+
 
 class _DynAllocator:
     """ggml_dyn_tallocr with one chunk (CPU and device buffers have no practical maximum size)."""
@@ -250,6 +269,9 @@ class _DynAllocator:
         self.alignment = alignment
         self.blocks: list[list[int]] = [[0, 1 << 62]]  # sorted [offset, size]; the last one is the open end
         self.max_size = 0
+
+    def chunks(self) -> tuple[int, ...]:
+        return (self.max_size,) if self.max_size else ()
 
     def _align(self, n: int) -> int:
         return (n + self.alignment - 1) // self.alignment * self.alignment
@@ -296,6 +318,82 @@ class _DynAllocator:
         blocks.insert(pos, [offset, size])
 
 
+class _ChunkedAllocator:
+    """ggml_dyn_tallocr of a buffer type with a maximum size: free blocks per chunk, a new chunk when none has room
+    (ggml-alloc.c `ggml_dyn_tallocr_alloc`, `ggml_dyn_tallocr_new_chunk`, `ggml_dyn_tallocr_free_bytes`). An address
+    is `chunk << _CHUNK_BITS | offset`."""
+
+    def __init__(self, alignment: int, max_chunk: int) -> None:
+        self.alignment = alignment
+        self.max_chunk = min(max_chunk, (1 << 63) - 1)  # SIZE_MAX/2
+        self.blocks: list[list[list[int]]] = []  # per chunk: sorted [offset, size]; the last one the chunk's end
+        self.max_sizes: list[int] = []
+
+    def chunks(self) -> tuple[int, ...]:
+        return tuple(self.max_sizes)
+
+    def _align(self, n: int) -> int:
+        return (n + self.alignment - 1) // self.alignment * self.alignment
+
+    def alloc(self, size: int) -> int:
+        size = self._align(size)
+        best_chunk = best_block = -1
+        for c, blocks in enumerate(self.blocks):  # the best fit besides each chunk's last block; a later chunk's wins
+            best_fit = None
+            for i in range(len(blocks) - 1):
+                bsize = blocks[i][1]
+                if bsize >= size and (best_fit is None or bsize <= best_fit):
+                    best_chunk, best_block, best_fit = c, i, bsize
+        if best_block == -1:  # a chunk's last block, preferring the one that grows its chunk least
+            best_reuse: int | None = None
+            for c, blocks in enumerate(self.blocks):
+                if not blocks:
+                    continue
+                last = blocks[-1]
+                reuse = self.max_sizes[c] - last[0] - size
+                better_reuse = (best_reuse is None or best_reuse < 0) and (best_reuse is None or reuse > best_reuse)
+                better_fit = reuse >= 0 and best_reuse is not None and reuse < best_reuse
+                if last[1] >= size and (better_reuse or better_fit):
+                    best_chunk, best_block, best_reuse = c, len(blocks) - 1, reuse
+        if best_block == -1:
+            room = max(size, self.max_chunk) if len(self.blocks) < MAX_CHUNKS - 1 else (1 << 63) - 1
+            self.blocks.append([[0, room]])
+            self.max_sizes.append(0)
+            best_chunk, best_block = len(self.blocks) - 1, 0
+        blocks = self.blocks[best_chunk]
+        block = blocks[best_block]
+        offset = block[0]
+        block[0] += size
+        block[1] -= size
+        if block[1] == 0:
+            del blocks[best_block]
+        self.max_sizes[best_chunk] = max(self.max_sizes[best_chunk], offset + size)
+        return best_chunk << _CHUNK_BITS | offset
+
+    def free(self, address: int, size: int) -> None:
+        size = self._align(size)
+        blocks = self.blocks[address >> _CHUNK_BITS]
+        offset = address & ((1 << _CHUNK_BITS) - 1)
+        for i, block in enumerate(blocks):
+            if block[0] + block[1] == offset:
+                block[1] += size
+                if i < len(blocks) - 1 and block[0] + block[1] == blocks[i + 1][0]:
+                    block[1] += blocks[i + 1][1]
+                    del blocks[i + 1]
+                return
+            if offset + size == block[0]:
+                block[0] = offset
+                block[1] += size
+                if i > 0 and blocks[i - 1][0] + blocks[i - 1][1] == block[0]:
+                    blocks[i - 1][1] += block[1]
+                    del blocks[i]
+                return
+        pos = 0
+        while pos < len(blocks) and blocks[pos][0] < offset:
+            pos += 1
+        blocks.insert(pos, [offset, size])
+
+
 @dataclass(slots=True)
 class _Hash:
     n_children: int = 0
@@ -315,17 +413,19 @@ def _nbytes(t: Tensor) -> int:
 
 def allocate(graph: Graph, alignment: int) -> int:
     """Peak bytes of ggml_gallocr_alloc_graph_impl over this graph: the compute buffer size."""
-    return allocate_buffers(graph, [alignment], lambda t: 0)[0]
+    return sum(allocate_buffers(graph, [BufferType(alignment)], lambda t: 0)[0])
 
 
-def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[Tensor], int],
-                     sizes: Sequence[Callable[[Tensor], int] | None] | None = None) -> list[int]:
-    """ggml_gallocr with one buffer per backend: the peak bytes of each. `buffer_of` gives a tensor's buffer
-    (ggml-alloc takes it from node_buffer_ids / leaf_buffer_ids, which the scheduler fills with backends);
-    `sizes[i]` is buffer i's ggml_backend_buft_get_alloc_size (None: ggml_nbytes)."""
-    allocs = [_DynAllocator(a) for a in alignments]
-    size_fns = [f or _nbytes for f in (sizes or [None] * len(alignments))]
-    known: list[dict[Tensor, int]] = [{} for _ in alignments]  # sizes per buffer: nothing they depend on changes
+def allocate_buffers(graph: Graph, bufts: Sequence[BufferType], buffer_of: Callable[[Tensor], int],
+                     sizes: Sequence[Callable[[Tensor], int] | None] | None = None) -> list[tuple[int, ...]]:
+    """ggml_gallocr with one buffer per backend: the peak bytes of each of its chunks (one chunk unless its buffer
+    type has a maximum size; none if nothing was allocated in it). `buffer_of` gives a tensor's buffer (ggml-alloc
+    takes it from node_buffer_ids / leaf_buffer_ids, which the scheduler fills with backends); `sizes[i]` is buffer
+    i's ggml_backend_buft_get_alloc_size (None: ggml_nbytes)."""
+    allocs = [_DynAllocator(b.alignment) if b.max_size is None else _ChunkedAllocator(b.alignment, b.max_size)
+              for b in bufts]
+    size_fns = [f or _nbytes for f in (sizes or [None] * len(bufts))]
+    known: list[dict[Tensor, int]] = [{} for _ in bufts]  # sizes per buffer: nothing they depend on changes
     # Every tensor the graph reaches gets its entry first (tensors hash by identity), so the loops index directly.
     info: dict[Tensor, _Hash] = {}
     for t in (*graph.leafs, *graph.nodes):
@@ -412,4 +512,4 @@ def allocate_buffers(graph: Graph, alignments: list[int], buffer_of: Callable[[T
                         free_node(root, r_hn)
                 elif p_hn.allocated:
                     free_node(parent, p_hn)
-    return [a.max_size for a in allocs]
+    return [a.chunks() for a in allocs]

@@ -11,8 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from fitter.gguf.model_spec import ModelSpec
-from fitter.memory.graph import cuda_ops as cuda
-from fitter.memory.graph.ggml_graph import Graph, Tensor, allocate, allocate_buffers
+from fitter.memory.graph.ggml_graph import BufferType, Graph, Tensor, allocate_buffers
 from fitter.memory.graph.graphs import Builder, GraphParams, build
 from fitter.memory.graph.sched import schedule
 
@@ -55,51 +54,52 @@ class Replayed:
     attention off; sizing it while it is scheduled saves building and scheduling it again."""
 
     def __init__(self) -> None:
-        self._sizes: list[tuple[GraphParams, tuple[int, ...], list[int]]] = []
+        self._sizes: list[tuple[GraphParams, tuple[BufferType, ...], list[tuple[int, ...]]]] = []
 
-    def get(self, p: GraphParams, alignments: tuple[int, ...]) -> list[int] | None:
-        return next((list(sizes) for q, a, sizes in self._sizes if q == p and a == alignments), None)
+    def get(self, p: GraphParams, bufts: tuple[BufferType, ...]) -> list[tuple[int, ...]] | None:
+        return next((list(sizes) for q, b, sizes in self._sizes if q == p and b == bufts), None)
 
-    def put(self, p: GraphParams, alignments: tuple[int, ...], sizes: list[int]) -> None:
-        self._sizes.append((p, alignments, list(sizes)))
+    def put(self, p: GraphParams, bufts: tuple[BufferType, ...], sizes: list[tuple[int, ...]]) -> None:
+        self._sizes.append((p, bufts, list(sizes)))
 
 
-def flash_attn_devices_match(spec: ModelSpec, p: GraphParams, alignments: tuple[int, ...] = (),
+def flash_attn_devices_match(spec: ModelSpec, p: GraphParams, bufts: tuple[BufferType, ...] = (),
                              replayed: Replayed | None = None) -> int | None:
     """llama_context::resolve_fused_ops for `-fa auto`: schedule the one-token-per-sequence graph with flash
     attention and check every layer's FA op runs on the layer's device. Returns the first layer that does not;
-    when every one does and `replayed` is given, the graph's compute bytes for `alignments` go there too."""
+    when every one does and `replayed` is given, the graph's compute chunks for `bufts` go there too."""
     if p.backends.n_backends == 1:
         return None
     with _graph(spec, p) as graph:
-        copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda,
-                                      p.backends.n_copies)
+        copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.ops,
+                                    p.backends.n_copies)
         for node in graph.nodes:
             if node.op == "FLASH_ATTN_EXT" and node.name.startswith("fa-"):
                 il = int(node.name[3:])
                 if backend_of(node) != p.backends.layer(il):
                     return il
         if replayed is not None:
-            replayed.put(p, alignments, _allocate(copy, p, alignments, backend_of))
+            replayed.put(p, bufts, _allocate(copy, p, bufts, backend_of))
     return None
 
 
-def _allocate(copy: Graph, p: GraphParams, alignments: tuple[int, ...], backend_of: Callable[[Tensor], int]
-              ) -> list[int]:
-    sizes = [cuda.cuda_alloc_size if i < len(p.backends.cuda) and p.backends.cuda[i] else None
-             for i in range(p.backends.n_backends)]
-    return allocate_buffers(copy, list(alignments), backend_of, sizes)
+def _allocate(copy: Graph, p: GraphParams, bufts: tuple[BufferType, ...], backend_of: Callable[[Tensor], int]
+              ) -> list[tuple[int, ...]]:
+    ops = p.backends.ops
+    sizes = [ops[i].alloc_size() if i < len(ops) else None for i in range(p.backends.n_backends)]
+    return allocate_buffers(copy, list(bufts), backend_of, sizes)
 
 
-def graph_compute_bytes(spec: ModelSpec, p: GraphParams, alignments: tuple[int, ...] = (32,),
-                        replayed: Replayed | None = None) -> list[int]:
-    """The compute buffer llama.cpp reserves on each backend (devices first, the CPU last) for this graph."""
-    known = replayed.get(p, alignments) if replayed is not None else None
+def graph_compute_bytes(spec: ModelSpec, p: GraphParams, bufts: tuple[BufferType, ...] = (BufferType(32),),
+                        replayed: Replayed | None = None) -> list[tuple[int, ...]]:
+    """The chunks of the compute buffer llama.cpp reserves on each backend (devices first, the CPU last) for this
+    graph (fitter.memory.graph.ggml_graph.BufferType.bytes gives the size it logs)."""
+    known = replayed.get(p, bufts) if replayed is not None else None
     if known is not None:
         return known
     with _graph(spec, p) as graph:
         if p.backends.n_backends == 1:
-            return [allocate(graph, alignments[0])]
-        copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.cuda,
-                                      p.backends.n_copies)
-        return _allocate(copy, p, alignments, backend_of)
+            return allocate_buffers(graph, [bufts[0]], lambda t: 0)
+        copy, backend_of = schedule(graph, p.backends.n_backends, p.backends.offload_min_batch, p.backends.ops,
+                                    p.backends.n_copies)
+        return _allocate(copy, p, bufts, backend_of)

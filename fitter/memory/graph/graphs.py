@@ -21,6 +21,7 @@ from fitter.flags import KV_CACHE_TYPES
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.ggml_graph import Graph, Tensor
+from fitter.memory.graph.op_rules import OpRules
 
 # Architectures whose graph is rebuilt here; others get compute estimates from fitter.memory.graph.compute's phase
 # model.
@@ -37,9 +38,9 @@ class BackendMap:
     kv_on_cpu: bool = False  # -nkvo
     full_offload: bool = False  # every layer and the output on devices (llama_context::graph_get_cb)
     # per device backend: the batch from which it takes ops with host weights over (None: never; op offload off
-    # or not a CUDA device), and whether CUDA's allocation and support rules apply (fitter.memory.graph.cuda_ops)
+    # or a backend without it), and which ops it runs and the bytes it gives a tensor (fitter.memory.graph.op_rules)
     offload_min_batch: tuple[int | None, ...] = ()
-    cuda: tuple[bool, ...] = ()
+    ops: tuple[OpRules, ...] = ()
     n_copies: int = 1  # the scheduler's input copies: GGML_SCHED_MAX_COPIES (4) with pipeline parallelism
 
     @property

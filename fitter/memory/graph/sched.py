@@ -8,20 +8,32 @@ buffer. The copy of a graph as ggml-alloc then sees it (input dependency, input 
 each tensor's buffer, so `fitter.memory.graph.ggml_graph.allocate_buffers` gives each backend's compute buffer.
 
 Backends are indices, devices first and the CPU last; every buffer type belongs to exactly one backend (the CPU
-backend accepts all host buffer types). Every backend accepts every op fitter builds (RPC supports all ops,
-ggml-rpc.cpp), except flash attention on a CUDA device, which has kernels for some shapes and types only
-(fitter.memory.graph.cuda_ops.supports): the passes that spread or choose a backend skip a device that does not support
-the op (`ggml_backend_sched_set_if_supported`, pass 3). Op offload: an op whose weight lives on the CPU moves to
-the first device that wants it (pass 1, "1.off": CUDA takes ops of a batch of 32 or more), and pass 5 then copies
-the weight into that device's compute buffer, one split per foreign weight.
+backend accepts all host buffer types). Which ops a device runs is its backend's (fitter.memory.graph.op_rules): RPC
+supports every op fitter builds (ggml-rpc.cpp), CUDA has flash-attention kernels for some shapes and types only
+(fitter.memory.graph.cuda_ops.cuda_supports_op), Vulkan takes no tensor past its buffer range
+(fitter.memory.graph.vulkan_ops);
+the passes that spread or choose a backend skip a device that does not support the op
+(`ggml_backend_sched_set_if_supported`, pass 3), a weight whose device cannot run its op is read from where it is by
+whichever backend runs the op (a split input, `ggml_backend_sched_backend_from_buffer` answering -1), and a node that
+writes into a device's buffer the device cannot run aborts the load as llama.cpp does ("pre-allocated tensor …
+that cannot run the operation": `ScheduleError`). Op offload: an op whose weight lives on the CPU moves to the
+first device that wants it (pass 1, "1.off": CUDA and Vulkan take ops of a batch of 32 or more), and pass 5 then
+copies the weight into that device's compute buffer, one split per foreign weight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from fitter.errors import LaunchConfigError
 from fitter.memory.graph import cuda_ops as cuda
 from fitter.memory.graph.ggml_graph import VIEW_OPS, Graph, Tensor
+from fitter.memory.graph.op_rules import CPU_RULES, OpRules
+from fitter.memory.graph.vulkan_reorder import MAX_SRC, reorder
+
+
+class ScheduleError(LaunchConfigError):
+    """llama.cpp aborts scheduling this graph (a pre-allocated tensor in a buffer whose backend cannot run its op)."""
 
 
 def _buffer_backend(t: Tensor) -> int:
@@ -31,10 +43,10 @@ def _buffer_backend(t: Tensor) -> int:
 
 
 def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None, ...] = (),
-             cuda_devices: tuple[bool, ...] = (), n_copies: int = 1) -> tuple[Graph, Callable[[Tensor], int]]:
+             ops: tuple[OpRules, ...] = (), n_copies: int = 1) -> tuple[Graph, Callable[[Tensor], int]]:
     """`offload_min_batch[b]`: the batch from which device b takes over ops with CPU weights (None: never);
-    `cuda_devices[b]`: device b supports ops as CUDA does; `n_copies`: the scheduler's input copies (4 with
-    pipeline parallelism, GGML_SCHED_MAX_COPIES; else 1)."""
+    `ops[b]`: device b's backend rules (none given: the CPU's, every op); `n_copies`: the scheduler's input copies (4
+    with pipeline parallelism, GGML_SCHED_MAX_COPIES; else 1)."""
     cpu = n_backends - 1
     backend: dict[Tensor | None, int] = {}  # tensors hash by identity; None is never a key
 
@@ -42,23 +54,35 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
         return backend.get(t, -1)
 
     def supports_op(t: Tensor, b: int) -> bool:
-        return not (b < len(cuda_devices) and cuda_devices[b]) or cuda.supports(t)
+        return (ops[b] if b < len(ops) else CPU_RULES).supports(t)
+
+    def from_buffer(t: Tensor, op: Tensor) -> int:
+        """ggml_backend_sched_backend_from_buffer: the backend owning t's buffer when it can run `op`, else -1."""
+        b = _buffer_backend(t)
+        return b if b != -1 and supports_op(op, b) else -1
 
     def from_cur(t: Tensor) -> int:
         """ggml_backend_sched_backend_id_from_cur."""
-        b = _buffer_backend(t)
+        b = from_buffer(t, t)
         if b != -1:
             return b
+        owner = _buffer_backend(t)
+        if owner != -1:  # pre-allocated, and its backend cannot run the op: llama.cpp aborts (GGML_ABORT)
+            root = t.view_src if t.view_src is not None else t
+            raise ScheduleError(f"llama.cpp aborts this config: {root.name or 'a tensor'} lives on device {owner} "
+                                f"whose backend cannot run its {t.op} ({t.nbytes} bytes; ggml-backend.cpp: "
+                                "\"pre-allocated tensor in a buffer that cannot run the operation\")")
         if t.is_input:
             return cpu
         if t.op not in ("ROPE", "FLASH_ATTN_EXT"):
             for s in t.src:
                 if s is not None and s.has_data and s.is_weight:
-                    if s.backend == cpu:  # a host weight: does a device want the op? ("1.off")
+                    src_backend = from_buffer(s, t)
+                    if src_backend == cpu:  # a host weight: does a device want the op? ("1.off")
                         for dev, min_batch in enumerate(offload_min_batch[:cpu]):
                             if min_batch is not None and supports_op(t, dev) and cuda.op_batch_size(t) >= min_batch:
                                 return dev
-                    return s.backend
+                    return src_backend
         return -1
 
     # pass 1
@@ -110,6 +134,11 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
             backend[node] = 0
     # pass 5: splits and input copies
     copy = Graph()
+    uses: dict[Tensor, int] = {}  # each node's uses in the graph (ggml_node_get_use_count), before any redirect
+    for node in graph.nodes:
+        for s in node.src:
+            if s is not None:
+                uses[s] = uses.get(s, 0) + 1
     copy.leafs = list(graph.leafs)
     copies: dict[tuple[Tensor, int], Tensor] = {}
     pending: list[Tensor] = []  # nodes of the current split
@@ -128,7 +157,20 @@ def schedule(graph: Graph, n_backends: int, offload_min_batch: tuple[int | None,
             copy.nodes.append(dep)  # keeps the source alive until it is copied
             cpy = copies[(inp, split_backend)]
             copy.nodes.append(cpy)  # allocated at the start of the split
-        copy.nodes.extend(pending)
+        rules = ops[split_backend] if split_backend < len(ops) else CPU_RULES
+        if rules.reorders:  # the backend's graph_optimize, and the allocation dependencies it asks for
+            nodes, deps = reorder(pending, lambda t: uses.get(t, 0))
+        else:
+            nodes, deps = list(pending), {}
+        for node in nodes:
+            copy.nodes.append(node)
+            kept = deps.get(node, [])
+            for k in range(0, len(kept), MAX_SRC):  # a view of the first, reading them all (ggml-backend.cpp)
+                first = kept[k]
+                dep = Tensor(first.type, first.ne, first.nb, "NONE", tuple(kept[k:k + MAX_SRC]),
+                             first.view_src if first.view_src is not None else first)
+                backend[dep] = split_backend
+                copy.nodes.append(dep)
         pending.clear()
         inputs.clear()
 

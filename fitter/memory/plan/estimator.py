@@ -16,11 +16,12 @@ from fitter.flags import KV_CACHE_TYPES, ContextParams, LaunchConfig, TensorOver
 from fitter.flags.draft import draft_context_config
 from fitter.gguf.archs import ARCHS
 from fitter.gguf.model_spec import ModelSpec, Role, TensorSpec
-from fitter.memory.backends.devices import CPU_AVX2, CpuProfile, Device
+from fitter.memory.backends.devices import CPU_AVX2, CpuProfile, Device, DeviceProfile
 from fitter.memory.graph.compute import auto_flash_attn_mismatch, backend_map, compute_bytes_by_device
 from fitter.memory.graph.graph_replay import Replayed
 from fitter.memory.graph.graphs import BackendMap
-from fitter.memory.plan.buffers import CPU, KINDS, Buffer, Placement, alloc_size, row_bytes
+from fitter.memory.graph.vulkan_ops import weight_supported
+from fitter.memory.plan.buffers import CPU, KINDS, Buffer, Placement, alloc_size, pad_to, row_bytes
 from fitter.memory.plan.kv_cache import check_cache_types, kv_buffers, kv_cache_sizes
 from fitter.memory.plan.projected import guess_warning
 
@@ -149,7 +150,7 @@ def layer_devices(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, 
 def _weight_op(t: TensorSpec) -> str:
     """The op llama.cpp tests a weight's buffer type with (llm_tensor_info_for in src/llama-arch.cpp)."""
     if t.name.endswith(".bias"):
-        return "add"
+        return "add_id" if t.role is Role.EXPERT else "add"
     if t.role is Role.EMBEDDING:
         return "get_rows"
     if t.role is Role.EXPERT:
@@ -174,7 +175,7 @@ def _cpu_buft(t: TensorSpec, config: LaunchConfig, devices: tuple[Device, ...], 
         # "avoid using a host buffer when using mmap": the pinned host type becomes plain CPU.
         return CPU if config.mmap else host
     op = _weight_op(t)
-    if not config.no_repack and _repacks(t, op, cpu):
+    if not config.no_repack and _repacks(t, "mul_mat_id" if op == "add_id" else op, cpu):
         return "CPU_REPACK"
     return CPU
 
@@ -200,6 +201,15 @@ def _first_rules(spec: ModelSpec, names: tuple[str, ...], rules: tuple[TensorOve
         for name in entry[1]:
             first.setdefault(name, i)
     return first
+
+
+def _device_takes(dev: Device, t: TensorSpec, n_expert_used: int) -> bool:
+    """llama_model_loader `select_weight_buft`: the device's buffer type is the first of the layer's list, taken when
+    its backend supports the weight's op (`weight_buft_supported`); only Vulkan's refuses ops fitter's models build,
+    those with a tensor past the device's buffer range (fitter.memory.graph.vulkan_ops)."""
+    if dev.profile.ops != "vulkan":
+        return True
+    return weight_supported(t.type, t.ne, _weight_op(t), n_expert_used, dev.profile.max_op_bytes)
 
 
 def place_tensors(
@@ -238,6 +248,8 @@ def place_tensors(
                 dev = layer_dev[spec.n_layer]
             else:
                 dev = layer_dev[t.layer]
+            if dev is not None and not _device_takes(dev, t, spec.n_expert_used):
+                dev = None  # the device's backend cannot run the weight's op: the next buffer type, the CPU's
             buft = dev.name if dev is not None else _cpu_buft(t, config, devices, cpu)
         if t.name == TIED_OUTPUT and embd_buft == buft:
             # llama_model_loader::create_tensor: a duplicate in the original's buffer type is the original itself
@@ -267,9 +279,33 @@ def model_buffers(placements: list[Placement], config: LaunchConfig, devices: tu
                 buffers.append(Buffer("CPU_Mapped", "model", CPU, hi - lo))
             continue
         dev = by_name.get(buft)
-        size = sum(alloc_size(dev, t.type, t.ne, t.n_bytes) for t in tensors)
+        host = _host_profile(buft, devices) if dev is None else None
+        if host is not None:  # a pinned host buffer type: its own alignment, chunks and bytes per buffer
+            sizes = [pad_to(t.n_bytes, host.host_alignment) for t in tensors]
+            size = sum(sizes) + host.host_extra * len(chunked(sizes, host.host_max_alloc))
+        else:
+            size = sum(alloc_size(dev, t.type, t.ne, t.n_bytes) for t in tensors)
         buffers.append(Buffer(buft, "model", dev.name if dev else CPU, size))
     return buffers
+
+
+def _host_profile(buft: str, devices: tuple[Device, ...]) -> DeviceProfile | None:
+    """The profile of the device whose pinned host buffer type `buft` is (CUDA_Host, Vulkan_Host), or None."""
+    return next((d.profile for d in devices if d.profile.host_buft == buft), None)
+
+
+def chunked(sizes: list[int], max_size: int | None) -> list[int]:
+    """The buffers ggml_backend_alloc_ctx_tensors_from_buft makes of tensors of these (aligned) sizes, in order: a
+    new one when the next tensor would take the current one past the buffer type's maximum (ggml-alloc.c)."""
+    out: list[int] = []
+    cur = 0
+    for size in sizes:
+        if max_size is not None and cur > 0 and cur + size > max_size:
+            out.append(cur)
+            cur = size
+        else:
+            cur += size
+    return [*out, cur] if cur > 0 else out
 
 
 def compute_buffers(
@@ -297,12 +333,14 @@ def compute_buffers(
 
 
 def output_buffer(spec: ModelSpec, ctx: ContextParams, layer_dev: tuple[Device | None, ...]) -> Buffer:
-    # Reserved at construction for n_seq_max outputs: logits n_vocab floats per output.
+    # Reserved at construction for n_seq_max outputs: logits n_vocab floats per output, in the pinned host buffer
+    # type of the output layer's device when it has one (ggml-vulkan's adds 32 bytes to every buffer it makes)
     n_outputs_max = ctx.n_seq_max
     size = spec.n_vocab * n_outputs_max * 4
     out_dev = layer_dev[spec.n_layer]
     host = out_dev.profile.host_buft if out_dev is not None else None
-    return Buffer(host or CPU, "output", CPU, size)
+    extra = out_dev.profile.host_extra if out_dev is not None and host else 0
+    return Buffer(host or CPU, "output", CPU, size + extra)
 
 
 def first_failure(plan: MemoryPlan, device: str, cap_bytes: int) -> str | None:

@@ -50,8 +50,9 @@ def kv_buffers(
         if not spec.is_mla:  # MLA caches only K (has_v = !is_mla)
             v_width = v_width_max if v_trans else spec.n_embd_v_gqa(il)
             tensors.append((config.cache_type_v, (v_width, cells, ctx.n_stream)))
-        for type_name, ne in tensors:
+        for kind, (type_name, ne) in zip("kv", tensors, strict=False):
             n_bytes = row_bytes(type_name, ne[0]) * ne[1] * ne[2]
+            _check_range(dev, kind, il, n_bytes, ctx)
             caches[(is_swa, name)] += alloc_size(dev, type_name, ne, n_bytes)
     buffers = []
     for (_, name), size in sorted(caches.items()):
@@ -60,6 +61,22 @@ def kv_buffers(
     index, state = indexer_buffers(spec, config, ctx, layer_dev), rs_buffers(spec, config, ctx, layer_dev)
     # a hybrid's indexer cache comes after its recurrent state (llama_memory_hybrid_idx builds on llama_memory_hybrid)
     return buffers + (state + index if spec.memory is Memory.HYBRID else index + state)
+
+
+def _check_range(dev: Device | None, kind: str, il: int, n_bytes: int, ctx: ContextParams) -> None:
+    """A cache tensor past the largest one its device's ops take (Vulkan: maxStorageBufferRange) makes llama.cpp
+    abort when it schedules the first graph: the scheduler finds the tensor in a buffer whose backend cannot run
+    it (ggml-backend.cpp `ggml_backend_sched_backend_id_from_cur`: "pre-allocated tensor (cache_k_l<i>) in a buffer
+    (Vulkan0) that cannot run the operation")."""
+    limit = dev.profile.max_op_bytes if dev is not None else None
+    if dev is None or limit is None or n_bytes <= limit:
+        return
+    mib = 1024 * 1024
+    raise LaunchConfigError(
+        f"-c {ctx.n_ctx}: layer {il}'s {kind.upper()} cache would be {n_bytes / mib:.2f} MiB on {dev.name}, past the "
+        f"largest tensor its ops take ({limit / mib:.2f} MiB, the device's maxStorageBufferRange), so llama.cpp "
+        f"aborts loading (pre-allocated tensor cache_{kind}_l{il} in a buffer that cannot run the operation); use a "
+        "smaller -c, a quantized cache (-ctk/-ctv q8_0), fewer layers on the device, or -nkvo")
 
 
 def indexer_buffers(

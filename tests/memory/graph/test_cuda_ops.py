@@ -46,7 +46,7 @@ def test_flash_attention_kernel_and_support() -> None:
     assert cuda.fattn_kernel(_fa(4, 4096, "F16", "F16")) == "mma"
     assert cuda.fattn_kernel(_fa(512, 4096, head=48)) is None  # no kernel for head size 48
     assert cuda.fattn_kernel(_fa(512, 4096, "IQ4_NL", "IQ4_NL")) is None  # not a K/V type the kernels read
-    assert not cuda.supports(_fa(512, 4096, head=48)) and cuda.supports(_fa(512, 4096))
+    assert not cuda.cuda_supports_op(_fa(512, 4096, head=48)) and cuda.cuda_supports_op(_fa(512, 4096))
 
 
 def test_flash_attention_scratch_holds_f16_copies_of_a_quantized_cache() -> None:

@@ -46,3 +46,18 @@ def test_expand_orders_sources_first_and_collects_leafs() -> None:
     graph.expand(m)
     assert graph.leafs == [w, a] and graph.nodes == [m]
     assert m.nbytes == 16 and g.transpose(w).nb == (16, 4, 64, 64)  # ggml_transpose swaps strides 0 and 1
+
+
+def test_a_buffer_type_with_a_maximum_size_splits_the_allocation_into_chunks() -> None:
+    # ggml_dyn_tallocr with max_chunk_size 1000: two live 600-byte tensors cannot share one chunk
+    a = g.input_tensor("F32", 150)  # 600 bytes
+    b = g.input_tensor("F32", 150)
+    out = g.dup_op("ADD", a, b)  # a is its last consumer's parent: written in place
+    graph = g.Graph()
+    graph.expand(out)
+    chunks = g.allocate_buffers(graph, [g.BufferType(32, max_size=1000)], lambda t: 0)[0]
+    assert chunks == (608, 608)  # 600 aligned to 32, one chunk each
+    assert g.allocate_buffers(graph, [g.BufferType(32)], lambda t: 0)[0] == (1216,)
+    # ggml-vulkan's pinned host type adds 32 bytes to every buffer it makes: one per chunk
+    assert g.BufferType(64, 1000, extra=32).bytes((608, 608)) == 1216 + 64
+    assert g.BufferType(64, 1000, extra=32).bytes(()) == 0  # nothing allocated: no buffer made

@@ -3,6 +3,8 @@
 cpu.json: CPU only. rpc.json: with fitter's emulated GPU (a llama.cpp RPC device), so model, KV and compute
 buffers are split between RPC0[…] and the host. cuda-emulated.json: the CUDA-shaped emulated GPU (CUDA's
 alignment, row padding, flash-attention scratch, op offload and CUDA_Host), estimated with the CUDA profile.
+vulkan-emulated.json: llama.cpp's own Vulkan backend on Mesa's lavapipe (fitter's emulated Vulkan GPU), estimated
+with the Vulkan profile of lavapipe's limits: every buffer, compute included, to the logged 0.01 MiB.
 <device>.<program>.json: the same loads as another program makes them (`make_goldens.py --for llama-cpp-python`:
 the C API's context parameters and Llama()'s defaults), estimated with `--for` that program. Model, KV and output
 buffers must match the logged 0.01 MiB; compute buffers within 5 %. Cases marked held_out were never looked at
@@ -22,7 +24,7 @@ import pytest
 from fitter.errors import LaunchConfigError
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
-from fitter.memory.backends.devices import CPU_AVX2, CUDA, Device, rpc_devices
+from fitter.memory.backends.devices import CPU_AVX2, CUDA, Device, VulkanLimits, rpc_devices, vulkan_profile
 from fitter.memory.plan.estimator import estimate
 from tests.models import model_files
 
@@ -30,7 +32,8 @@ MIB = 1024 * 1024
 _DIR = Path(__file__).resolve().parents[2] / "golden"
 # cuda.json exists once scripts/make_goldens.py --device cuda has run on a GPU
 GOLDENS = {p.stem: json.loads(p.read_text()) for p in sorted(_DIR.glob("*.json"))
-           if p.stem.split(".")[0] in ("cpu", "rpc", "rpc2", "rpc3", "cuda-emulated", "cuda")}
+           if p.stem.split(".")[0] in ("cpu", "rpc", "rpc2", "rpc3", "cuda-emulated", "cuda", "vulkan-emulated")}
+EXACT_COMPUTE = ("vulkan-emulated",)  # goldens whose compute buffers are held to the logged 0.01 MiB too
 # Another program's goldens (<device>.<program>.json) run under -m slow: the default run keeps llama-server's, on every
 # device
 _SLOW = [pytest.mark.slow]
@@ -65,6 +68,10 @@ def device_target(device: dict[str, Any] | None, flags: list[str]) -> tuple[list
     if device["kind"] == "cuda":
         free = device["free_mib"] * MIB
         return [f.replace("{rpc}", "CUDA0") for f in flags], (Device("CUDA0", CUDA, free, free),)
+    if device["kind"] == "vulkan-emulated":  # lavapipe's limits, as the run read them; its cap is its memory
+        cap = device["cap_mib"] * MIB
+        profile = vulkan_profile(VulkanLimits(**device["limits"]))
+        return [f.replace("{rpc}", device["name"]) for f in flags], (Device(device["name"], profile, cap, cap),)
     if device["kind"] == "rpc-multi":  # several emulated GPUs: each one's free memory is its cap
         endpoints = device["endpoints"]
         devices = tuple(replace(d, total_bytes=cap * MIB, free_bytes=cap * MIB)
@@ -139,6 +146,14 @@ def test_model_kv_and_output_buffers_match_llama_cpp_exactly(golden: str, case: 
 @pytest.mark.parametrize(("golden", "case"), CASES)
 def test_compute_buffers_within_5_percent(golden: str, case: dict[str, Any]) -> None:
     assert_compute_within_5_percent(estimated(golden, case), logged(case))
+
+
+@pytest.mark.parametrize(("golden", "case"), [c for c in CASES if c.values[0] in EXACT_COMPUTE])
+def test_vulkan_compute_buffers_match_llama_cpp_exactly(golden: str, case: dict[str, Any]) -> None:
+    # ggml-vulkan's own rules: its buffer range, Vulkan_Host, and the reordering of each split (graph_optimize)
+    est = {k: [round(x, 2) for x in v] for k, v in estimated(golden, case).items()
+           if k[1] == "compute" and v != [0.0]}  # llama.cpp logs no empty compute buffer
+    assert est == {k: v for k, v in logged(case).items() if k[1] == "compute"}
 
 
 @pytest.mark.parametrize(("golden", "case"), ERRORS)
