@@ -23,7 +23,8 @@ from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.measure.emulator.emulated_gpu import EmulatedGpus
 from fitter.measure.llamacpp.fit_params import LlamaFitError, baseline_config, find_llama_fit_params, run_llama_fit
-from fitter.memory.backends.devices import Device, parse_devices
+from fitter.memory.backends.devices import Device
+from fitter.memory.backends.registry import parse_devices
 from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.fit.fit import fit
 from fitter.memory.plan.estimator import estimate

@@ -317,8 +317,9 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
     cap = _emulated_cap(doc) if emulated else None
     targets = doc.fit_targets() or (DEFAULT_FIT_TARGET_MIB,)
 
-    cuda_kind = {"emulated_cuda": True} if emulated and doc.machine.get("emulated_gpu_kind") == "cuda" else {}
-    with runner_factory(emulated_gpu_mib=cap, cpus=cpus, **cuda_kind) as runner:
+    kind = doc.machine.get("emulated_gpu_kind", "rpc") if emulated else "rpc"  # the one the result was tuned on
+    with runner_factory(emulated_gpu_mib=cap, cpus=cpus, **({"emulated_kind": kind} if kind != "rpc" else {})) \
+            as runner:
         if emulated:
             launch = _to_fresh_gpu(launch, runner.rpc, where)
         try:
@@ -369,7 +370,7 @@ def _projected(plan: MemoryPlan, rpc: tuple[str, ...]) -> tuple[MemoryPlan, list
     from fitter.measure.llamacpp.projection import projector_for
 
     try:
-        projector = projector_for(plan.model, rpc=rpc)  # None where fitter guesses nothing
+        projector = projector_for(plan.model, rpc=rpc, devices=plan.devices)  # None where fitter guesses nothing
         return (projector.plan(plan) if projector is not None else plan), []
     except FitterError as e:  # no build, or its projection failed
         return plan, [f"fit: fitter's guess, not llama.cpp's projection: {e}"]

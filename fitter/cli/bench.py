@@ -41,19 +41,26 @@ def _runner(ns: argparse.Namespace, process: ProcessFlags, snapshot: MachineSnap
         ns.llama_server = str(find_build(ns.llama_cpp).llama_server)
     if ns.llama_server and ns.llama_bench:
         raise LaunchConfigError("--llama-server and --llama-bench: measure with one backend at a time")
-    if ns.emulated_cuda and (ns.llama_server or ns.llama_bench):
+    if ns.emulated_gpu is not None and ns.emulated_kind == "vulkan" and not (ns.llama_server or ns.llama_bench):
+        from fitter.measure.emulator.emulated_vulkan import vulkan_build
+
+        # the Vulkan build's own llama-server measures (lavapipe crashes flash-attention decoding inside a Python
+        # process, the worker's)
+        ns.llama_server = str(vulkan_build() / "llama-server")
+    if ns.emulated_kind == "cuda" and (ns.llama_server or ns.llama_bench):
         raise LaunchConfigError(CUDA_SHAPED_NEEDS_WORKER)
     if ns.llama_bench:
         if ns.threads_batch is not None:
             raise LaunchConfigError("-tb: llama-bench has one thread count (-t) for prefill and decode")
         if ns.cpu_range:
             raise LaunchConfigError("--cpu-range: llama-bench only takes --cpu-mask")
-        return LlamaBenchRunner(ns.llama_bench, ns.emulated_gpu, ns.cpu_mask, nvml=nvml, gpu_order=order)
+        return LlamaBenchRunner(ns.llama_bench, ns.emulated_gpu, ns.cpu_mask, nvml=nvml, gpu_order=order,
+                                emulated_kind=ns.emulated_kind)
     if ns.llama_server:
         return ServerRunner(ns.llama_server, ns.emulated_gpu, process, nvml=nvml, vocab_size=vocab_size,
-                            gpu_order=order)
+                            gpu_order=order, emulated_kind=ns.emulated_kind)
     return WorkerRunner(emulated_gpu_mib=ns.emulated_gpu, cpus=process.cpus, nvml=nvml,
-                        build=snapshot.llama_cpp or None, emulated_cuda=ns.emulated_cuda, gpu_order=order)
+                        build=snapshot.llama_cpp or None, emulated_kind=ns.emulated_kind, gpu_order=order)
 
 
 def _listed(snapshot: MachineSnapshot, ns: argparse.Namespace) -> MachineSnapshot:

@@ -27,15 +27,46 @@ def cmd_check(ns: argparse.Namespace, runner_factory: RunnerFactory | None = Non
     model = getattr(ns, "model", None)
     factory = runner_factory or runner_factory_for(Path(ns.result), snapshot, model)
     log(f"fitter: check: re-measuring the {ns.policy} pick of {ns.result}")
+    built = _build_devices(Path(ns.result))
     verdict = run_check(Path(ns.result), ns.policy, tolerance, factory, model=model,
                         timeout=getattr(ns, "timeout", None), cpu=snapshot.cpu_profile,
-                        machine_devices=lambda: (gpus_now(snapshot) or snapshot.devices()) if snapshot.gpus else (),
+                        machine_devices=lambda: built if built is not None else (
+                            (gpus_now(snapshot) or snapshot.devices()) if snapshot.gpus else ()),
                         consumer=getattr(ns, "consumer", None),
                         machine_gpus=lambda: snapshot.record()["gpu_map"])
     for w in verdict.warnings:
         warn(w)
     print(json.dumps(verdict_json(verdict), indent=1) if ns.json else verdict_text(verdict))
     return 0 if verdict.ok else 1
+
+
+def _build_devices(result: Path) -> Any:
+    """The devices of the build a result was tuned through (`--llama-cpp DIR`), as it lists them now, for the fit
+    check; refused when they or its backends are not those it was tuned on (fitter.measure.llamacpp.builds
+    .build_change). None for a result tuned otherwise."""
+    from fitter.errors import FitterError
+    from fitter.measure.llamacpp.builds import (
+        build_backends,
+        build_change,
+        device_records,
+        devices_of_build,
+        find_build,
+    )
+    from fitter.results.pareto import load_result
+
+    try:
+        doc = load_result(result)
+    except FitterError:
+        return None  # run_check reports the unreadable result
+    binary = doc.llama_cpp.get("llama_server")
+    if not isinstance(binary, str) or not Path(binary).is_file() or "build_devices" not in doc.machine:
+        return None
+    devices, _ = devices_of_build(find_build(Path(binary).parent))
+    change = build_change(doc.machine, device_records(devices), doc.llama_cpp.get("backends"),
+                          build_backends(binary))
+    if change is not None:
+        raise FitterError(f"{doc.source} {change}")
+    return devices
 
 
 def _listed(snapshot: MachineSnapshot, result: Path) -> MachineSnapshot:

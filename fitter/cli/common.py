@@ -19,29 +19,37 @@ if TYPE_CHECKING:
 
 
 class _EmulatedGpuAction(argparse.Action):
-    """`--emulated-gpu MiB[,MiB...]` (capped RPC devices, one per value) or `cuda:MiB[,MiB...]` (CUDA-shaped ones):
-    ns.emulated_gpu = MiB for one device, a tuple of MiB for several; ns.emulated_cuda = whether they are
-    CUDA-shaped."""
+    """`--emulated-gpu [KIND:]MiB[,MiB...]`: capped RPC devices (no kind), CUDA-shaped ones (`cuda:`) or Vulkan
+    devices on Mesa's lavapipe (`vulkan:`; fitter.measure.emulator), one per value: ns.emulated_gpu = MiB for one
+    device, a tuple of MiB for several; ns.emulated_kind = "rpc", "cuda" or "vulkan"."""
 
     def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         value = str(values)
-        caps = value.removeprefix("cuda:").split(",")
+        kind, sep, rest = value.rpartition(":")
+        if sep and kind not in EMULATED_KINDS[1:]:
+            parser.error(f"{option_string} {value!r}: {kind!r} is not a kind of emulated GPU; expected MiB[,MiB...], "
+                         "cuda:MiB[,MiB...] or vulkan:MiB[,MiB...]")
+        caps = rest.split(",")
         if not all(c.isdigit() and int(c) >= 1 for c in caps):
-            parser.error(f"{option_string} {value!r}: expected MiB[,MiB...] or cuda:MiB[,MiB...], e.g. 4096, "
-                         "cuda:4096 or 96,48 (one emulated GPU per value)")
+            parser.error(f"{option_string} {value!r}: expected MiB[,MiB...], cuda:MiB[,MiB...] or vulkan:MiB[,MiB...], "
+                         "e.g. 4096, cuda:4096, vulkan:96 or 96,48 (one emulated GPU per value)")
         mib = tuple(int(c) for c in caps)
-        ns.emulated_gpu, ns.emulated_cuda = mib[0] if len(mib) == 1 else mib, value.startswith("cuda:")
+        ns.emulated_gpu, ns.emulated_kind = mib[0] if len(mib) == 1 else mib, kind or "rpc"
+
+
+EMULATED_KINDS = ("rpc", "cuda", "vulkan")  # fitter.measure.runners.emulated_gpus
 
 
 def add_emulated_gpu(parser: argparse.ArgumentParser, what: str, several: bool = False) -> None:
     """`several`: the command takes a list, one emulated GPU per value."""
-    metavar = "[cuda:]MiB[,MiB...]" if several else "[cuda:]MiB"
+    metavar = "[cuda:|vulkan:]MiB[,MiB...]" if several else "[cuda:|vulkan:]MiB"
     parser.add_argument("--emulated-gpu", action=_EmulatedGpuAction, metavar=metavar,
                         help=f"{what} a capped emulated GPU: MiB for llama.cpp's RPC device, cuda:MiB for the "
-                        "CUDA-shaped one (CUDA's buffers, op offload and CUDA_Host)"
+                        "CUDA-shaped one (CUDA's buffers, op offload and CUDA_Host), vulkan:MiB for llama.cpp's "
+                        "Vulkan backend on Mesa's lavapipe (needs the Vulkan build: .ci/setup --vulkan)"
                         + ("; a list (96,48) starts one per value" if several else ""))
-    parser.set_defaults(emulated_gpu=None, emulated_cuda=False)
+    parser.set_defaults(emulated_gpu=None, emulated_kind="rpc")
 
 
 def single_emulated_gpu(ns: argparse.Namespace, command: str) -> int | None:
@@ -121,7 +129,8 @@ def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: Machi
     GPUs (already read as the llama.cpp fitter starts will see them); each as that llama.cpp will see it
     (fitter.machine.environment.with_environment)."""
     from fitter.machine.environment import with_environment
-    from fitter.memory.backends.devices import parse_devices, rpc_devices
+    from fitter.memory.backends.devices import rpc_devices
+    from fitter.memory.backends.registry import parse_devices
 
     if getattr(ns, "llama_cpp", None) and not getattr(ns, "devices", ""):
         return with_environment(llama_cpp_devices(ns.llama_cpp, config))
@@ -141,12 +150,14 @@ def target_devices(ns: argparse.Namespace, config: LaunchConfig, snapshot: Machi
 
 
 def llama_cpp_devices(folder: str, config: LaunchConfig) -> tuple[Device, ...]:
-    """The devices a user's llama.cpp build sees (`llama-server --list-devices`, with the config's --rpc)."""
-    from fitter.measure.llamacpp.builds import build_devices, find_build, list_devices
+    """The devices a user's llama.cpp build sees (`llama-server --list-devices`, with the config's --rpc), whatever
+    its backend: each with its backend's rules, a Vulkan device with its driver's limits, a CUDA device with what
+    NVML measured of it (its overhead) where NVML names it alike; a note for each one not planned by exact rules."""
+    from fitter.measure.llamacpp.builds import devices_of_build, find_build
 
-    devices, warnings = build_devices(list_devices(find_build(folder), config.rpc))
-    for w in warnings:
-        warn(w)
+    devices, notes = devices_of_build(find_build(folder), config.rpc)
+    for note in notes:
+        warn(note)
     return devices
 
 
@@ -154,17 +165,18 @@ def add_llama_cpp(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--llama-cpp", metavar="DIR", help=f"a llama.cpp build's bin/ folder: {what}")
 
 
-def build_projector(ns: argparse.Namespace, spec: ModelSpec, rpc: tuple[str, ...] = ()) -> Any:
+def build_projector(ns: argparse.Namespace, spec: ModelSpec, rpc: tuple[str, ...] = (),
+                    devices: tuple[Device, ...] = ()) -> Any:
     """The build's projector where fitter guesses a kind for the model
     (fitter.measure.llamacpp.projection.projector_for), else None; fitter.measure is imported only then (it is most of
     a CLI's start-up)."""
     from fitter.memory.plan.projected import guessed_kinds
 
-    if ns.projection == "never" or not guessed_kinds(spec):
+    if ns.projection == "never" or not guessed_kinds(spec, devices):
         return None
     from fitter.measure.llamacpp.projection import projector_for
 
-    return projector_for(spec, ns.llama_cpp, rpc=rpc)
+    return projector_for(spec, ns.llama_cpp, rpc=rpc, devices=devices)
 
 
 def add_projection(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,7 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     spec = load_model(model_path(ns.model), config)
     devices, cpu = devices_and_cpu(ns, config)
     plan = estimate(spec, config, devices, cpu)
-    projector = build_projector(ns, spec)
+    projector = build_projector(ns, spec, config.rpc, devices)
     if projector is not None:
         plan = projector.plan(plan)
     for w in plan.warnings:

@@ -38,18 +38,18 @@ def cmd_fit(ns: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         gpu = None
         if ns.emulated_gpu is not None:
-            from fitter.measure.emulator.emulated_gpu import EmulatedGpus
-            from fitter.measure.runners import emulated_caps
+            from fitter.measure.runners import emulated_caps, emulated_gpus
 
             if ns.devices or config.rpc:
                 raise LaunchConfigError("--emulated-gpu replaces --devices and --rpc: give one target")
-            gpu = stack.enter_context(EmulatedGpus(emulated_caps(ns.emulated_gpu), cuda=ns.emulated_cuda))
+            beside = _vulkan_server(ns) if ns.emulated_kind == "vulkan" else None
+            gpu = stack.enter_context(emulated_gpus(ns.emulated_kind, emulated_caps(ns.emulated_gpu), beside))
             devices: tuple[Device, ...] = gpu.devices()
             cpu = cpu_here()
         else:
             devices, cpu = devices_and_cpu(ns, config)
         rpc = gpu.endpoints if gpu is not None else config.rpc
-        projector = build_projector(ns, spec, rpc)
+        projector = build_projector(ns, spec, rpc, devices)
         result = fit(spec, config, devices, targets, ns.fit_ctx, cpu, projector)
         launch = pin(replace(result.config, rpc=rpc), result.plan.context)
         verify = None
@@ -76,14 +76,24 @@ def _verify(model: str, launch: list[str], gpu: Any, consumer: str) -> dict[str,
     gpu.reset_peak()
     res = load_and_capture(model, parse_launch_flags(launch, consumer))
     peaks = gpu.peaks()
+    caps = {d.name: d.total_bytes or 0 for d in gpu.devices()}
     return {
         "loaded": res.ok,
         "error": res.error,
         "device_peak_bytes": sum(peaks.values()),
-        "device_cap_bytes": sum(g.cap_bytes for g in gpu.gpus),
-        "devices": {g.device_name: {"peak_bytes": peaks[g.device_name], "cap_bytes": g.cap_bytes} for g in gpu.gpus},
+        "device_cap_bytes": sum(caps.values()),
+        "devices": {name: {"peak_bytes": peaks[name], "cap_bytes": cap} for name, cap in caps.items()},
         "buffers": [{"buft": b.buft, "kind": b.kind, "mib": b.mib} for b in res.buffers],
     }
+
+
+def _vulkan_server(ns: argparse.Namespace) -> str | None:
+    """The Vulkan build the emulated Vulkan GPU runs: --llama-cpp DIR's, else fitter's own (None)."""
+    if not ns.llama_cpp:
+        return None
+    from fitter.measure.llamacpp.builds import find_build
+
+    return str(find_build(ns.llama_cpp).llama_server)
 
 
 def register(sub: Any) -> None:

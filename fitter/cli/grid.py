@@ -51,7 +51,7 @@ def cmd_grid(ns: argparse.Namespace) -> int:
         search=SearchOptions(space=ns.space, seed=ns.seed,
                              fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None),
         measure=MeasureOptions(backend=ns.backend, machine=ns.machine, emulated_gpu_mib=single_emulated_gpu(ns, "grid"),
-                               emulated_cuda=ns.emulated_cuda, llama_fit_params=ns.llama_fit_params,
+                               emulated_kind=ns.emulated_kind, llama_fit_params=ns.llama_fit_params,
                                repetitions=ns.repetitions, trial_timeout_s=ns.trial_timeout))
     land, path = record_landscape(options, snapshot, ns.rounds, Path(ns.out) if ns.out else None, log, ns.max_runs)
     print(landscape_table(land))

@@ -109,7 +109,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
                              fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None,
                              trials=ns.trials, timeout_s=ns.timeout, seed=ns.seed),
         measure=MeasureOptions(backend=ns.backend, machine=ns.machine, landscape=ns.landscape,
-                               emulated_gpu_mib=ns.emulated_gpu, emulated_cuda=ns.emulated_cuda,
+                               emulated_gpu_mib=ns.emulated_gpu, emulated_kind=ns.emulated_kind,
                                llama_cpp=ns.llama_cpp, llama_fit_params=ns.llama_fit_params, projection=ns.projection,
                                repetitions=ns.repetitions, confirm_rounds=ns.confirm_rounds,
                                trial_timeout_s=ns.trial_timeout),

@@ -83,7 +83,12 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
 
     emulated = result.emulated or (entry.measurement is not None and entry.measurement.emulated)
     warning = None
-    if emulated:
+    if emulated and result.machine.get("emulated_gpu_kind") == "vulkan":
+        # the emulated Vulkan GPUs are the Vulkan build's own devices, named as a Vulkan build names them
+        warning = ("measured on fitter's emulated Vulkan GPU (llama.cpp's Vulkan backend on Mesa's lavapipe, capped, "
+                   "CPU speed) on the tuning machine: check the placement fits your GPU with `fitter fit "
+                   "--llama-cpp <your Vulkan build>`")
+    elif emulated:
         # several emulated GPUs stand for CUDA0, CUDA1, … in their order: a rule naming one names that GPU
         named = emulated_gpu_names(config.rpc)
         dropped = f"; its --rpc {','.join(config.rpc)} is left out" if config.rpc else ""

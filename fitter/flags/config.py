@@ -71,6 +71,9 @@ class LaunchConfig:
     main_gpu: int = 0
     split_mode: str = "layer"  # -sm: none | layer | row | tensor (SPLIT_MODES)
     rpc: tuple[str, ...] = ()
+    # -dev: the devices the model uses, by the names the build lists (common/arg.cpp parse_device_list); ("none",):
+    # none; (): llama.cpp's choice (src/llama.cpp: RPC servers, then GPUs, integrated ones only without those)
+    device_names: tuple[str, ...] = ()
     consumer: str = DEFAULT_CONSUMER  # the program that runs it (`--for`, fitter.flags.consumers)
     # Speculative decoding with a draft model (common/arg.cpp --spec-draft-*, common/common.h
     # common_params_speculative_draft): a second model llama-server loads beside this one, with one draft context
@@ -251,12 +254,13 @@ def parse_cpu_mask(mask: str | None, cpu_range: str | None) -> tuple[int, ...] |
 DRAFT_FIELDS = ("draft_n_gpu_layers", "draft_overrides", "draft_cache_type_k", "draft_cache_type_v", "spec_type",
                 "spec_draft_n_max", "spec_draft_n_min")
 # Fields added after keys were recorded, left out of `recorded_repr` at their defaults
-_LATER_FIELDS = ("split_mode", "draft_model", *DRAFT_FIELDS)
+_LATER_FIELDS = ("split_mode", "device_names", "draft_model", *DRAFT_FIELDS)
 
 
 def recorded_repr(config: LaunchConfig) -> str:
-    """repr(config) as keys recorded before `split_mode` and the draft's fields existed spell it: each is left out at
-    its default (`-sm layer`, no draft), so seeded simulations and recorded landscapes keep matching (fitter.sim);
+    """repr(config) as keys recorded before `split_mode`, `-dev` and the draft's fields existed spell it: each is left
+    out at its default (`-sm layer`, no `-dev`, no draft), so seeded simulations and recorded landscapes keep matching
+    (fitter.sim);
     `flags=()` closes it, as when a config carried its flags' tokens (keys were recorded without them)."""
     text = repr(config)[:-1] + ", flags=())"
     defaults = LaunchConfig()

@@ -59,6 +59,7 @@ WRITERS: tuple[tuple[str, Callable[[LaunchConfig], list[str]]], ...] = (
     ("split_mode", lambda c: ["-sm", c.split_mode]),
     ("main_gpu", lambda c: ["-mg", str(c.main_gpu)]),
     ("rpc", lambda c: ["--rpc", ",".join(c.rpc)] if c.rpc else []),
+    ("device_names", lambda c: ["-dev", ",".join(c.device_names)] if c.device_names else []),
     ("draft_model", lambda c: ["-md", c.draft_model] if c.draft_model else []),
     ("draft_n_gpu_layers", lambda c: ["-ngld", _layers(c.draft_n_gpu_layers)]),
     ("draft_overrides", _draft_overrides),
@@ -70,9 +71,9 @@ WRITERS: tuple[tuple[str, Callable[[LaunchConfig], list[str]]], ...] = (
     ("fit", lambda c: ["-fit", "on" if c.fit else "off"]),
 )
 # Written pinned only away from llama-server's default (a default here is what llama-server does unasked)
-_PINNED_IF_SET = ("overrides", "draft_overrides", "load_mode", "split_mode", "main_gpu")
+_PINNED_IF_SET = ("overrides", "draft_overrides", "load_mode", "split_mode", "main_gpu", "device_names")
 _PLACEMENT = ("n_gpu_layers", "overrides", "swa_full", "no_kv_offload", "no_op_offload", "no_repack", "load_mode",
-              "tensor_split", "split_mode", "main_gpu")
+              "tensor_split", "split_mode", "main_gpu", "device_names")
 
 
 def pin(config: LaunchConfig, context: ContextParams | None = None, process: ProcessFlags | None = None, *,

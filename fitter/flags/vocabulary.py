@@ -118,6 +118,16 @@ def _endpoints(value: str) -> tuple[str, ...]:
     return tuple(x for x in value.split(",") if x)
 
 
+def _device_list(value: str) -> tuple[str, ...]:
+    """-dev as common/arg.cpp parse_device_list reads it: a comma list of device names, or `none` alone."""
+    names = tuple(x for x in value.split(","))
+    if not value or any(not n for n in names):
+        raise argparse.ArgumentTypeError(f"expected device names like Vulkan0,Vulkan1 or none, got {value!r}")
+    if "none" in names and names != ("none",):
+        raise argparse.ArgumentTypeError(f"{value!r}: none stands alone (llama.cpp: invalid device: none)")
+    return names
+
+
 def _spec_type(value: str) -> str:
     """One --spec-type value as common/speculative.cpp `common_speculative_types_from_names` reads its comma list: in
     order, `none` ends it as none alone, an unknown name is an error; of the types it names, fitter models
@@ -189,6 +199,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-sm", "--split-mode"), "split_mode", Kind.VALUE, _M, preset_key="split-mode", choices=SPLIT_MODES,
          help="how layers spread over several GPUs (default layer; none: -mg's GPU only)"),
     Flag(("--rpc",), "rpc", Kind.VALUE, _M, preset_key="rpc", parse=_endpoints, metavar="HOST:PORT[,...]"),
+    Flag(("-dev", "--device"), "device_names", Kind.VALUE, _M, preset_key="device", parse=_device_list,
+         metavar="DEV0,DEV1,...|none", help="the devices the model uses, as the build names them (default: its GPUs)"),
     Flag(("-t", "--threads"), "threads", Kind.VALUE, _P, "threads", preset_key="threads", parse=int, metavar="N"),
     Flag(("-tb", "--threads-batch"), "threads_batch", Kind.VALUE, _P, "threads-batch", preset_key="threads-batch",
          parse=int, metavar="N", help="threads for prefill (default: -t)"),

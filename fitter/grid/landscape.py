@@ -106,7 +106,7 @@ class Landscape:
     machine: dict[str, Any]  # the machine record (fingerprint included), as tune's results name it
     llama_cpp: dict[str, Any]  # the build that measured: commit, source
     emulated_gpu_mib: int | None
-    emulated_cuda: bool
+    emulated_cuda: bool  # kept for landscapes recorded before `emulated_kind`
     devices: tuple[DeviceRecord, ...]
     rpc: tuple[str, ...]  # the endpoints every trial carried (the emulated GPU's)
     fit_target_mib: tuple[int, ...]
@@ -123,6 +123,7 @@ class Landscape:
     seed: int
     points: tuple[Point, ...]
     baseline_reason: str | None = None  # why there is no baseline point
+    emulated_kind: str = "rpc"  # the emulated GPU's kind: rpc, cuda (emulated_cuda) or vulkan
     wall_s: float = 0.0  # recording time over every session that wrote the file
 
     def point(self, params: dict[str, Any]) -> Point | None:
@@ -150,6 +151,7 @@ class Landscape:
         return {
             "landscape": FORMAT, "model": self.model, "machine": self.machine, "llama_cpp": self.llama_cpp,
             "emulated_gpu_mib": self.emulated_gpu_mib, "emulated_cuda": self.emulated_cuda,
+            "emulated_kind": self.emulated_kind,
             "devices": [d.to_json() for d in self.devices], "rpc": list(self.rpc),
             "fit_target_mib": list(self.fit_target_mib), "bench": self.bench, "threads": self.threads,
             "target": self.target,
@@ -273,11 +275,13 @@ def parse_landscape(data: Any, source: str) -> Landscape:
     dup = next((k for k in keys if keys.count(k) > 1), None)
     if dup is not None:
         raise r.fail("points", "must name each config once", dup)
+    emulated_cuda = r.get(data, "emulated_cuda", "", lambda v: isinstance(v, bool), "must be true or false", False)
     return Landscape(
         path=source, model=model, machine=machine, llama_cpp=llama_cpp,
         emulated_gpu_mib=r.get(data, "emulated_gpu_mib", "", _opt_int, "must be MiB (an integer) or null"),
-        emulated_cuda=r.get(data, "emulated_cuda", "", lambda v: isinstance(v, bool), "must be true or false",
-                            False),
+        emulated_cuda=emulated_cuda,
+        emulated_kind=r.get(data, "emulated_kind", "", lambda v: v in ("rpc", "cuda", "vulkan"),
+                            "must be rpc, cuda or vulkan", "cuda" if emulated_cuda else "rpc"),
         devices=devices, rpc=tuple(r.get(data, "rpc", "", _str_list, "must be a list of endpoints", [])),
         fit_target_mib=tuple(r.get(data, "fit_target_mib", "", lambda v: isinstance(v, list) and all(
             type(x) is int and x >= 0 for x in v), "must be a list of MiB (integers >= 0)")),

@@ -70,7 +70,7 @@ class ReplayRunner:
         self.landscape = landscape
         self.seed = seed
         self.emulated = landscape.emulated_gpu_mib is not None
-        self.emulated_cuda = self.emulated and landscape.emulated_cuda
+        self.emulated_kind = landscape.emulated_kind if self.emulated else "rpc"
         self.trials_run = 0
         self.model_loads = 0
         self._loaded: tuple[Any, ...] | None = None

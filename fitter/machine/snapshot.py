@@ -155,3 +155,13 @@ def machine_record(cpu: CpuInfo, ram_total: int, gpus: list[str], driver: str | 
         stable["gpu_map"] = record["gpu_map"]
     record["fingerprint"] = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
     return record
+
+
+def with_build_devices(record: dict[str, Any], devices: list[dict[str, Any]]) -> dict[str, Any]:
+    """`record` of a machine tuned through a user's build, with the devices that build listed (name, backend,
+    total memory; `build_devices`) in it and in its fingerprint: another card, or a build of another backend, is
+    another machine (pure)."""
+    out = dict(record, build_devices=devices)
+    base = record["fingerprint"]
+    out["fingerprint"] = hashlib.sha256(json.dumps([base, devices], sort_keys=True).encode()).hexdigest()[:16]
+    return out

@@ -36,6 +36,7 @@ def bench(model: str, spec: ModelSpec, config: LaunchConfig, bench_spec: BenchSp
         result = runner.run(model, config, bench_spec, timeout, plan)
     out = bench_json(result.measurement, runner.backend, plan if runner.deployed_context else None,
                      emulated=runner.emulated, peak_vram=result.peak_vram)
-    if getattr(runner, "emulated_cuda", False):
-        out["emulated_gpu"] = "cuda"  # the CUDA-shaped emulated GPU
+    kind = getattr(runner, "emulated_kind", "rpc")
+    if runner.emulated and kind != "rpc":
+        out["emulated_gpu"] = kind  # the CUDA-shaped or the Vulkan emulated GPU
     return {"for": config.consumer, **out}

@@ -64,7 +64,10 @@ def bench_json(
 
 def bench_table(result: dict[str, Any]) -> str:
     lines = []
-    if result["emulated"]:
+    if result["emulated"] and result.get("emulated_gpu") == "vulkan":
+        lines.append("device: emulated Vulkan GPU (llama.cpp's Vulkan backend on Mesa's lavapipe, capped): its speed "
+                     "is a software driver's, below the CPU backend's")
+    elif result["emulated"]:
         shape = ", CUDA-shaped" if result.get("emulated_gpu") == "cuda" else ""
         lines.append(f"device: emulated GPU (a capped llama.cpp RPC device on 127.0.0.1{shape}): its speed is CPU "
                      "speed")

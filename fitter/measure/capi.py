@@ -47,7 +47,7 @@ def config_from_json(data: dict[str, Any]) -> LaunchConfig:
     data = dict(data)
     for key in ("overrides", "draft_overrides"):
         data[key] = tuple(TensorOverride(o["pattern"], o["buft"]) for o in data.get(key, ()))
-    for key in ("tensor_split", "rpc"):
+    for key in ("tensor_split", "rpc", "device_names"):
         data[key] = tuple(data.get(key, ()))
     data["given"] = frozenset(data.get("given", ()))
     return LaunchConfig(**data)
@@ -70,6 +70,7 @@ class Ggml:
         self._sig(self.ggml, "ggml_backend_register", [vp], None)
         self._sig(self.base, "ggml_backend_dev_buffer_type", [vp], vp)
         self._sig(self.base, "ggml_backend_dev_name", [vp], cp)
+        self._sig(self.base, "ggml_backend_dev_type", [vp], ctypes.c_int)
         self._sig(self.base, "ggml_backend_buft_name", [vp], cp)
         self._sig(self.base, "ggml_backend_cpu_buffer_type", [], vp)
         self._sig(self.base, "ggml_backend_reg_get_proc_address", [vp, cp], vp)
@@ -102,6 +103,14 @@ class Ggml:
 
     def cpu_buffer_type(self) -> int:
         return int(self.base.ggml_backend_cpu_buffer_type())
+
+    def device(self, name: str) -> int:
+        """ggml_backend_dev_by_name, as -dev reads a name (a CPU device, or none, is an invalid device)."""
+        for i in range(self.ggml.ggml_backend_dev_count()):
+            dev = self.ggml.ggml_backend_dev_get(i)
+            if self.base.ggml_backend_dev_name(dev).decode() == name and self.base.ggml_backend_dev_type(dev) != 0:
+                return int(dev)
+        raise RuntimeError(f"-dev {name}: invalid device (llama.cpp lists no such device here)")
 
     def add_rpc_servers(self, servers: tuple[str, ...]) -> None:
         """common/arg.cpp add_rpc_devices. An unreachable server aborts this (child) process."""
@@ -197,6 +206,11 @@ def build_model_params(config: LaunchConfig, ggml: Ggml, keep_alive: list[Any]) 
         split = (ctypes.c_float * n_max)(*[float(x) for x in config.tensor_split[:n_max]])
         keep_alive.append(split)
         mparams.tensor_split = split
+    if config.device_names:  # common/arg.cpp parse_device_list: NULL-terminated, `none` alone is just the NULL
+        names = () if config.device_names == ("none",) else config.device_names
+        devs = (ctypes.c_void_p * (len(names) + 1))(*[ggml.device(name) for name in names], None)
+        keep_alive.append(devs)
+        mparams.devices = ctypes.cast(devs, ctypes.c_void_p)
     if config.overrides:
         by_name = ggml.buffer_types()
         by_name.setdefault("CPU", ggml.cpu_buffer_type())

@@ -28,7 +28,8 @@ from fitter.memory.backends.devices import CpuProfile, Device
 from fitter.memory.plan.estimator import MemoryPlan
 
 # The CUDA-shaped emulated GPU's client rules are loaded into fitter's own llama.cpp client (fitter.measure.capi):
-# a llama-server or llama-bench binary would see a plain RPC device.
+# a llama-server or llama-bench binary would see a plain RPC device. The Vulkan one (capdev's client mode) caps the
+# Vulkan devices of any llama.cpp process fitter starts: a Vulkan build's binaries, or the worker on its libraries.
 CUDA_SHAPED_NEEDS_WORKER = ("--emulated-gpu cuda:MiB: CUDA's rules live in fitter's own llama.cpp client, which a "
                             "llama-server or llama-bench binary is not; use --emulated-gpu MiB with them")
 DEFAULT_TIMEOUT_S = 600.0  # a user's llama-server or llama-bench, when the caller gives no limit
@@ -66,7 +67,7 @@ class TrialRunner(Protocol):
 
 
 # How commands make runners: factory(emulated_gpu_mib=MiB | (MiB, …) | None, cpus=(cpu, …) | None
-# [, emulated_cuda=bool]).
+# [, emulated_kind="rpc" | "cuda" | "vulkan"]).
 RunnerFactory = Callable[..., TrialRunner]
 
 
@@ -85,6 +86,18 @@ def emulated_caps(emulated_gpu_mib: int | tuple[int, ...] | None) -> tuple[int, 
     return (emulated_gpu_mib,) if isinstance(emulated_gpu_mib, int) else tuple(emulated_gpu_mib)
 
 
+def emulated_gpus(kind: str, caps: tuple[int, ...], beside: str | Path | None = None) -> Any:
+    """The group of emulated GPUs of `kind` (not started): capped RPC devices ("rpc"), CUDA-shaped ones ("cuda"),
+    or Vulkan devices on lavapipe ("vulkan", the Vulkan build beside `beside` or fitter's own)."""
+    if kind == "vulkan":
+        from fitter.measure.emulator.emulated_vulkan import EmulatedVulkanGpus
+
+        return EmulatedVulkanGpus(caps, beside=beside)
+    from fitter.measure.emulator.emulated_gpu import EmulatedGpus
+
+    return EmulatedGpus(caps, cuda=kind == "cuda", beside=beside)
+
+
 def _one_stream(spec: BenchSpec, who: str) -> None:
     if spec.streams > 1:
         raise WorkerError(f"{who} measures one stream; {spec.streams} concurrent streams are served by llama-server "
@@ -98,13 +111,14 @@ class _Devices:
     deployed_context = True
 
     def __init__(self, emulated_gpu_mib: int | tuple[int, ...] | None = None, nvml: bool = False,
-                 emulated_cuda: bool = False, beside: str | None = None,
+                 emulated_kind: str = "rpc", beside: str | None = None,
                  gpu_order: tuple[int, ...] | None = None) -> None:
         self._caps = emulated_caps(emulated_gpu_mib)
         self.emulated = bool(self._caps)
         self._beside = beside  # a user's binary: its own ggml serves the emulated GPU when it can
-        self._cuda = emulated_cuda  # the CUDA-shaped emulated GPU (fitter's own llama.cpp client only)
-        self._gpu: Any = None  # an EmulatedGpus group while running
+        # rpc, cuda (the CUDA-shaped one: fitter's own llama.cpp client only) or vulkan (`emulated_gpus`)
+        self.emulated_kind = emulated_kind
+        self._gpu: Any = None  # an emulated GPU group while running
         self._nvml = nvml
         self._gpu_order = gpu_order  # NVML's index of each CUDA device, CUDA0 first (MachineSnapshot.nvml_indices)
         self.trials_run = 0
@@ -112,9 +126,7 @@ class _Devices:
 
     def __enter__(self) -> Any:
         if self._caps:
-            from fitter.measure.emulator.emulated_gpu import EmulatedGpus
-
-            self._gpu = EmulatedGpus(self._caps, cuda=self._cuda, beside=self._beside).start()
+            self._gpu = emulated_gpus(self.emulated_kind, self._caps, self._beside).start()
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
@@ -125,10 +137,6 @@ class _Devices:
     def rpc(self) -> tuple[str, ...]:
         return self._gpu.endpoints if self._gpu is not None else ()
 
-    @property
-    def emulated_cuda(self) -> bool:
-        """The emulated GPU is the CUDA-shaped one."""
-        return self.emulated and self._cuda
 
     def devices(self) -> tuple[Device, ...]:
         """The emulated devices as the estimator sees them (each one's free memory is its cap)."""
@@ -182,8 +190,8 @@ class WorkerRunner(_Devices):
 
     def __init__(self, emulated_gpu_mib: int | tuple[int, ...] | None = None, cpus: tuple[int, ...] | None = None,
                  nvml: bool = False, log_path: str | Path | None = None, build: dict[str, str] | None = None,
-                 emulated_cuda: bool = False, gpu_order: tuple[int, ...] | None = None) -> None:
-        super().__init__(emulated_gpu_mib, nvml, emulated_cuda, gpu_order=gpu_order)
+                 emulated_kind: str = "rpc", gpu_order: tuple[int, ...] | None = None) -> None:
+        super().__init__(emulated_gpu_mib, nvml, emulated_kind, gpu_order=gpu_order)
         self._worker = LlamaWorker(log_path=log_path, cpus=cpus)
         self._build = build  # the machine snapshot's reading, when the caller has one
 
@@ -220,8 +228,9 @@ class ServerRunner(_Devices):
 
     def __init__(self, binary: str, emulated_gpu_mib: int | tuple[int, ...] | None = None,
                  process: ProcessFlags | None = None,
-                 nvml: bool = False, vocab_size: int = 256, gpu_order: tuple[int, ...] | None = None) -> None:
-        super().__init__(emulated_gpu_mib, nvml, beside=binary, gpu_order=gpu_order)
+                 nvml: bool = False, vocab_size: int = 256, gpu_order: tuple[int, ...] | None = None,
+                 emulated_kind: str = "rpc") -> None:
+        super().__init__(emulated_gpu_mib, nvml, emulated_kind, beside=binary, gpu_order=gpu_order)
         self.binary = binary
         self._process = process or ProcessFlags()
         self._vocab_size = vocab_size
@@ -251,8 +260,8 @@ class LlamaBenchRunner(_Devices):
 
     def __init__(self, binary: str, emulated_gpu_mib: int | tuple[int, ...] | None = None,
                  cpu_mask: str | None = None,
-                 nvml: bool = False, gpu_order: tuple[int, ...] | None = None) -> None:
-        super().__init__(emulated_gpu_mib, nvml, beside=binary, gpu_order=gpu_order)
+                 nvml: bool = False, gpu_order: tuple[int, ...] | None = None, emulated_kind: str = "rpc") -> None:
+        super().__init__(emulated_gpu_mib, nvml, emulated_kind, beside=binary, gpu_order=gpu_order)
         self.binary = binary
         self._cpu_mask = cpu_mask
 

@@ -4,7 +4,8 @@ must fit, and `fit`, the placement that uses the most device memory within them.
 
 from __future__ import annotations
 
-from fitter.memory.backends.devices import CUDA, RPC, CpuProfile, Device, DeviceProfile, parse_devices, rpc_devices
+from fitter.memory.backends.devices import CUDA, RPC, CpuProfile, Device, DeviceProfile, rpc_devices
+from fitter.memory.backends.registry import parse_devices
 from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, parse_fit_targets
 from fitter.memory.fit.fit import FitResult, fit
 from fitter.memory.plan.estimator import Buffer, DeviceTotals, MemoryPlan, estimate

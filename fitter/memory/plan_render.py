@@ -162,7 +162,10 @@ def fit_json(
 def fit_table(result: FitResult, command: str, emulated: bool, verify: dict[str, Any] | None) -> str:
     plan = result.plan
     lines = [f"model   {plan.model.path}  ({plan.model.arch}, {plan.model.n_layer} layers)"]
-    if emulated:
+    if emulated and any(d.profile.kind == "vulkan" for d in plan.devices):
+        lines.append("device  emulated Vulkan GPU (llama.cpp's Vulkan backend on Mesa's lavapipe, capped): real "
+                     "placement and out-of-memory behaviour, CPU speed")
+    elif emulated:
         shape = ", CUDA-shaped" if any(d.profile.cuda_rules for d in plan.devices) else ""
         lines.append(f"device  emulated GPU (a capped llama.cpp RPC device on 127.0.0.1{shape}): real placement and "
                      "out-of-memory behaviour, CPU speed")

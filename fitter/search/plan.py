@@ -39,7 +39,7 @@ class Screener:
         self._cache: dict[object, Screen] = {}
         self._spreads: dict[object, dict[str, Any] | None] = {}  # a multi-device search per context and split
         self.budgets = req.budgets
-        self.guessed = guessed_kinds(req.spec)
+        self.guessed = guessed_kinds(req.spec, req.devices)
 
     def learn_margin(self, device: str, margin: int) -> None:
         self.budgets = self.budgets.with_margin(device, margin)

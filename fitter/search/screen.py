@@ -2,7 +2,9 @@
 
 A trial's constraints (Optuna's `trial.set_constraint`, feasible when ≤ 0) are MiB over budget: one per device
 (predicted device total plus the margin learned from measured OOMs, minus free memory less the fit target) and one
-for host RAM (the model mapping plus every host buffer, minus available RAM). Pure: no files, no processes.
+for host RAM (the model mapping plus every host buffer, minus available RAM; a device that shares the host's memory,
+an integrated GPU or Apple silicon, adds its buffers to that one pool, so no byte is promised twice). Pure: no files,
+no processes.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ def screen(spec: ModelSpec, config: Any, devices: tuple[Device, ...], cpu: CpuPr
     for name, budget in budgets.devices.items():
         used = totals.get(name, 0) + budgets.margins.get(name, 0)
         constraints[f"vram:{name}"] = (used - budget) / MIB
-    if budgets.host is not None:
-        constraints["ram"] = (totals[CPU] - budgets.host) / MIB
+    if budgets.host is not None:  # a device that shares the host's memory draws on the same RAM: one pool
+        shared = sum(totals.get(d.name, 0) for d in devices if d.profile.unified)
+        constraints["ram"] = (totals[CPU] + shared - budgets.host) / MIB
     return Screen(plan, constraints)
 
 

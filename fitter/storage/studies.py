@@ -39,7 +39,7 @@ def machine_dir_name(machine: dict[str, Any], emulated_mib: int | tuple[int, ...
     """GPUs (or cpu-only / an emulated cap, or caps: 96+48) plus the fingerprint, so two machines never share a
     folder."""
     if emulated_mib is not None:
-        kind = "cuda-" if machine.get("emulated_gpu_kind") == "cuda" else ""
+        kind = f"{machine['emulated_gpu_kind']}-" if machine.get("emulated_gpu_kind") in ("cuda", "vulkan") else ""
         caps = "+".join(map(str, emulated_mib)) if isinstance(emulated_mib, tuple) else emulated_mib
         gpus = f"emulated-{kind}{caps}MiB"
     elif machine.get("gpus"):

@@ -47,7 +47,7 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
                 lightest = (worst[1], f"{worst[0]} by {worst[1]:.1f} MiB with {searched}")
     detail = f" the lightest configuration is over budget on {lightest[1]};" if lightest else ""
     if req.devices:
-        projector = req.projector if guessed_kinds(req.spec) else None
+        projector = req.projector if guessed_kinds(req.spec, req.devices) else None
         result = fit(req.spec, req.base, req.devices, targets, cpu=req.cpu, projects=projector)
         if result.fits:
             detail += f" fitter fit finds a placement outside the space: {' '.join(placement_flags(result.config))}"
@@ -63,16 +63,19 @@ def projected_before_start(o: TuneOptions, target: Target, planned: TuneRequest,
     """The request the checks before the study (and --dry-run) screen with, for a model fitter guesses a kind for:
     llama.cpp's projection where the build can see the devices (the CPU, real GPUs); a simulated GPU it never sees,
     so that is refused; an emulated GPU is started only by the run, so until then the guess, said aloud."""
-    projector = guess_projector(o.spec, tool, "no llama-fit-params was found (--llama-fit-params PATH)")
+    devices = target.planned_devices
+    kinds = " and ".join(guessed_kinds(o.spec, devices))
+    projector = guess_projector(o.spec, tool, "no llama-fit-params was found (--llama-fit-params PATH)",
+                                devices=devices)
     if target.sim is not None and target.planned_devices:
-        raise FitterError(f"{o.model}: fitter has no rules for the {' and '.join(guessed_kinds(o.spec))} memory of "
+        raise FitterError(f"{o.model}: fitter has no rules for the {kinds} memory of "
                           f"{o.spec.arch!r}, and llama.cpp cannot project a simulated machine's GPUs: take fitter's "
                           "guess with --projection never")
     if target.planned_rpc:
         log(f"fitter: warning: {o.spec.arch}: before the emulated GPU starts, the feasible region is fitter's guess "
-            f"of its {' and '.join(guessed_kinds(o.spec))} memory; every trial is screened by {projector.source}")
+            f"of its {kinds} memory; every trial is screened by {projector.source}")
         return planned
-    log(f"fitter: {o.spec.arch}: fitter has no rules for its {' and '.join(guessed_kinds(o.spec))} memory: every "
+    log(f"fitter: {o.spec.arch}: fitter has no rules for its {kinds} memory: every "
         f"config is screened by {projector.source}")
     return replace(planned, projector=projector)
 

@@ -37,7 +37,7 @@ class MeasureOptions:
     machine: str | None = None  # --backend sim: the simulated machine
     landscape: str | None = None  # --backend replay: the recorded landscape (fitter grid)
     emulated_gpu_mib: int | tuple[int, ...] | None = None  # several: one emulated GPU per value
-    emulated_cuda: bool = False  # `--emulated-gpu cuda:MiB`: the CUDA-shaped emulated GPU
+    emulated_kind: str = "rpc"  # `--emulated-gpu [cuda:|vulkan:]MiB`: the RPC, CUDA-shaped or Vulkan one
     llama_cpp: str | None = None  # `--llama-cpp DIR`: trials through that build's llama-server, its fit the baseline
     llama_fit_params: str | None = None
     projection: str = "auto"  # the drift guard with --llama-cpp: auto (another build or backend), always, never

@@ -147,6 +147,10 @@ def prepare(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str
             snapshot = listed_by(snapshot, users.llama_server)
     fit_params = o.measure.llama_fit_params or (
         str(users.llama_fit_params) if users and users.llama_fit_params else None)
+    if fit_params is None and o.measure.emulated_kind == "vulkan" and o.measure.emulated_gpu_mib is not None:
+        from fitter.measure.emulator.emulated_vulkan import vulkan_build
+
+        fit_params = str(vulkan_build() / "llama-fit-params")  # the emulated Vulkan GPU's fit is its build's
     tool = find_llama_fit_params(fit_params)
     check_workload(o)
     target = make_target(o) if make_target is not None else tune_target(o, snapshot)
@@ -158,10 +162,10 @@ def prepare(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str
     targets = fit_targets(o, target)
     check_target_count([d.name for d in target.planned_devices], targets)
     planned = plan_request(o, target, target.planned_devices, target.planned_rpc, log)
-    guessed = guessed_kinds(o.spec) if o.measure.projection != "never" else ()
+    guessed = guessed_kinds(o.spec, target.planned_devices) if o.measure.projection != "never" else ()
     if guessed:
         planned = projected_before_start(o, target, planned, tool, log)
-    elif (guess := guess_warning(o.spec)) is not None:  # --projection never: the guess, said once
+    elif (guess := guess_warning(o.spec, target.planned_devices)) is not None:  # --projection never: said once
         log(f"fitter: warning: {guess}")
     if planned.projector is not None or not guessed:
         check_something_fits(planned, targets)
@@ -220,7 +224,8 @@ def search(ready: Ready, opened: Opened, runner: WorkloadRunner, baseline_unavai
     o, target = ready.o, ready.target
     req = plan_request(o, target, target.devices(runner), runner.rpc)
     if ready.guessed:  # the trials' screen: llama.cpp's projection on the devices the runner started
-        req = replace(req, projector=guess_projector(o.spec, ready.tool, "no llama-fit-params was found", runner.rpc))
+        req = replace(req, projector=guess_projector(o.spec, ready.tool, "no llama-fit-params was found", runner.rpc,
+                                                     req.devices))
     elif ready.users is not None:
         req = replace(req, projector=drift_guard(o, ready.users, opened.build["commit"], runner.rpc, log))
     tuner = Tuner(req, opened.study, runner, on_event=progress(req) if progress else None, heartbeat_s=5,

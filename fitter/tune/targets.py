@@ -23,7 +23,7 @@ from fitter.flags import LaunchConfig, ProcessFlags
 from fitter.flags.parse import fixed_space_keys
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.gpu_order import GpuOrderError
-from fitter.machine.snapshot import MachineSnapshot, gpus_now
+from fitter.machine.snapshot import MachineSnapshot, gpus_now, with_build_devices
 from fitter.measure.emulator.emulated_gpu import emulated_device
 from fitter.measure.runners import CUDA_SHAPED_NEEDS_WORKER, ServerRunner, TrialRunner, WorkerRunner, emulated_caps
 from fitter.measure.types import BenchSpec
@@ -88,21 +88,30 @@ class RecordedBaseline:
 
 def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: ProcessFlags,
                  emulated_mib: int | tuple[int, ...] | None,
-                 demo: bool, fit_targets: tuple[int, ...] | None, emulated_cuda: bool = False,
+                 demo: bool, fit_targets: tuple[int, ...] | None, emulated_kind: str = "rpc",
                  llama_cpp: str | None = None) -> Target:
-    """This machine: its NVIDIA GPUs (free memory from the snapshot), the config's `--rpc` servers, or an emulated
-    GPU (`--emulated-gpu [cuda:]MiB`, or by itself for the demo model on a machine without a GPU)."""
+    """This machine: the devices a user's build lists (`--llama-cpp DIR`: any backend's; NVML annotates its CUDA
+    ones), else its NVIDIA GPUs (free memory from the snapshot), the config's `--rpc` servers, or an emulated GPU
+    (`--emulated-gpu [cuda:|vulkan:]MiB`, or by itself for the demo model on a machine without a GPU)."""
     cpu = snapshot.cpu
+    notes: list[str] = []
+    built: tuple[Device, ...] = ()
+    if llama_cpp is not None and emulated_mib is None and not base.rpc:
+        from fitter.measure.llamacpp.builds import devices_of_build, find_build
+
+        built, build_notes = devices_of_build(find_build(llama_cpp))
+        notes += build_notes
     try:
         gpus = tuple(c.gpu for c in snapshot.gpu_order())  # those llama.cpp sees (CUDA_VISIBLE_DEVICES)
     except GpuOrderError:
-        if emulated_mib is None and not base.rpc:
+        if emulated_mib is None and not base.rpc and not built:
             raise
-        gpus = ()  # CUDA's order of these GPUs is unknown, and the trials run on emulated GPUs or --rpc: left alone
-    notes: list[str] = []
+        gpus = ()  # CUDA's order of these GPUs is unknown, and the trials run elsewhere: left alone
+    if built and not any(d.profile.kind == "cuda" for d in built):
+        gpus = ()  # NVML's GPUs are not the build's devices (a Vulkan or ROCm build): no CUDA peaks sampled
     default_fit_target = None
     no_emulator = None
-    if llama_cpp is not None and emulated_mib is None and not gpus and not base.rpc and demo:
+    if llama_cpp is not None and emulated_mib is None and not gpus and not built and not base.rpc and demo:
         from fitter.measure.emulator.capdev import emulated_gpu_problem
         from fitter.measure.llamacpp.builds import find_build
 
@@ -111,50 +120,66 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         if no_emulator is not None:
             notes.append(f"no GPU found, and no emulated GPU ({no_emulator}): tuning the demo model on the CPU with "
                          "your build")
-    if emulated_mib is None and not gpus and not base.rpc and demo and no_emulator is None:
+    if emulated_mib is None and not gpus and not built and not base.rpc and demo and no_emulator is None:
         emulated_mib = DEMO_EMULATED_GPU_MIB
         default_fit_target = (DEMO_FIT_TARGET_MIB,)
         shown = ",".join(map(str, fit_targets or default_fit_target))
         notes.append(f"no GPU found: tuning the demo model on fitter's emulated GPU ({emulated_mib} MiB, fit target "
                      f"{shown} MiB; its speed is CPU speed)")
-    # each emulated GPU's RPC server computes on the CPU too: its core is not the trials' to use
-    servers = len(emulated_caps(emulated_mib))
+    # each emulated GPU's RPC server computes on the CPU too: its core is not the trials' to use (the Vulkan one has
+    # no server: lavapipe computes in the trial's own process)
+    servers = len(emulated_caps(emulated_mib)) if emulated_kind != "vulkan" else 0
     reserved = min(servers, cpu.physical_cores - 1) if servers else 0
     if reserved and process.threads is None:
         whose = "the emulated GPU's server" if servers == 1 else f"the {servers} emulated GPUs' servers"
         cores = "one core" if reserved == 1 else f"{reserved} cores"
         notes.append(f"{cores} left to {whose}: trials use up to {cpu.physical_cores - reserved} threads")
     machine = snapshot.record()
-    own = rpc_devices(list(base.rpc)) if base.rpc else snapshot.devices() if gpus else ()
+    if built:  # the build's devices name the machine, and `fitter check` holds a result to them
+        from fitter.measure.llamacpp.builds import device_records
+
+        machine = with_build_devices(machine, device_records(built))
+    own = rpc_devices(list(base.rpc)) if base.rpc else built or (snapshot.devices() if gpus else ())
 
     def started(runner: TrialRunner) -> tuple[Device, ...]:
-        """With the worker started, the GPUs' free memory is read again: what the worker holds is not the trials'."""
-        return runner.devices() or (own if base.rpc or not gpus else gpus_now(snapshot) or own)
+        """With the worker started, the GPUs' free memory is read again: what the worker holds is not the trials'
+        (a build's devices: each trial starts a llama-server of its own, which holds nothing between trials)."""
+        return runner.devices() or (own if base.rpc or built or not gpus else gpus_now(snapshot) or own)
 
     placeholders: tuple[str, ...] = ()
     if emulated_mib is not None:
         caps = emulated_caps(emulated_mib)
         machine["emulated_gpu_mib"] = emulated_mib if isinstance(emulated_mib, int) else list(emulated_mib)
-        if emulated_cuda:
-            machine["emulated_gpu_kind"] = "cuda"  # `fitter check` starts the same kind
-        placeholders = placeholder_endpoints(len(caps))
-        planned: tuple[Device, ...] = tuple(emulated_device(rpc_device_name(e), cap * MIB, emulated_cuda)
-                                            for e, cap in zip(placeholders, caps, strict=True))
+        if emulated_kind != "rpc":
+            machine["emulated_gpu_kind"] = emulated_kind  # `fitter check` starts the same kind
+        if emulated_kind == "vulkan":  # lavapipe's limits, read now: a machine without it stops here
+            from fitter.measure.emulator.emulated_vulkan import emulated_vulkan_devices, find_lavapipe
+
+            planned: tuple[Device, ...] = emulated_vulkan_devices(caps, find_lavapipe()[1])
+        else:
+            placeholders = placeholder_endpoints(len(caps))
+            planned = tuple(emulated_device(rpc_device_name(e), cap * MIB, emulated_kind == "cuda")
+                            for e, cap in zip(placeholders, caps, strict=True))
     else:
         planned = own
     cpus, nvml, build = process.cpus, bool(gpus), snapshot.llama_cpp or None
     order = tuple(g.index for g in gpus) if gpus else None  # NVML's index of CUDA0, CUDA1, … for the peak sampler
 
     def make_runner() -> TrialRunner:
-        if llama_cpp is not None:  # the user's build: its llama-server runs every trial
+        if llama_cpp is not None or (emulated_mib is not None and emulated_kind == "vulkan"):
+            # the user's build runs every trial, its llama-server; on the emulated Vulkan GPU a Vulkan build's
+            # (fitter's own without --llama-cpp: lavapipe crashes flash-attention decoding inside a Python
+            # process, llama-cpp-python's, where llama-server runs it)
+            from fitter.measure.emulator.emulated_vulkan import vulkan_build
             from fitter.measure.llamacpp.builds import find_build
 
-            if emulated_cuda:
+            if emulated_kind == "cuda":
                 raise FitterError(CUDA_SHAPED_NEEDS_WORKER)
-            return ServerRunner(str(find_build(llama_cpp).llama_server), emulated_mib, process, nvml=nvml,
-                                gpu_order=order)
+            folder = llama_cpp if llama_cpp is not None else vulkan_build()
+            return ServerRunner(str(find_build(folder).llama_server), emulated_mib, process, nvml=nvml,
+                                gpu_order=order, emulated_kind=emulated_kind)
         return WorkerRunner(emulated_gpu_mib=emulated_mib, cpus=cpus, nvml=nvml, build=build,
-                            emulated_cuda=emulated_cuda, gpu_order=order)
+                            emulated_kind=emulated_kind, gpu_order=order)
 
     return Target(
         make_runner=make_runner,
@@ -164,7 +189,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         physical_cores=cpu.physical_cores - reserved, performance_cores=max(1, cpu.performance_cores - reserved),
         default_threads=max(1, cpu.recommended_threads - reserved),
         host_budget=snapshot.ram.available - HOST_RESERVE, cpu_profile=snapshot.cpu_profile,
-        has_gpu=bool(gpus or base.rpc or emulated_mib is not None), emulated_mib=emulated_mib,
+        has_gpu=bool(own or base.rpc or emulated_mib is not None), emulated_mib=emulated_mib,
         default_fit_target=default_fit_target, notes=tuple(notes))
 
 
@@ -202,7 +227,7 @@ def tune_target(o: TuneOptions, snapshot: MachineSnapshot | None) -> Target:
         raise FitterError("--backend replay: a replayed landscape is tuned by fitter.grid.replay_tune.run_replay")
     assert snapshot is not None, "a tune on this machine needs its snapshot"
     return local_target(snapshot, o.base, o.process, m.emulated_gpu_mib, o.demo, o.search.fit_targets,
-                        m.emulated_cuda, m.llama_cpp)
+                        m.emulated_kind, m.llama_cpp)
 
 
 def fit_targets(o: TuneOptions, target: Target) -> tuple[int, ...]:

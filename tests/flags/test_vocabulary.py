@@ -16,7 +16,8 @@ from fitter.flags.vocabulary import BARE, FLAGS, MODEL_LEVEL, SEARCHED, fixing, 
 def test_the_tables_derived_from_the_one_table() -> None:
     # what llama-bench's equal_mparams compares (plus --rpc: RPC devices stay registered for a process's life)
     assert MODEL_LEVEL == ("n_gpu_layers", "overrides", "no_repack", "load_mode", "tensor_split", "main_gpu",
-                           "split_mode", "rpc", "draft_model", "draft_n_gpu_layers", "draft_overrides")
+                           "split_mode", "rpc", "device_names", "draft_model", "draft_n_gpu_layers",
+                           "draft_overrides")
     assert fixing("n-cpu-moe") == ("-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe")
     assert fixing("ubatch-size") == ("-ub", "--ubatch-size")
     assert short_flag("cache-type-k") == "-ctk" and short_flag("threads-batch") == "-tb"
@@ -31,7 +32,8 @@ def test_every_spelling_of_a_flag_parses_alike(row: object) -> None:
     values = {"ctx_size": "4096", "batch_size": "1024", "ubatch_size": "256", "cache_type_k": "q8_0",
               "cache_type_v": "q8_0", "flash_attn": "on", "n_gpu_layers": "all", "parallel": "2",
               "load_mode": "none", "fit": "off", "tensor_split": "3,1", "main_gpu": "1", "split_mode": "none",
-              "rpc": "h:1", "draft_model": "d.gguf", "draft_n_gpu_layers": "3", "draft_cache_type_k": "q8_0",
+              "rpc": "h:1", "device_names": "Vulkan0,Vulkan1", "draft_model": "d.gguf", "draft_n_gpu_layers": "3",
+              "draft_cache_type_k": "q8_0",
               "draft_cache_type_v": "q4_0", "spec_type": "draft-simple", "spec_draft_n_max": "8",
               "spec_draft_n_min": "1",
               "draft_overrides": "3" if "-ncmoed" in row.names else r"exps=CPU",  # type: ignore[attr-defined]

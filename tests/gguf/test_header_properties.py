@@ -20,7 +20,8 @@ from fitter.flags import parse_launch_flags
 from fitter.flags.pin import pin
 from fitter.gguf.header import read_header
 from fitter.gguf.model_spec import load_model_spec
-from fitter.memory.backends.devices import CPU_AVX2, parse_devices
+from fitter.memory.backends.devices import CPU_AVX2
+from fitter.memory.backends.registry import parse_devices
 from fitter.memory.plan.estimator import estimate
 from fitter.memory.plan_render import plan_json, plan_table
 from tests.gguf.fields import Field, header_fields

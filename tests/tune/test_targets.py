@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -47,12 +48,25 @@ def test_rpc_servers_are_not_re_read(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_cuda_shaped_emulated_gpu_is_planned_with_cudas_rules_and_named_apart() -> None:
     snapshot = take_snapshot()
     plain = local_target(snapshot, parse_launch_flags(["-c", "2048"]), ProcessFlags(), 96, False, None)
-    cuda = local_target(snapshot, parse_launch_flags(["-c", "2048"]), ProcessFlags(), 96, False, None, True)
+    cuda = local_target(snapshot, parse_launch_flags(["-c", "2048"]), ProcessFlags(), 96, False, None, "cuda")
     (p,), (c,) = plain.planned_devices, cuda.planned_devices
     assert (p.profile, c.profile) == (RPC, CUDA) and p.free_bytes == c.free_bytes == 96 * 2**20
     assert cuda.machine["emulated_gpu_kind"] == "cuda" and "emulated_gpu_kind" not in plain.machine
     # another folder (and so another study): the same cap with other rules is another machine
     assert plain.machine_dir.startswith("emulated-96MiB-") and cuda.machine_dir.startswith("emulated-cuda-96MiB-")
+
+
+@pytest.mark.vulkan
+def test_the_emulated_vulkan_gpu_is_planned_with_lavapipes_limits_and_named_apart(vulkan_build: Path) -> None:
+    snapshot = take_snapshot()
+    target = local_target(snapshot, parse_launch_flags(["-c", "2048"]), ProcessFlags(), (96, 48), False, None,
+                          "vulkan")
+    assert [(d.name, d.profile.kind, d.free_bytes) for d in target.planned_devices] == [
+        ("Vulkan0", "vulkan", 96 * 2**20), ("Vulkan1", "vulkan", 48 * 2**20)]
+    assert target.planned_devices[0].profile.max_op_bytes == 128 * 2**20  # lavapipe's buffer range
+    assert target.planned_rpc == () and target.machine["emulated_gpu_kind"] == "vulkan"
+    assert target.machine_dir.startswith("emulated-vulkan-96+48MiB-")
+    assert target.physical_cores == snapshot.cpu.physical_cores  # no server: lavapipe computes in the trial
 
 
 def test_several_emulated_gpus_are_planned_one_per_cap_with_their_own_placeholder() -> None:

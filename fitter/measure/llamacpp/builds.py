@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fitter.errors import FitterError
 from fitter.machine.snapshot import MachineSnapshot
-from fitter.memory.backends.devices import CUDA, RPC, Device, DeviceProfile
+from fitter.machine.vulkan import VulkanDevice, match
+from fitter.memory.backends.devices import Device
+from fitter.memory.backends.registry import EXACT, backend_of, device_profile
 from fitter.units import MIB
 
 BINARIES = ("llama-server", "llama-fit-params", "llama-bench")
-# Device name prefixes llama.cpp gives each backend (ggml/src/ggml-<backend>/): the estimator's profile of each.
-PROFILES: dict[str, DeviceProfile] = {"CUDA": CUDA, "RPC": RPC}
 
 
 @dataclass(frozen=True)
@@ -94,21 +94,95 @@ def listed_by(snapshot: MachineSnapshot, binary: str | Path | None) -> MachineSn
     return snapshot.with_listing(binary_devices(binary))
 
 
-def build_devices(listed: tuple[ListedDevice, ...]) -> tuple[tuple[Device, ...], list[str]]:
-    """The estimator's devices for what the build lists, and a warning for each backend fitter has no rules for
-    (its buffers are then not estimated)."""
-    devices, warnings = [], []
+def build_devices(listed: tuple[ListedDevice, ...], vulkan: tuple[VulkanDevice, ...] | None = None
+                  ) -> tuple[tuple[Device, ...], list[str]]:
+    """The estimator's devices for what the build lists, each with its backend's rules
+    (fitter.memory.backends.registry; a Vulkan device with its driver's limits from `vulkan`, this machine's Vulkan
+    devices), and one note for each device whose figures are not fitter's exact rules: a backend fitter plans with
+    the build's projection, CUDA's code on other hardware, a Vulkan device whose limits were not read, an
+    accelerator llama.cpp never gives a model."""
+    devices, notes = [], []
     for d in listed:
-        kind = re.match(r"[A-Za-z]+", d.name)
-        profile = PROFILES.get(kind.group(0) if kind else "")
-        if profile is None:
-            warnings.append(f"{d.name} ({d.description}): fitter has no memory rules for this backend; it is left "
-                            "out of the estimate")
+        backend = backend_of(d.name)
+        if backend.device_type == "accel":
+            notes.append(f"{d.name} ({d.description}): an accelerator of the host's own memory; llama.cpp never places "
+                         "a model on it (src/llama.cpp skips ACCEL devices)")
             continue
+        limits = None
+        if backend.name == "Vulkan":
+            found = match(vulkan or (), d.description)
+            limits = found.limits() if found is not None else None
+        profile = device_profile(backend, limits)
+        if backend.name == "Vulkan" and limits is None:
+            notes.append(f"{d.name} ({d.description}): its Vulkan limits could not be read here (no Vulkan loader, or "
+                         "no device of that name): planned with a typical discrete card's (buffer range 4 GiB)")
+        elif backend.rules != EXACT:
+            notes.append(f"{d.name} ({d.description}): {profile.validated}")
         # an RPC device's buffers are named after its server (`RPC0[host:port]`, ggml-rpc.cpp), its listing is not
-        name = f"{d.name}[{d.description}]" if profile is RPC else d.name
+        name = f"{d.name}[{d.description}]" if backend.name == "RPC" else d.name
         devices.append(Device(name, profile, d.total_bytes, d.free_bytes))
-    return tuple(devices), warnings
+    return tuple(devices), notes
+
+
+def devices_of_build(build: LlamaCppBuild, rpc: tuple[str, ...] = ()) -> tuple[tuple[Device, ...], list[str]]:
+    """The devices a user's build sees (`llama-server --list-devices`, with `rpc`), whatever its backend, each with
+    its backend's rules (a Vulkan device with its driver's limits, read here only when the build lists one; a CUDA
+    device with what NVML measured of it, its overhead, where NVML's CUDA order names it alike: NVML never adds or
+    drops a device), and the notes `build_devices` gives."""
+    listed = list_devices(build, rpc)
+    vulkan = None
+    if any(backend_of(d.name).name == "Vulkan" for d in listed):
+        from fitter.machine.vulkan import vulkan_devices
+
+        vulkan = vulkan_devices()
+    devices, notes = build_devices(listed, vulkan)
+    return _with_nvml(devices, listed), notes
+
+
+def device_records(devices: tuple[Device, ...]) -> list[dict[str, Any]]:
+    """A build's devices as a machine record keeps them (`build_devices`): name, backend, total memory."""
+    return [{"device": d.name, "backend": d.profile.kind, "memory_total": d.total_bytes} for d in devices]
+
+
+def build_change(recorded: dict[str, Any], now: list[dict[str, Any]], backends_then: Any,
+                 backends_now: list[str]) -> str | None:
+    """How the devices a build lists now (`now`, `device_records`) and its backends differ from those a result was
+    tuned on (its machine record's `build_devices`, its llama_cpp's `backends`), or None when they are the same
+    (each device's name and backend, its total memory within 1 %: a driver may move it a little) (pure)."""
+    then = recorded.get("build_devices")
+    if isinstance(backends_then, list) and sorted(backends_then) != sorted(backends_now):
+        return (f"was tuned with a build of {', '.join(backends_then)}; it is now a build of "
+                f"{', '.join(backends_now)}: tune again with this build")
+    if not isinstance(then, list):
+        return None
+
+    def same(a: Any, b: dict[str, Any]) -> bool:
+        if not isinstance(a, dict) or (a.get("device"), a.get("backend")) != (b["device"], b["backend"]):
+            return False
+        x, y = a.get("memory_total"), b["memory_total"]
+        return not (isinstance(x, int) and isinstance(y, int)) or abs(x - y) <= 0.01 * max(x, y)
+
+    if len(then) == len(now) and all(same(a, b) for a, b in zip(then, now, strict=True)):
+        return None
+
+    def text(devices: list[Any]) -> str:
+        return ", ".join(f"{d.get('device')} ({d.get('backend')}, {(d.get('memory_total') or 0) // MIB} MiB)"
+                         for d in devices if isinstance(d, dict)) or "no device"
+
+    return (f"was tuned on {text(then)}, as the build listed them; it lists {text(now)} now: its placement and "
+            "budgets are for those devices; tune again here")
+
+
+def _with_nvml(devices: tuple[Device, ...], listed: tuple[ListedDevice, ...]) -> tuple[Device, ...]:
+    if not any(d.profile.kind == "cuda" for d in devices):
+        return devices
+    from fitter.machine.snapshot import take_snapshot
+
+    try:
+        nvml = {d.name: d for d in take_snapshot().with_listing(listed).devices()}
+    except FitterError:
+        return devices  # NVML cannot tell which GPU is which: the build's figures alone
+    return tuple(replace(d, overhead=nvml[d.name].overhead) if d.name in nvml else d for d in devices)
 
 
 # -- what a binary reports of its build -----------------------------------------------------------------------

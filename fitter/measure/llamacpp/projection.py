@@ -34,7 +34,7 @@ from fitter.gguf.model_spec import ModelSpec
 from fitter.measure.llamacpp.fit_params import find_llama_fit_params, fit_env, fit_flags
 from fitter.memory.backends.devices import CpuProfile, Device, rpc_device_name
 from fitter.memory.plan.estimator import CPU, MemoryPlan, alloc_size, estimate
-from fitter.memory.plan.projected import guessed_kinds, with_projection
+from fitter.memory.plan.projected import guessed_kinds, unruled, with_projection
 from fitter.paths import fitter_home, write_atomic
 from fitter.units import MIB
 
@@ -140,7 +140,7 @@ class Projector:
 
     def plan(self, plan: MemoryPlan) -> MemoryPlan:
         """`plan` with the kinds fitter guesses for its model taken from this build's projection of its config."""
-        if not guessed_kinds(plan.model):
+        if not guessed_kinds(plan.model, plan.devices):
             return plan
         return with_projection(plan, self(plan.config), self.source)
 
@@ -170,27 +170,32 @@ class Projector:
 
 
 def projector_for(spec: ModelSpec, llama_cpp: str | None = None, never: bool = False,
-                  rpc: tuple[str, ...] = ()) -> Projector | None:
+                  rpc: tuple[str, ...] = (), devices: Sequence[Device] = ()) -> Projector | None:
     """The projector a command screens with where fitter guesses a kind for the model (an architecture without
     rules, a graph it does not rebuild), None where it guesses nothing or `--projection never` takes the guess; the
     build is `--llama-cpp DIR`'s, else the one tune's baseline finds (the pinned tools', else PATH's). Without one
     fitter refuses rather than guess."""
-    if never or not guessed_kinds(spec):
+    if never or not guessed_kinds(spec, devices):
         return None
     if llama_cpp is not None:
         from fitter.measure.llamacpp.builds import find_build
 
         build = find_build(llama_cpp)
-        return guess_projector(spec, build.llama_fit_params, f"{build.folder} has no llama-fit-params", rpc)
-    return guess_projector(spec, find_llama_fit_params(), "none is in the pinned tools or on PATH", rpc)
+        return guess_projector(spec, build.llama_fit_params, f"{build.folder} has no llama-fit-params", rpc, devices)
+    return guess_projector(spec, find_llama_fit_params(), "none is in the pinned tools or on PATH", rpc, devices)
 
 
-def guess_projector(spec: ModelSpec, tool: Path | None, why_none: str, rpc: tuple[str, ...] = ()) -> Projector:
-    """`tool`'s projector for a model fitter guesses a kind for; without a tool the refusal, saying how to get one."""
+def guess_projector(spec: ModelSpec, tool: Path | None, why_none: str, rpc: tuple[str, ...] = (),
+                    devices: Sequence[Device] = ()) -> Projector:
+    """`tool`'s projector for a model (or devices) fitter guesses a kind for; without a tool the refusal, saying how
+    to get one."""
     if tool is None:
-        kinds = guessed_kinds(spec)
-        raise FitterError(f"{spec.path}: fitter has no rules for the {' and '.join(kinds)} memory of architecture "
-                          f"{spec.arch!r} and will not guess it; llama.cpp's own projection needs its "
+        kinds = guessed_kinds(spec, devices)
+        none = unruled(devices)
+        what = (f"the {', '.join(d.name for d in none)} device(s), whose backend it has no rules for" if none else
+                f"architecture {spec.arch!r}")
+        raise FitterError(f"{spec.path}: fitter has no rules for the {' and '.join(kinds)} memory of {what} "
+                          f"and will not guess it; llama.cpp's own projection needs its "
                           f"llama-fit-params, and {why_none}: build the pinned tools (python -m "
                           "fitter.measure.llamacpp.tools, a few minutes once), give --llama-cpp DIR, or take fitter's "
                           "guess with --projection never")

@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fitter.errors import LaunchConfigError
-from fitter.memory.backends.overhead import Overhead, default_overhead
-from fitter.units import MIB
+from fitter.memory.backends.overhead import Overhead
 
 CPU_ALIGNMENT = 32  # TENSOR_ALIGNMENT, ggml/src/ggml-impl.h
 OFFLOAD_MIN_BATCH_ENV = "GGML_OP_OFFLOAD_MIN_BATCH"  # ggml-cuda.cu: read once when the CUDA backend registers
@@ -45,6 +44,8 @@ class DeviceProfile:
     host_max_alloc: int | None = None  # the host buffer type's maximum size
     graph_optimize: bool = True  # Vulkan: each split reordered before it is allocated (GGML_VK_DISABLE_GRAPH_OPTIMIZE)
     unified: bool = False  # the device's memory is the host's (an integrated GPU, Apple silicon): one budget
+    integrated: bool = False  # ggml_backend_dev_type IGPU: llama.cpp uses it only when no discrete GPU is there
+    mmap: bool = True  # caps.mmap_support: false turns `-lm auto`'s mmap off (ggml-vulkan: an integrated GPU)
     projected: bool = False  # fitter has no rules for its backend: its buffers come from the build's projection
 
     @property
@@ -93,7 +94,7 @@ def vulkan_profile(limits: VulkanLimits, validated: str = VULKAN_VALIDATED) -> D
     return DeviceProfile("vulkan", limits.storage_alignment, 0, "Vulkan_Host", True, validated, ops="vulkan",
                          max_op_bytes=min(limits.max_storage_range, limits.max_buffer), max_alloc=block,
                          host_alignment=limits.map_alignment, host_extra=VULKAN_HOST_EXTRA, host_max_alloc=block,
-                         unified=limits.integrated)
+                         unified=limits.integrated, integrated=limits.integrated, mmap=not limits.integrated)
 
 
 @dataclass(frozen=True)
@@ -118,26 +119,6 @@ class CpuProfile:
 CPU_AVX2 = CpuProfile((("Q4_0", 8), ("Q4_K", 8), ("IQ4_NL", 8), ("MXFP4", 8)), "x86-64 AVX2")
 CPU_AVX512 = CpuProfile((*CPU_AVX2.repack_types, ("Q2_K", 8)), "x86-64 AVX-512")
 CPU_NO_REPACK = CpuProfile((), "no repacking kernels")
-
-
-def parse_devices(spec: str) -> tuple[Device, ...]:
-    """`--devices none | cuda:MiB[,MiB...] | rpc:HOST:PORT[,...]` (CONTRACTS.md). A hypothetical CUDA GPU has all
-    its memory free and the default overhead of a GPU of unknown class."""
-    spec = spec.strip()
-    if spec == "none":
-        return ()
-    kind, sep, rest = spec.partition(":")
-    if kind == "cuda" and sep:
-        devices = []
-        for i, mib in enumerate(rest.split(",")):
-            if not re.fullmatch(r"\d+", mib) or int(mib) <= 0:
-                raise LaunchConfigError(f"--devices {spec!r}: {mib!r} is not a positive number of MiB")
-            size = int(mib) * MIB
-            devices.append(Device(f"CUDA{i}", CUDA, size, size, default_overhead()))
-        return tuple(devices)
-    if kind == "rpc" and sep:
-        return rpc_devices(rest.split(","), flag="--devices")
-    raise LaunchConfigError(f"--devices {spec!r}: expected none, cuda:MiB[,MiB...] or rpc:HOST:PORT[,...]")
 
 
 def rpc_device_name(endpoint: str) -> str:

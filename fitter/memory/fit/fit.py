@@ -61,7 +61,7 @@ class _Search:
         self.spec, self.devices, self.budgets, self.cpu = spec, devices, budgets, cpu
         self.projects = projects
         self.source = projects.source if projects is not None else ""
-        self.guessed = guessed_kinds(spec) if projects is not None else ()  # () without a projector
+        self.guessed = guessed_kinds(spec, devices) if projects is not None else ()  # () without a projector
         # A projection costs a no-alloc load (~0.5-0.8 s on a 62-layer MoE) and fit judges dozens of placements.
         # Which layers sit on which device at one context decides the KV cache, and the compute buffers barely move
         # with the experts, so the search judges a placement by a projection of one with the same layers and
@@ -100,6 +100,8 @@ class _Search:
     def _hinted(self, plan: MemoryPlan) -> MemoryPlan:
         if not self.guessed:
             return plan
+        if "model" in self.guessed:  # a backend without rules: where the experts sit moves its model buffers too
+            return with_projection(plan, self._project(plan), self.source)
         hint = self._hints.get((plan.context, plan.layer_devices))
         return with_projection(plan, hint if hint is not None else self._project(plan), self.source)
 

@@ -6,7 +6,6 @@ vendored in llama-cpp-python 0.3.36).
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -22,6 +21,7 @@ from fitter.memory.graph.graph_replay import Replayed
 from fitter.memory.graph.graphs import BackendMap
 from fitter.memory.graph.vulkan_ops import weight_supported
 from fitter.memory.plan.buffers import CPU, KINDS, Buffer, Placement, alloc_size, pad_to, row_bytes
+from fitter.memory.plan.device_choice import layer_devices, model_devices, pipeline_parallel
 from fitter.memory.plan.kv_cache import check_cache_types, kv_buffers, kv_cache_sizes
 from fitter.memory.plan.projected import guess_warning
 
@@ -65,82 +65,6 @@ class MemoryPlan:
         for b in self.buffers:
             sums[b.device][b.kind] += b.bytes
         return {name: DeviceTotals(**s) for name, s in sums.items()}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The model's devices (src/llama.cpp `llama_model_load_from_file_impl`)
-
-
-def _device_list(devices: tuple[Device, ...]) -> str:
-    return ", ".join(d.name for d in devices) or "none"
-
-
-def model_devices(config: LaunchConfig, devices: tuple[Device, ...]) -> tuple[Device, ...]:
-    """The devices the model uses: all of them with -sm layer; with -sm none only -mg's ("if using single GPU
-    mode, remove all except the main GPU"; a negative -mg removes them all). -ts and -mg are checked against the
-    devices here: llama.cpp reads only the first n_devices values of -ts and silently drops the rest."""
-    if not devices:
-        return devices
-    if len(config.tensor_split) > len(devices):
-        raise LaunchConfigError(
-            f"-ts {','.join(f'{x:g}' for x in config.tensor_split)}: {len(config.tensor_split)} values for "
-            f"{len(devices)} device(s) ({_device_list(devices)}); give one value per device")
-    if config.split_mode in ("row", "tensor"):
-        # row: CUDA's split buffer type (ggml_backend_split_buffer_type, RPC has none); tensor: experimental
-        raise LaunchConfigError(
-            f"-sm {config.split_mode}: fitter's estimator models -sm layer and -sm none only (llama.cpp's "
-            f"{config.split_mode} split spreads each weight over the GPUs); use -sm layer or none")
-    if config.split_mode != "none":
-        return devices
-    if config.main_gpu < 0:
-        return ()
-    if config.main_gpu >= len(devices):
-        raise LaunchConfigError(
-            f"-mg {config.main_gpu}: invalid value for main_gpu with -sm none: {len(devices)} device(s) "
-            f"({_device_list(devices)}), numbered from 0")
-    return (devices[config.main_gpu],)
-
-
-def pipeline_parallel(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...]) -> bool:
-    """src/llama-context.cpp `llama_context::llama_context`: the scheduler pipelines (and keeps 4 copies of its
-    inputs) with several devices, every layer and the output offloaded (`n_gpu_layers() > n_layer`), -sm layer,
-    the KV offloaded and no tensor override (-ot, -cmoe, -ncmoe); every device must offer async compute and events,
-    which CUDA and RPC (ggml-rpc.cpp `ggml_backend_rpc_device_get_props`) both do at 0c1e570."""
-    every_layer = config.n_gpu_layers < 0 or config.n_gpu_layers > spec.n_layer
-    return (len(devices) > 1 and every_layer and config.split_mode == "layer" and not config.no_kv_offload
-            and not config.overrides)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Layer → device (src/llama-model.cpp `llama_model_base::load_tensors`)
-
-
-def layer_devices(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...]) -> tuple[Device | None, ...]:
-    """Device of each layer 0..n_layer (index n_layer is the output layer); None = CPU."""
-    n_layer = spec.n_layer
-    if not devices:
-        return (None,) * (n_layer + 1)
-    # llama_model::n_gpu_layers: a negative count (auto, all) means every layer, the output layer included.
-    n_gpu = config.n_gpu_layers if config.n_gpu_layers >= 0 else n_layer + 1
-    i_gpu_start = max(n_layer + 1 - n_gpu, 0)
-    act_gpu_layers = min(n_gpu, n_layer + 1)
-    weights = list(config.tensor_split[: len(devices)]) if any(config.tensor_split) else [
-        float(d.free_bytes or d.total_bytes or 1) for d in devices
-    ]
-    weights += [0.0] * (len(devices) - len(weights))
-    splits, acc = [], 0.0
-    for w in weights:
-        acc += w
-        splits.append(acc)
-    splits = [s / acc for s in splits]
-    out: list[Device | None] = []
-    for il in range(n_layer + 1):
-        if il < i_gpu_start or il - i_gpu_start >= act_gpu_layers:
-            out.append(None)
-            continue
-        k = bisect.bisect_right(splits, (il - i_gpu_start) / act_gpu_layers)
-        out.append(devices[min(k, len(devices) - 1)])
-    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -404,6 +328,13 @@ def place(
     if devices and config.n_gpu_layers == -1 and config.fit:
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
     devices = model_devices(config, devices)
+    unmapped = [d.name for d in devices if not d.profile.mmap]
+    if config.load_mode == "auto" and unmapped:
+        # src/llama-model.cpp: in load mode auto, a model device that cannot map the file (caps.mmap_support false:
+        # an integrated GPU) turns mmap off: the host's weights are copied into a buffer of their own
+        config = replace(config, load_mode="none")
+        warnings.append(f"{', '.join(unmapped)}: the device cannot map the model file (an integrated GPU), so "
+                        "llama.cpp loads the weights without mmap (-lm auto acts as -lm none)")
     layer_dev = layer_devices(spec, config, devices)
     placements = place_tensors(spec, config, devices, layer_dev, cpu)
     buffers = model_buffers(placements, config, devices) + kv_buffers(spec, config, ctx, layer_dev)
@@ -434,7 +365,7 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
     ctx, layer_dev, placements = placed.ctx, placed.layer_dev, placed.placements
     used = placed.devices
     warnings = list(placed.warnings)
-    guess = guess_warning(spec)
+    guess = guess_warning(spec, devices)
     if guess is not None:
         warnings.append(guess)
     cache_types = (config.cache_type_k, config.cache_type_v)

@@ -11,13 +11,14 @@ Pure: the projection comes in as data.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from fitter.errors import FitterError
 from fitter.gguf.archs import ARCHS
 from fitter.gguf.model_spec import ModelSpec
+from fitter.memory.backends.devices import Device
 from fitter.memory.graph.graphs import GRAPH_ARCHS
 from fitter.memory.plan.buffers import CPU, Buffer
 from fitter.units import MIB
@@ -35,8 +36,12 @@ class Projects(Protocol):
     def __call__(self, config: LaunchConfig, /) -> dict[str, dict[str, int]]: ...
 
 
-def guessed_kinds(spec: ModelSpec) -> tuple[str, ...]:
-    """The kinds of memory fitter has no rules for on this model's architecture."""
+def guessed_kinds(spec: ModelSpec, devices: Sequence[Device] = ()) -> tuple[str, ...]:
+    """The kinds of memory fitter has no rules for: on this model's architecture, and every kind where a device's
+    backend has none (fitter.memory.backends.registry: Metal, SYCL, …: which weights it takes, its alignment, its
+    compute graph are all its own)."""
+    if unruled(devices):
+        return ("model", "kv", "compute")
     kinds = []
     if spec.arch not in ARCHS:
         kinds.append("kv")
@@ -45,8 +50,19 @@ def guessed_kinds(spec: ModelSpec) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-def guess_warning(spec: ModelSpec) -> str | None:
-    """What fitter does not understand about the model, and what it guessed instead; None when nothing."""
+def unruled(devices: Sequence[Device]) -> tuple[Device, ...]:
+    """The devices whose backend fitter has no rules for."""
+    return tuple(d for d in devices if d.profile.projected)
+
+
+def guess_warning(spec: ModelSpec, devices: Sequence[Device] = ()) -> str | None:
+    """What fitter does not understand about the model or the devices, and what it guessed instead; None when
+    nothing."""
+    if (none := unruled(devices)):
+        names = ", ".join(f"{d.name} ({d.profile.kind})" for d in none)
+        return (f"{names}: fitter has no rules for this backend and guesses every buffer with the CPU's (alignment 32, "
+                "no op offload): pass --llama-cpp DIR with a build of that backend to take them from its own "
+                "projection")
     parts = []
     if spec.arch not in ARCHS:
         parts.append(f"its KV cache as a plain cache over every layer (fitter.gguf.archs has no row for {spec.arch!r}: "
@@ -65,13 +81,29 @@ def _round_up(floored: int) -> int:
     return floored + MIB - 1
 
 
+def projected_on(spec: ModelSpec, devices: Sequence[Device]) -> dict[str, tuple[str, ...]]:
+    """The kinds fitter takes from a projection on each device (and the CPU): those it has no rules for on the
+    architecture, on every one; every kind on a device whose backend it has no rules for, and the host's compute,
+    which that backend's share of the graph decides. The host's weights and cache stay fitter's: the CPU backend's
+    buffers are its own (and llama-fit-params leaves CPU_REPACK out of what it prints)."""
+    arch = guessed_kinds(spec)
+    out = {CPU: arch, **{d.name: arch for d in devices}}
+    none = unruled(devices)
+    if none:
+        out[CPU] = tuple(k for k in ("kv", "compute") if k in arch or k == "compute")
+        out.update({d.name: ("model", "kv", "compute") for d in none})
+    return {name: kinds for name, kinds in out.items() if kinds}
+
+
 def with_projection(plan: MemoryPlan, projection: Mapping[str, Mapping[str, int]], source: str) -> MemoryPlan:
-    """`plan` with the kinds fitter guesses on each device replaced by one buffer holding the projection's figure,
-    rounded up to the MiB it floored (never below llama.cpp); fitter's exact kinds and its output buffer (in no kind
-    the projection prints) stay. Raises when the projection lacks a device of the plan: that build cannot see it."""
-    kinds = guessed_kinds(plan.model)
+    """`plan` with the kinds fitter guesses on each device (`projected_on`) replaced by one buffer holding the
+    projection's figure, rounded up to the MiB it floored (never below llama.cpp); fitter's exact kinds and its
+    output buffer (in no kind the projection prints) stay. Raises when the projection lacks a device of the plan:
+    that build cannot see it."""
+    kinds = guessed_kinds(plan.model, plan.devices)
     if not kinds:
         return plan
+    on = projected_on(plan.model, plan.devices)
     names = [CPU, *(d.name for d in plan.devices)]
     missing = [n for n in names if n not in projection]
     if missing:
@@ -79,15 +111,19 @@ def with_projection(plan: MemoryPlan, projection: Mapping[str, Mapping[str, int]
                           f"{', '.join(projection) or 'nothing'}): project with a build of that backend "
                           "(--llama-cpp DIR), or take fitter's guess with --projection never")
     had = {(b.device, b.kind) for b in plan.buffers}
-    buffers = [b for b in plan.buffers if b.kind not in kinds]
+    buffers = [b for b in plan.buffers if b.kind not in on.get(b.device, ())]
     for name in names:
-        for kind in kinds:
+        for kind in on.get(name, ()):
             floored = projection[name].get(kind, 0)
             if floored or (name, kind) in had:
                 buffers.append(Buffer(name, kind, name, _round_up(floored)))
-    guess = guess_warning(plan.model)
+    guess = guess_warning(plan.model, plan.devices)
     warnings = [w for w in plan.warnings if w != guess]
-    warnings.append(f"{plan.model.arch}: {' and '.join(kinds)} from llama.cpp's own projection ({source}), its "
-                    f"floored MiB rounded up: fitter has no rules for {'it' if len(kinds) == 1 else 'them'} on this "
-                    "architecture")
+    if (none := unruled(plan.devices)):
+        warnings.append(f"{', '.join(d.name for d in none)}: every buffer from llama.cpp's own projection ({source}), "
+                        "its floored MiB rounded up: fitter has no rules for this backend")
+    else:
+        warnings.append(f"{plan.model.arch}: {' and '.join(kinds)} from llama.cpp's own projection ({source}), its "
+                        f"floored MiB rounded up: fitter has no rules for {'it' if len(kinds) == 1 else 'them'} on "
+                        "this architecture")
     return replace(plan, buffers=tuple(buffers), warnings=tuple(warnings), projected=kinds)

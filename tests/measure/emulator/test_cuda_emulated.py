@@ -88,11 +88,20 @@ def test_fit_verify_on_the_cuda_shaped_device_loads_what_it_predicted(capsys: py
     assert any(b["buft"] == "CUDA_Host" for b in out["verify"]["buffers"])
 
 
-def test_the_emulated_gpu_option_takes_a_cuda_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_emulated_gpu_option_takes_a_cuda_or_vulkan_prefix(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:  # argparse's errors leave through fitter's one-line parser error
         main(["fit", "--emulated-gpu", "cuda:lots"])
     assert exit_info.value.code == 2
-    assert "--emulated-gpu 'cuda:lots': expected MiB[,MiB...] or cuda:MiB[,MiB...]" in capsys.readouterr().err
+    assert ("--emulated-gpu 'cuda:lots': expected MiB[,MiB...], cuda:MiB[,MiB...] or vulkan:MiB[,MiB...]"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        main(["fit", "--emulated-gpu", "rocm:4096"])
+    assert ("--emulated-gpu 'rocm:4096': 'rocm' is not a kind of emulated GPU; expected MiB[,MiB...], "
+            "cuda:MiB[,MiB...] or vulkan:MiB[,MiB...]") in capsys.readouterr().err
+    from fitter.cli.app import build_parser
+
+    ns = build_parser().parse_args(["fit", "--emulated-gpu", "vulkan:96,48"])
+    assert (ns.emulated_gpu, ns.emulated_kind) == ((96, 48), "vulkan")
 
 
 def test_a_list_of_emulated_gpus_is_refused_where_one_runs(capsys: pytest.CaptureFixture[str]) -> None:

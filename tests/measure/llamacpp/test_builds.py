@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fitter.cli import main
 from fitter.errors import FitterError
+from fitter.machine.vulkan import VulkanDevice
 from fitter.measure.llamacpp.builds import build_devices, find_build, list_devices, parse_list_devices
 from fitter.memory.backends.devices import CUDA, RPC
 from fitter.units import MIB
@@ -21,21 +23,43 @@ LISTING = """load_backend: loaded RPC backend from /x/libggml-rpc.so
 Available devices:
   CUDA0: NVIDIA GeForce RTX 4090 (24080 MiB, 23451 MiB free)
   Vulkan0: AMD Radeon RX 7900 XTX (RADV NAVI31) (24560 MiB, 24000 MiB free)
+  ROCm0: AMD Radeon RX 7900 XTX (24560 MiB, 24400 MiB free)
+  MTL0: Apple M2 Max (98304 MiB, 98304 MiB free)
+  BLAS: OpenBLAS (0 MiB, 0 MiB free)
   RPC0: 127.0.0.1:50052 (200 MiB, 200 MiB free)
 """
 
 
-def test_the_devices_a_build_lists() -> None:
+def test_every_device_a_build_lists_is_planned_by_its_backends_rules() -> None:
     listed = parse_list_devices(LISTING)
-    assert [(d.name, d.description, d.total_bytes, d.free_bytes) for d in listed] == [
+    assert [(d.name, d.description, d.total_bytes, d.free_bytes) for d in listed][:2] == [
         ("CUDA0", "NVIDIA GeForce RTX 4090", 24080 * MIB, 23451 * MIB),
         ("Vulkan0", "AMD Radeon RX 7900 XTX (RADV NAVI31)", 24560 * MIB, 24000 * MIB),
-        ("RPC0", "127.0.0.1:50052", 200 * MIB, 200 * MIB),
     ]
-    devices, warnings = build_devices(listed)
-    assert [(d.name, d.profile) for d in devices] == [("CUDA0", CUDA), ("RPC0[127.0.0.1:50052]", RPC)]
-    assert warnings == ["Vulkan0 (AMD Radeon RX 7900 XTX (RADV NAVI31)): fitter has no memory rules for this "
-                        "backend; it is left out of the estimate"]
+    radv = VulkanDevice("AMD Radeon RX 7900 XTX (RADV NAVI31)", "discrete", 0x1002, 4, 64, (1 << 32) - 1,
+                        1 << 32, 1 << 32, 65536, 24560 * MIB)
+    devices, notes = build_devices(listed, (radv,))
+    assert [(d.name, d.profile.kind) for d in devices] == [
+        ("CUDA0", "cuda"), ("Vulkan0", "vulkan"), ("ROCm0", "rocm"), ("MTL0", "metal"),
+        ("RPC0[127.0.0.1:50052]", "rpc")]
+    cuda, vk, rocm, metal, rpc = (d.profile for d in devices)
+    assert cuda == CUDA and rpc == RPC
+    assert (vk.alignment, vk.max_op_bytes, vk.host_buft) == (4, (1 << 32) - 1, "Vulkan_Host")  # the card's own
+    assert (rocm.alignment, rocm.row_padding, rocm.host_buft, rocm.ops) == (128, 512, "ROCm_Host", "cuda")
+    assert metal.projected and metal.unified
+    assert notes == [
+        "ROCm0 (AMD Radeon RX 7900 XTX): CUDA's rules: ROCm builds compile ggml-cuda (ggml-cuda compiled by "
+        "ggml/src/ggml-hip (GGML_USE_HIP): ggml-cuda.h GGML_CUDA_NAME \"ROCm\"); not validated on ROCm hardware "
+        "(its flash-attention kernels differ)",
+        "MTL0 (Apple M2 Max): no rules for Metal in fitter: its buffers come from the build's own projection "
+        "(llama-fit-params --fit-print on)",
+        "BLAS (OpenBLAS): an accelerator of the host's own memory; llama.cpp never places a model on it "
+        "(src/llama.cpp skips ACCEL devices)",
+    ]
+    _, unread = build_devices(listed[1:2])
+    assert unread == ["Vulkan0 (AMD Radeon RX 7900 XTX (RADV NAVI31)): its Vulkan limits could not be read here (no "
+                      "Vulkan loader, or no device of that name): planned with a typical discrete card's (buffer "
+                      "range 4 GiB)"]
     assert parse_list_devices("Available devices:\n  (none)\n") == ()
 
 
@@ -179,3 +203,106 @@ def test_a_users_build_needs_no_llama_cpp_python(llama_tools: dict[str, Path], t
         assert (f"fitter: no GPU found, and no emulated GPU (the emulated GPU serves llama.cpp's RPC backend from a "
                 f"shared llama.cpp build or from llama-cpp-python: {folder} has no shared ggml with RPC") in proc.stderr
         assert "): tuning the demo model on the CPU with your build" in proc.stderr and not doc["emulated"]
+
+
+FAKE_METAL_SERVER = """#!/bin/sh
+case "$*" in
+  *--version*) echo "version: 0.5.0-dev (build 1, commit 0c1e570)" ;;
+  *--list-devices*) printf 'Available devices:\\n  MTL0: Apple M2 Max (1124 MiB, 1124 MiB free)\\n' ;;
+esac
+"""
+# a Metal build's projection of llama-tiny (2 layers and the output): 40 MiB of weights and 2 MiB of cache per layer
+FAKE_METAL_FIT_PARAMS = """#!/usr/bin/env python3
+import sys
+args = sys.argv[1:]
+value = args[args.index("-ngl") + 1] if "-ngl" in args else "auto"
+n = 3 if value in ("all", "auto", "-1", "-2") else min(3, int(value))
+print(f"MTL0 {40 * n} {2 * n} {10 if n else 0}")
+print(f"Host {40 * (3 - n) + 1} {2 * (3 - n)} 5")
+"""
+
+
+def fake_metal_build(folder: Path) -> Path:
+    """A build folder whose llama-server lists one Metal GPU and whose llama-fit-params projects for it: the
+    backend fitter has no rules for, through the I/O edge a real Metal build offers (a Mac is not at hand)."""
+    folder.mkdir()
+    for name, text in (("llama-server", FAKE_METAL_SERVER), ("llama-fit-params", FAKE_METAL_FIT_PARAMS)):
+        (folder / name).write_text(text)
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def test_a_backend_without_rules_is_planned_from_its_builds_projection(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.models import model_file
+
+    build = fake_metal_build(tmp_path / "metal")
+    model = str(model_file("llama-tiny"))
+    assert main(["estimate", model, "-c", "512", "-ngl", "2", "--llama-cpp", str(build), "--json"]) == 0
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    # the Metal device's every kind and the host's compute from the projection (floored MiB rounded up); the host's
+    # weights and cache are the CPU backend's, fitter's own (the embedding, one layer's cache)
+    own = plan_of(model, ["-c", "512", "-ngl", "2"], "metal:1124").totals()["CPU"]
+    assert {name: (d["model"], d["kv"], d["compute"]) for name, d in doc["devices"].items()} == {
+        "CPU": (own.model, own.kv, 5 * MIB + MIB - 1),
+        "MTL0": (80 * MIB + MIB - 1, 4 * MIB + MIB - 1, 10 * MIB + MIB - 1)}
+    assert ("fitter: warning: MTL0 (Apple M2 Max): no rules for Metal in fitter: its buffers come from the build's "
+            "own projection (llama-fit-params --fit-print on)") in out.err
+    assert "MTL0: every buffer from llama.cpp's own projection" in out.err
+    # the fit judges each placement by the build's projection: 100 MiB of budget holds two layers (84 MiB), not three
+    assert main(["fit", model, "-c", "512", "--fit-target", "1024", "--llama-cpp", str(build), "--json"]) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    assert fitted["fits"] and "-ngl" in fitted["flags"]
+    assert fitted["flags"][fitted["flags"].index("-ngl") + 1] == "2"
+
+
+def plan_of(model: str, flags: list[str], devices: str) -> Any:
+    from fitter.flags import parse_launch_flags
+    from fitter.gguf.model_spec import load_model_spec
+    from fitter.memory.backends.registry import parse_devices
+    from fitter.memory.plan.estimator import estimate
+
+    return estimate(load_model_spec(model), parse_launch_flags(flags), parse_devices(devices))
+
+
+FAKE_VULKAN_SERVER = """#!/bin/sh
+case "$*" in
+  *--version*) echo "version: 0.5.0-dev (build 1, commit 0c1e570)" ;;
+  *--list-devices*) printf 'Available devices:\\n'
+                    printf '  Vulkan0: AMD Radeon RX 7600 (RADV NAVI33) (8176 MiB, 8000 MiB free)\\n' ;;
+esac
+"""
+
+
+def test_a_vulkan_builds_gpu_is_the_tunes_device(tmp_path: Path) -> None:
+    # what `fitter tune --llama-cpp <a Vulkan build> --dry-run` planned CPU-only before: the build's own listing is
+    # the list, whatever NVML (none here) says
+    import subprocess
+    import sys
+
+    build = tmp_path / "vulkan"
+    build.mkdir()
+    (build / "llama-server").write_text(FAKE_VULKAN_SERVER)
+    (build / "llama-server").chmod(0o755)
+    proc = subprocess.run([sys.executable, "-m", "fitter.cli", "tune", "--llama-cpp", str(build), "--dry-run", "-c",
+                           "4096", "--results", str(tmp_path / "r")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "budgets: Vulkan0 6976 MiB, host" in proc.stdout  # 8000 MiB free less the 1024 MiB fit target
+    assert ("Vulkan0 (AMD Radeon RX 7600 (RADV NAVI33)): its Vulkan limits could not be read here" in proc.stderr
+            or "Vulkan0" not in proc.stderr)  # a machine whose loader lists that card reads its own
+
+
+def test_a_result_is_held_to_the_devices_and_backends_of_its_build() -> None:
+    from fitter.measure.llamacpp.builds import build_change
+
+    then = {"build_devices": [{"device": "Vulkan0", "backend": "vulkan", "memory_total": 8176 * MIB}]}
+    same = [{"device": "Vulkan0", "backend": "vulkan", "memory_total": 8180 * MIB}]  # a driver moved it a little
+    assert build_change(then, same, ["CPU", "Vulkan"], ["CPU", "Vulkan"]) is None
+    other = [{"device": "Vulkan0", "backend": "vulkan", "memory_total": 16368 * MIB}]
+    assert build_change(then, other, ["CPU", "Vulkan"], ["CPU", "Vulkan"]) == (
+        "was tuned on Vulkan0 (vulkan, 8176 MiB), as the build listed them; it lists Vulkan0 (vulkan, 16368 MiB) "
+        "now: its placement and budgets are for those devices; tune again here")
+    assert build_change(then, same, ["CPU", "Vulkan"], ["CPU", "CUDA"]) == (
+        "was tuned with a build of CPU, Vulkan; it is now a build of CPU, CUDA: tune again with this build")
+    assert build_change({}, other, None, ["CPU"]) is None  # tuned before the record: not compared

@@ -13,8 +13,9 @@ from fitter.machine.measured_overhead import overhead_for, record, record_measur
 from fitter.machine.nvidia import GpuInfo
 from fitter.measure.bench_table import bench_json
 from fitter.measure.types import Measurement
-from fitter.memory.backends.devices import CUDA, Device, parse_devices, rpc_devices
+from fitter.memory.backends.devices import CUDA, Device, rpc_devices
 from fitter.memory.backends.overhead import default_overhead, measured_overhead, sm_count
+from fitter.memory.backends.registry import parse_devices
 from fitter.memory.fit.budgets import device_budgets
 from fitter.memory.plan.estimator import estimate
 from fitter.memory.plan_render import plan_json

@@ -8,7 +8,7 @@ import pytest
 from fitter.flags import parse_launch_flags
 from fitter.flags.overrides import ncmoe_rules
 from fitter.gguf.model_spec import Role, load_model_spec
-from fitter.memory.backends.devices import parse_devices
+from fitter.memory.backends.registry import parse_devices
 from fitter.memory.fit.fit import fit
 from fitter.memory.fit.fit_devices import split_by_budget
 from fitter.memory.plan.estimator import estimate

@@ -7,7 +7,8 @@ import pytest
 from fitter.errors import GGUFError, LaunchConfigError
 from fitter.flags import parse_launch_flags, resolve_context
 from fitter.gguf.model_spec import load_model_spec
-from fitter.memory.backends.devices import CPU_AVX2, CPU_NO_REPACK, parse_devices
+from fitter.memory.backends.devices import CPU_AVX2, CPU_NO_REPACK
+from fitter.memory.backends.registry import parse_devices
 from fitter.memory.plan.estimator import alloc_size, estimate, kv_cache_sizes
 from tests.models import model_file, model_files
 from tests.properties import bounded

@@ -10,7 +10,8 @@ import pytest
 from fitter.errors import FitterError
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
-from fitter.memory.backends.devices import CPU_AVX2, parse_devices
+from fitter.memory.backends.devices import CPU_AVX2
+from fitter.memory.backends.registry import parse_devices
 from fitter.memory.plan.estimator import estimate
 from fitter.memory.plan.projected import guess_warning, guessed_kinds, with_projection
 from fitter.units import MIB
@@ -54,3 +55,26 @@ def test_a_projection_that_lacks_a_device_of_the_plan_is_refused(tmp_path: Path)
 def test_a_plan_fitter_guesses_nothing_for_is_left_as_it_is() -> None:
     plan = estimate(load_model_spec(str(model_file("llama-tiny"))), parse_launch_flags(["-c", "512"]), (), CPU_AVX2)
     assert with_projection(plan, {}, "unused") is plan
+
+
+def test_a_device_of_a_backend_without_rules_takes_every_kind_from_the_projection() -> None:
+    spec = load_model_spec(str(model_file("llama-tiny")))
+    devices = parse_devices("metal:65536")
+    assert [(d.name, d.profile.kind, d.profile.projected, d.profile.unified) for d in devices] == [
+        ("MTL0", "metal", True, True)]
+    assert guessed_kinds(spec, devices) == ("model", "kv", "compute")
+    plan = estimate(spec, parse_launch_flags(["-c", "512", "-ngl", "all"]), devices, CPU_AVX2)
+    assert guess_warning(spec, devices) in plan.warnings  # said, never silent
+    tool = {"MTL0": {"model": 3 * MIB, "kv": 1 * MIB, "compute": 2 * MIB},
+            "CPU": {"model": 0, "kv": 0, "compute": 1 * MIB}}
+    projected = with_projection(plan, tool, "llama-fit-params of a Metal build")
+    host_model = [b for b in plan.buffers if b.device == "CPU" and b.kind == "model"]
+    # the host's weights stay the CPU backend's (fitter's); its compute, and every kind on MTL0, the projection's
+    assert [b for b in projected.buffers if b.device == "CPU" and b.kind == "model"] == host_model
+    assert [(b.buft, b.kind, b.bytes) for b in projected.buffers if b.kind != "output" and b not in host_model] == [
+        ("CPU", "compute", 2 * MIB - 1),
+        ("MTL0", "model", 4 * MIB - 1), ("MTL0", "kv", 2 * MIB - 1), ("MTL0", "compute", 3 * MIB - 1)]
+    assert projected.warnings[-1] == ("MTL0: every buffer from llama.cpp's own projection (llama-fit-params of a "
+                                      "Metal build), its floored MiB rounded up: fitter has no rules for this "
+                                      "backend")
+    assert guess_warning(spec, devices) not in projected.warnings
