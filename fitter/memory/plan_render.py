@@ -114,7 +114,7 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
         lines.append(f"{name:<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.output)}{_mib(t.total)}")
     lines += overhead_lines(plan.devices)
     for d in plan.devices:
-        if "not yet" in d.profile.validated:
+        if any(x in d.profile.validated for x in ("not yet", "not validated", "no rules", "typical")):
             lines.append(f"note: {d.name}: {d.profile.validated}")
     if per_tensor:
         lines += ["", f"{'tensor':<40}{'type':<8}{'role':<14}{'buffer':<24}{'MiB':>10}"]

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from fitter.search.screen import Budgets, Screen
+from dataclasses import replace
+
+from fitter.flags import parse_launch_flags
+from fitter.gguf.model_spec import load_model_spec
+from fitter.memory.backends.devices import CPU_AVX2, DISCRETE_VULKAN, Device, vulkan_profile
+from fitter.search.screen import Budgets, Screen, device_totals, screen
 from fitter.units import MIB
+from tests.models import model_file
 
 
 def test_the_larger_of_the_two_decides_per_device() -> None:
@@ -16,3 +22,16 @@ def test_the_larger_of_the_two_decides_per_device() -> None:
     assert guarded.constraints == {"vram:CUDA0": 10.0, "vram:CUDA1": -5.0}
     assert not guarded.feasible and guarded.projection == projection
     assert guarded.reason() == "predicted over budget: vram:CUDA0 by 10.0 MiB"
+
+
+def test_a_device_that_shares_the_hosts_memory_draws_on_the_same_ram() -> None:
+    spec = load_model_spec(str(model_file("gpt-oss-tiny")))
+    config = parse_launch_flags(["-c", "512", "-ngl", "all"])
+    apu = (Device("Vulkan0", vulkan_profile(replace(DISCRETE_VULKAN, integrated=True)), 8 << 30, 8 << 30),)
+    dgpu = (Device("Vulkan0", vulkan_profile(DISCRETE_VULKAN), 8 << 30, 8 << 30),)
+    budgets = Budgets({"Vulkan0": 8 << 30}, 1 << 30, {})
+    shared, own = screen(spec, config, apu, CPU_AVX2, budgets), screen(spec, config, dgpu, CPU_AVX2, budgets)
+    totals = device_totals(shared.plan)
+    # one pool: the integrated GPU's bytes come out of the host's RAM too, a discrete card's do not
+    assert shared.constraints["ram"] == (totals["CPU"] + totals["Vulkan0"] - (1 << 30)) / 2**20
+    assert own.constraints["ram"] == (device_totals(own.plan)["CPU"] - (1 << 30)) / 2**20

@@ -136,6 +136,14 @@ def devices_of_build(build: LlamaCppBuild, rpc: tuple[str, ...] = ()) -> tuple[t
 
         vulkan = vulkan_devices()
     devices, notes = build_devices(listed, vulkan)
+    seen = {backend_of(d.name).name for d in listed}
+    silent = sorted(b for b in library_backends(build.llama_server.resolve().parent)
+                    if b not in ("CPU", "RPC", "BLAS") and b not in seen)
+    if silent:  # a backend library beside the binary whose devices it does not list: it cannot run on this machine
+        listed_text = ", ".join(d.name for d in listed) or "none"
+        notes.append(f"{build.folder}: the build has {', '.join(silent)} but lists no device of it here (its devices: "
+                     f"{listed_text}): that backend cannot run on this machine (no driver or no card); planned "
+                     "without it")
     return _with_nvml(devices, listed), notes
 
 
@@ -219,14 +227,20 @@ _BACKEND_NAMES = {"cpu": "CPU", "rpc": "RPC", "cuda": "CUDA", "hip": "ROCm", "vu
 _BACKEND_LIBRARY = re.compile(r"libggml-([a-z]+)(?:-[\w-]+)?\.so(?:\.[\d.]+)?")
 
 
+def library_backends(folder: Path) -> set[str]:
+    """The backends whose ggml libraries lie in a shared build's folder (libggml-vulkan.so → Vulkan), and the CPU."""
+    found = {"CPU"}
+    for f in folder.iterdir():
+        if (m := _BACKEND_LIBRARY.fullmatch(f.name)) is not None and m.group(1) != "base":
+            found.add(_BACKEND_NAMES.get(m.group(1), m.group(1)))
+    return found
+
+
 def build_backends(binary: str) -> list[str]:
     """The backends a build has: its ggml backend libraries beside the binary (a shared build), the devices it lists
     (`--list-devices`: a static build's GPUs; RPC servers are not listed without --rpc), and the CPU."""
     path = Path(binary).resolve()
-    found = {"CPU"}
-    for f in path.parent.iterdir():
-        if (m := _BACKEND_LIBRARY.fullmatch(f.name)) is not None and m.group(1) != "base":
-            found.add(_BACKEND_NAMES.get(m.group(1), m.group(1)))
+    found = library_backends(path.parent)
     try:
         listed = list_devices(LlamaCppBuild(path.parent, path, None, None))
     except FitterError:

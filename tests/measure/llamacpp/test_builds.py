@@ -306,3 +306,16 @@ def test_a_result_is_held_to_the_devices_and_backends_of_its_build() -> None:
     assert build_change(then, same, ["CPU", "Vulkan"], ["CPU", "CUDA"]) == (
         "was tuned with a build of CPU, Vulkan; it is now a build of CPU, CUDA: tune again with this build")
     assert build_change({}, other, None, ["CPU"]) is None  # tuned before the record: not compared
+
+
+def test_a_backend_the_build_has_but_cannot_run_here_is_said(tmp_path: Path) -> None:
+    from fitter.measure.llamacpp.builds import devices_of_build
+
+    (tmp_path / "llama-server").write_text("#!/bin/sh\nprintf 'Available devices:\\n  (none)\\n'\n")
+    (tmp_path / "llama-server").chmod(0o755)
+    for name in ("libggml-base.so.0", "libggml-hip.so.0", "libggml-cpu.so.0"):
+        (tmp_path / name).write_bytes(b"")
+    devices, notes = devices_of_build(find_build(tmp_path))
+    assert devices == ()
+    assert notes == [f"{tmp_path}: the build has ROCm but lists no device of it here (its devices: none): that "
+                     "backend cannot run on this machine (no driver or no card); planned without it"]
