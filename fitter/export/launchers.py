@@ -99,6 +99,9 @@ def pick(result: ParetoDoc, policy: str) -> Pick:
         warning = (f"measured on fitter's emulated {what} on the tuning machine, CPU speed){dropped}: check the "
                    f"placement fits your GPU{'s' if several else ''} with `fitter fit`")
         config = replace(config, rpc=(), overrides=with_bufts(config.overrides, named))
+    chosen = result.machine.get("model_devices")
+    if not config.device_names and isinstance(chosen, list) and chosen and all(isinstance(n, str) for n in chosen):
+        config = replace(config, device_names=tuple(chosen))  # the build's devices the trials used, named (-dev)
     if config.flash_attn == "auto":
         raise FitterError(f"{where}: -fa auto is resolved by llama-server per device at launch; an export pins "
                           "-fa on or off: tune with flash-attn on/off")
@@ -321,6 +324,9 @@ def _not_in_kwargs(p: Pick) -> list[str]:
         out.append("-nr: llama_model_params.use_extra_bufts = False (no keyword)")
     if c.load_mode == "dio":
         out.append("-lm dio: llama_model_params.load_mode = LLAMA_LOAD_MODE_DIO (no keyword)")
+    if c.device_names:
+        out.append(f"-dev {','.join(c.device_names)}: llama_model_params.devices, a NULL-terminated array of the "
+                   "ggml devices by name (ggml_backend_dev_by_name; no keyword)")
     if c.rpc:
         out.append(f"--rpc {','.join(c.rpc)}: register the RPC servers (ggml_backend_rpc_add_server) before loading")
     if p.cpu_mask or p.cpu_range:

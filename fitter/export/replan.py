@@ -17,7 +17,16 @@ from fitter.flags.consumers import retarget
 from fitter.flags.overrides import with_bufts
 from fitter.flags.parse import flag_value
 from fitter.gguf.model_spec import ModelSpec
-from fitter.memory.backends.devices import CPU_AVX2, CUDA, CpuProfile, Device, emulated_gpu_names, rpc_devices
+from fitter.memory.backends.devices import (
+    CPU_AVX2,
+    CUDA,
+    DISCRETE_VULKAN,
+    CpuProfile,
+    Device,
+    emulated_gpu_names,
+    rpc_devices,
+)
+from fitter.memory.backends.registry import UNKNOWN, backend_of, device_profile
 from fitter.memory.plan.estimator import estimate
 from fitter.results.pareto import Entry, ParetoDoc
 from fitter.units import MIB
@@ -44,11 +53,13 @@ class Replan:
         return head + (": " + "; ".join(self.changes) if self.changes else ": the same memory")
 
 
-def measured_devices(entry: Entry, doc: ParetoDoc | None = None) -> tuple[Device, ...]:
+def measured_devices(entry: Entry, doc: ParetoDoc | None = None, named: tuple[str, ...] = ()) -> tuple[Device, ...]:
     """The devices the entry's confirm run allocated on, by the names llama.cpp logged (RPC0[host:port], CUDA0),
-    with the rules they were tuned under (the CUDA-shaped emulated GPU: CUDA's) and, for the layer split, their
-    recorded budgets as their free memory."""
+    and those -dev names (`named`: an export pins the build's devices the trials used), with the rules they were
+    tuned under (the CUDA-shaped emulated GPU: CUDA's) and, for the layer split, their recorded budgets as their
+    free memory."""
     names = [n for n in (entry.measurement.logged_devices if entry.measurement else {}) if n != "CPU"]
+    names += [n for n in named if n not in names and n != "none"]
     budgets = recorded_budgets(doc) if doc is not None else {}
     cuda_shaped = doc is not None and doc.machine.get("emulated_gpu_kind") == "cuda"
     devices: list[Device] = []
@@ -58,8 +69,12 @@ def measured_devices(entry: Entry, doc: ParetoDoc | None = None) -> tuple[Device
         if rpc:
             (dev,) = rpc_devices([rpc.group(1)])
             devices.append(replace(dev, profile=CUDA if cuda_shaped else dev.profile, free_bytes=free))
-        elif re.fullmatch(r"CUDA\d+", name):
-            devices.append(Device(name, CUDA, free_bytes=free))
+        elif (backend := backend_of(name)) is not UNKNOWN and backend.name != "RPC" \
+                and backend.device_type != "accel":
+            # its backend's rules (a Vulkan card's limits are not recorded: a typical discrete card's stand in; the
+            # re-plan is a difference between two programs on the same device, which they barely move)
+            devices.append(Device(name, device_profile(backend, DISCRETE_VULKAN if backend.name == "Vulkan"
+                                                       else None), free_bytes=free))
     return tuple(devices)
 
 
@@ -91,7 +106,7 @@ def _on_measured_devices(config: LaunchConfig, entry: Entry) -> LaunchConfig:
 def replan(doc: ParetoDoc, entry: Entry, config: LaunchConfig, target: str, spec: ModelSpec,
            cpu: CpuProfile = CPU_AVX2) -> Replan:
     """`config` (the pick, parsed as its program reads it, with the devices it ran on) for program `target`."""
-    devices = measured_devices(entry, doc)
+    devices = measured_devices(entry, doc, config.device_names)
     config = _on_measured_devices(config, entry)
     before = estimate(spec, config, devices, cpu)
     moved = retarget(config, target)

@@ -114,7 +114,10 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
         lines.append(f"{name:<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.output)}{_mib(t.total)}")
     lines += overhead_lines(plan.devices)
     for d in plan.devices:
-        if any(x in d.profile.validated for x in ("not yet", "not validated", "no rules", "typical")):
+        if d.profile.projected and not plan.projected:  # --projection never: the CPU's rules stood in
+            lines.append(f"note: {d.name}: no rules for its backend in fitter: every buffer guessed with the CPU's "
+                         "(--projection never)")
+        elif any(x in d.profile.validated for x in ("not yet", "not validated", "no rules", "typical")):
             lines.append(f"note: {d.name}: {d.profile.validated}")
     if per_tensor:
         lines += ["", f"{'tensor':<40}{'type':<8}{'role':<14}{'buffer':<24}{'MiB':>10}"]

@@ -100,12 +100,23 @@ def drift_guard(o: TuneOptions, users: LlamaCppBuild, commit: str, rpc: tuple[st
     elif not commit.startswith(LLAMA_CPP_TARGET["commit"]):
         why = f"the build is {commit}, fitter's rules were matched against {LLAMA_CPP_TARGET['commit']}"
     else:
-        names = [d.name for d in list_devices(users, rpc)]
-        other = [n for n in names if not n.startswith("RPC")]
-        if other:
-            why = f"{', '.join(other)}: no golden data from that backend yet"
+        unchecked = [d.name for d in list_devices(users, rpc) if not _checked_by_goldens(d.name, d.description)]
+        if unchecked:
+            why = f"{', '.join(unchecked)}: no golden data from that backend or device yet"
     if why is None:
         return None
     log(f"fitter: drift guard on ({why}): each config is projected by {tool} before it is launched, and screened "
         "with the larger of that and fitter's estimate")
     return Projector(tool, o.spec, rpc)
+
+
+def _checked_by_goldens(name: str, description: str) -> bool:
+    """Whether fitter's rules for a listed device were checked against real loads on such a device: RPC
+    (tests/golden/rpc.json) and Vulkan on lavapipe (vulkan-emulated.json); a Vulkan card's driver, a CUDA build
+    (its goldens are the emulated GPU's) and every other backend not yet."""
+    from fitter.measure.emulator.emulated_vulkan import LAVAPIPE
+    from fitter.memory.backends.registry import backend_of
+
+    backend = backend_of(name).name
+    return backend == "RPC" or (backend == "Vulkan" and description.startswith(LAVAPIPE))
+

@@ -30,6 +30,7 @@ from fitter.measure.types import BenchSpec
 from fitter.memory.backends.devices import CpuProfile, Device, rpc_device_name, rpc_devices
 from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.fit.fit_devices import expert_layers
+from fitter.memory.plan.device_choice import default_devices
 from fitter.search import split
 from fitter.search.request import CTX_KEY, TuneRequest
 from fitter.search.screen import Budgets
@@ -162,6 +163,10 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
                             for e, cap in zip(placeholders, caps, strict=True))
     else:
         planned = own
+    if (built or emulated_kind == "vulkan") and planned and not any(d.profile.kind == "rpc" for d in planned):
+        # the devices llama.cpp gives the model unasked on the build's listing: exports pin them (-dev), so the
+        # launch uses the devices that were measured even where the listing grows (another card, an iGPU)
+        machine["model_devices"] = [d.name for d in default_devices(planned)]
     cpus, nvml, build = process.cpus, bool(gpus), snapshot.llama_cpp or None
     order = tuple(g.index for g in gpus) if gpus else None  # NVML's index of CUDA0, CUDA1, … for the peak sampler
 

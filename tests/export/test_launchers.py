@@ -366,6 +366,23 @@ def test_several_emulated_gpus_stand_for_cuda0_cuda1_in_their_order() -> None:
     assert python["tensor_overrides"][-1] == {"pattern": r"blk\.2\.ffn_(gate|gate_up|down).*", "buft": "CUDA1"}
 
 
+def test_a_tune_through_a_build_names_the_devices_its_trials_used_in_every_format() -> None:
+    result = _result()
+    result["machine"]["model_devices"] = ["Vulkan0"]  # fitter.tune.targets: llama.cpp's own choice on the listing
+    argv = shlex.split(render(result, "max-decode", "server", SOURCE).splitlines()[-1])
+    assert argv[argv.index("-dev") + 1] == "Vulkan0"
+    assert parse_launch_flags(argv[3:-4]).device_names == ("Vulkan0",)
+    assert "device = Vulkan0" in render(result, "max-decode", "preset-ini", SOURCE)
+    python = json.loads(render(result, "max-decode", "python", SOURCE))
+    assert python["not_in_kwargs"][-1] == ("-dev Vulkan0: llama_model_params.devices, a NULL-terminated array of the "
+                                           "ggml devices by name (ggml_backend_dev_by_name; no keyword)")
+    given = _result()  # the user's own -dev stays as tuned
+    given["machine"]["model_devices"] = ["Vulkan0"]
+    given["pareto"][0]["flags"] = ["-dev", "Vulkan1", *given["pareto"][0]["flags"]]
+    argv = shlex.split(render(given, "max-decode", "server", SOURCE).splitlines()[-1])
+    assert argv[argv.index("-dev") + 1] == "Vulkan1" and argv.count("-dev") == 1
+
+
 # -- errors ------------------------------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from fitter.cli import main
+from fitter.export.launchers import pick
 from fitter.export.replan import measured_devices, recorded_budgets, replan
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
@@ -114,3 +115,23 @@ def test_a_re_plan_whose_recorded_model_is_gone_names_the_result(tmp_path: Path,
     assert capsys.readouterr().err == (
         f"fitter: error: {tmp_path}/gone.gguf: no such file; re-planning for another program needs the header of "
         f"the model {result / 'pareto.json'} was tuned on: give --model PATH\n")
+
+
+def test_a_vulkan_result_is_re_planned_on_its_vulkan_device_with_vulkans_rules() -> None:
+    model = _model()
+    raw = _doc(model, 2048)
+    entry = raw["pareto"][0]
+    entry["flags"] = [f for f in FLAGS if f not in ("--rpc", "127.0.0.1:50052")]
+    logged = entry["measurement"]["devices"]
+    entry["measurement"]["devices"] = {"CPU": logged["CPU"], "Vulkan0": logged[RPC]}
+    raw["budgets"] = {"devices": {"Vulkan0": 2048 * MIB}, "host": None}
+    raw["machine"] = {"gpus": [], "emulated_gpu_mib": 2064, "emulated_gpu_kind": "vulkan", "model_devices": ["Vulkan0"]}
+    doc = ParetoDoc.from_json(raw, "r/pareto.json")
+    p = pick(doc, "balanced")
+    assert p.config.device_names == ("Vulkan0",)  # the export pins the device the trials used
+    (device,) = measured_devices(doc.pareto[0], doc, p.config.device_names)
+    assert (device.name, device.profile.kind, device.profile.host_buft) == ("Vulkan0", "vulkan", "Vulkan_Host")
+    plan = replan(doc, p.entry, p.config, "llama-cpp-python", load_model_spec(str(model)))
+    assert plan.changes == ("n_outputs_max 4 → 2048", "CPU 11039.49 → 11039.50 MiB (compute 87.08 → 87.09)",
+                            "Vulkan0 1927.52 → 3498.52 MiB (compute 433.51 → 2004.51)")
+    assert plan.over == {"Vulkan0": 1285605120}

@@ -67,6 +67,24 @@ def test_the_emulated_vulkan_gpu_is_planned_with_lavapipes_limits_and_named_apar
     assert target.planned_rpc == () and target.machine["emulated_gpu_kind"] == "vulkan"
     assert target.machine_dir.startswith("emulated-vulkan-96+48MiB-")
     assert target.physical_cores == snapshot.cpu.physical_cores  # no server: lavapipe computes in the trial
+    assert target.machine["model_devices"] == ["Vulkan0", "Vulkan1"]  # what exports pin as -dev
+
+
+def test_a_builds_devices_the_model_takes_unasked_are_recorded_for_exports(tmp_path: Path) -> None:
+    from tests.measure.llamacpp.test_builds import FAKE_VULKAN_SERVER
+
+    build = tmp_path / "vulkan"
+    build.mkdir()
+    (build / "llama-server").write_text(FAKE_VULKAN_SERVER)
+    (build / "llama-server").chmod(0o755)
+    target = local_target(take_snapshot(), parse_launch_flags(["-c", "2048"]), ProcessFlags(), None, False, None,
+                          llama_cpp=str(build))
+    assert [d.name for d in target.planned_devices] == ["Vulkan0"]
+    assert target.machine["model_devices"] == ["Vulkan0"]
+    assert target.machine["build_devices"] == [{"device": "Vulkan0", "backend": "vulkan",
+                                                "memory_total": 8176 * 2**20}]
+    cpu_only = local_target(take_snapshot(), parse_launch_flags(["-c", "2048"]), ProcessFlags(), None, False, None)
+    assert "model_devices" not in cpu_only.machine  # nothing to name: llama.cpp's own choice is the same anywhere
 
 
 def test_several_emulated_gpus_are_planned_one_per_cap_with_their_own_placeholder() -> None:
