@@ -37,9 +37,10 @@ from dataclasses import dataclass
 from fitter.flags import ContextParams
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.backends.devices import CPU_ALIGNMENT, Device
+from fitter.memory.graph.builder import BackendMap, GraphParams
 from fitter.memory.graph.ggml_graph import BufferType
 from fitter.memory.graph.graph_replay import Replayed, flash_attn_devices_match, graph_compute_bytes
-from fitter.memory.graph.graphs import GRAPH_ARCHS, BackendMap, GraphParams
+from fitter.memory.graph.graphs import GRAPH_ARCHS
 from fitter.memory.graph.op_rules import OpRules
 
 F32 = 4

@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from fitter.gguf.model_spec import ModelSpec
+from fitter.memory.graph.builder import Builder, GraphParams
 from fitter.memory.graph.ggml_graph import BufferType, Graph, Tensor, allocate_buffers
-from fitter.memory.graph.graphs import Builder, GraphParams, build
+from fitter.memory.graph.graphs import build
 from fitter.memory.graph.sched import schedule
 
 # Built graphs by (model spec, shape): a graph's structure depends on the spec and the GraphParams but for

@@ -16,9 +16,9 @@ from fitter.flags.draft import draft_context_config
 from fitter.gguf.archs import ARCHS
 from fitter.gguf.model_spec import ModelSpec, Role, TensorSpec
 from fitter.memory.backends.devices import CPU_AVX2, CpuProfile, Device, DeviceProfile
+from fitter.memory.graph.builder import BackendMap
 from fitter.memory.graph.compute import auto_flash_attn_mismatch, backend_map, compute_bytes_by_device
 from fitter.memory.graph.graph_replay import Replayed
-from fitter.memory.graph.graphs import BackendMap
 from fitter.memory.graph.vulkan_ops import weight_supported
 from fitter.memory.plan.buffers import CPU, KINDS, Buffer, Placement, alloc_size, pad_to, row_bytes
 from fitter.memory.plan.device_choice import layer_devices, model_devices, pipeline_parallel

@@ -13,7 +13,7 @@ from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.memory.backends.devices import CUDA, RPC, Device
 from fitter.memory.fit.fit import FitResult, fit
 from fitter.memory.graph import graph_replay as replay
-from fitter.memory.graph.graphs import GraphParams
+from fitter.memory.graph.builder import GraphParams
 from fitter.memory.plan import estimator
 from fitter.memory.plan.estimator import MemoryPlan, estimate
 from tests.models import model_file
