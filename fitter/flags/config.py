@@ -74,6 +74,9 @@ class LaunchConfig:
     # -dev: the devices the model uses, by the names the build lists (common/arg.cpp parse_device_list); ("none",):
     # none; (): llama.cpp's choice (src/llama.cpp: RPC servers, then GPUs, integrated ones only without those)
     device_names: tuple[str, ...] = ()
+    # --cache-ram: llama-server's prompt cache in host RAM, MiB (-1 no limit but the context's tokens, 0 none;
+    # common/common.h cache_ram_mib, tools/server/server-task.cpp server_prompt_cache)
+    cache_ram_mib: int = 8192
     consumer: str = DEFAULT_CONSUMER  # the program that runs it (`--for`, fitter.flags.consumers)
     # Speculative decoding with a draft model (common/arg.cpp --spec-draft-*, common/common.h
     # common_params_speculative_draft): a second model llama-server loads beside this one, with one draft context
@@ -254,18 +257,19 @@ def parse_cpu_mask(mask: str | None, cpu_range: str | None) -> tuple[int, ...] |
 DRAFT_FIELDS = ("draft_n_gpu_layers", "draft_overrides", "draft_cache_type_k", "draft_cache_type_v", "spec_type",
                 "spec_draft_n_max", "spec_draft_n_min")
 # Fields added after keys were recorded, left out of `recorded_repr` at their defaults
-_LATER_FIELDS = ("split_mode", "device_names", "draft_model", *DRAFT_FIELDS)
+_LATER_FIELDS = ("split_mode", "device_names", "draft_model", *DRAFT_FIELDS, "cache_ram_mib")
 
 
 def recorded_repr(config: LaunchConfig) -> str:
-    """repr(config) as keys recorded before `split_mode`, `-dev` and the draft's fields existed spell it: each is left
-    out at its default (`-sm layer`, no `-dev`, no draft), so seeded simulations and recorded landscapes keep matching
-    (fitter.sim);
+    """repr(config) as keys recorded before `split_mode`, `-dev`, the draft's fields and `--cache-ram` existed spell
+    it: each is left out at its default (`-sm layer`, no `-dev`, no draft), so seeded simulations and recorded
+    landscapes keep matching (fitter.sim);
     `flags=()` closes it, as when a config carried its flags' tokens (keys were recorded without them)."""
     text = repr(config)[:-1] + ", flags=())"
-    defaults = LaunchConfig()
+    program = consumer(config.consumer)
     for name in _LATER_FIELDS:
-        value = getattr(defaults, name)
+        # the program's own value (--cache-ram: llama-server's 8192 MiB, none in the C API's programs)
+        value = program.fixed.get(name, program.defaults.get(name, getattr(LaunchConfig, name)))
         if getattr(config, name) == value:
             text = text.replace(f", {name}={value!r}", "", 1)
     return text

@@ -58,12 +58,12 @@ CONSUMERS: dict[str, Consumer] = {
             "llama-cpp-python",
             {"ctx_size": 512, "batch_size": 512, "ubatch_size": 512, "flash_attn": "off", "n_gpu_layers": 0,
              "parallel": 1, "kv_unified": False, "swa_full": True},
-            False, False, {"fit": False},
+            False, False, {"fit": False, "cache_ram_mib": 0},
             "llama-cpp-python 0.3.36 llama_cpp/llama.py Llama.__init__; src/llama-context.cpp defaults",
         ),
         Consumer(
             "llama-bench", {"ctx_size": 640, "parallel": 1, "kv_unified": False}, False, False,
-            {"parallel": 1, "kv_unified": False, "swa_full": False, "fit": False},
+            {"parallel": 1, "kv_unified": False, "swa_full": False, "fit": False, "cache_ram_mib": 0},
             "tools/llama-bench/llama-bench.cpp cmd_params_instance::to_llama_cparams",
         ),
     )
@@ -73,7 +73,8 @@ CONSUMER_NAMES = tuple(CONSUMERS)  # the programs a user runs a config with (`--
 # given (fitter.measure.llamacpp.fit_params translates llama-server's auto to 4), no unified KV (it rejects -kvu), the
 # C API's n_outputs_max 0 = n_batch (tools/fit-params/fit-params.cpp, common/common.cpp common_context_params_to_llama).
 CONSUMERS["llama-fit-params"] = Consumer("llama-fit-params", {"parallel": 1}, False, False,
-                                         {"kv_unified": False, "fit": False}, "tools/fit-params/fit-params.cpp")
+                                         {"kv_unified": False, "fit": False, "cache_ram_mib": 0},
+                                         "tools/fit-params/fit-params.cpp")
 
 
 def consumer(name: str) -> Consumer:

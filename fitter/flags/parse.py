@@ -70,6 +70,18 @@ class _Merge(argparse.Action):
         setattr(ns, self.dest, merge(getattr(ns, self.dest, _DEFAULTS[self.dest]), values))
 
 
+class _MergeConst(argparse.Action):
+    """A bare flag that changes its field as llama.cpp combined it with the others (Flag.merge: an older llama.cpp's
+    load switches)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        merge = BY_NAME[self.option_strings[0]].merge
+        assert merge is not None
+        current = getattr(ns, self.dest, argparse.SUPPRESS)
+        setattr(ns, self.dest, merge(_DEFAULTS[self.dest] if current is argparse.SUPPRESS else current, None))
+
+
 def _add(target: Any, f: Flag, default: Any, help_text: str | None = None) -> None:
     text = help_text or f.help
     if f.kind is Kind.VALUE and f.merge is not None:
@@ -82,6 +94,8 @@ def _add(target: Any, f: Flag, default: Any, help_text: str | None = None) -> No
         target.add_argument(*f.names, dest=f.field, action="store_true", default=default, help=text)
     elif f.kind is Kind.NEGATION:
         target.add_argument(*f.names, dest=f.field, action="store_false", default=default, help=text)
+    elif f.kind is Kind.CONST and f.merge is not None:
+        target.add_argument(*f.names, dest=f.field, action=_MergeConst, nargs=0, default=default, help=text)
     elif f.kind is Kind.CONST:
         target.add_argument(*f.names, dest=f.field, action="store_const", const=f.const, default=default,
                             help=text)
@@ -101,7 +115,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     groups: dict[str, Any] = {}
     for f in launch_flags():
         shared = [o for o in launch_flags() if o.field == f.field]
-        if len(shared) > 1 and f.field not in _RULE_FIELDS:
+        if len(shared) > 1 and f.field not in _RULE_FIELDS and not any(o.merge for o in shared):
             if f.field not in groups:
                 groups[f.field] = g.add_mutually_exclusive_group()
             target = groups[f.field]
@@ -280,6 +294,9 @@ def fixed_space_keys(config: LaunchConfig) -> set[str]:
     the given rules place experts as `-cmoe` or `-ncmoe` do, `-ncmoe 0` too (an `-ot` of other tensors leaves it
     searched)."""
     keys = {f.space_key for f in launch_flags() if f.space_key and f.field in config.given and f.kind is Kind.VALUE}
+    # a switch's key (kv-offload) is fixed by either spelling given (-kvo, -nkvo)
+    keys |= {k for f in launch_flags() if f.field in config.given and f.kind in (Kind.SWITCH, Kind.NEGATION)
+             for k in ((f.space_key,) if f.space_key else ()) + f.fixes}
     rules = config.overrides if "overrides" in config.given else ()
     if "overrides" in config.given and (not rules or CPU_MOE_RULE in rules
                                          or any(split_ncmoe(rules[i:])[0] for i in range(len(rules)))):

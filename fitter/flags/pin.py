@@ -51,7 +51,8 @@ WRITERS: tuple[tuple[str, Callable[[LaunchConfig], list[str]]], ...] = (
     ("n_gpu_layers", lambda c: ["-ngl", _layers(c.n_gpu_layers)]),
     ("overrides", lambda c: override_flags(c.overrides) or ["-ncmoe", "0"]),  # given, and no rule: `-ncmoe 0`
     ("swa_full", _switch("swa_full", "--swa-full")),
-    ("no_kv_offload", _switch("no_kv_offload", "-nkvo")),
+    ("no_kv_offload", lambda c: ["-nkvo" if c.no_kv_offload else "-kvo"]),
+    ("cache_ram_mib", lambda c: ["-cram", str(c.cache_ram_mib)]),
     ("no_op_offload", _switch("no_op_offload", "--no-op-offload")),
     ("no_repack", _switch("no_repack", "-nr")),
     ("load_mode", lambda c: ["-lm", c.load_mode]),
@@ -71,7 +72,8 @@ WRITERS: tuple[tuple[str, Callable[[LaunchConfig], list[str]]], ...] = (
     ("fit", lambda c: ["-fit", "on" if c.fit else "off"]),
 )
 # Written pinned only away from llama-server's default (a default here is what llama-server does unasked)
-_PINNED_IF_SET = ("overrides", "draft_overrides", "load_mode", "split_mode", "main_gpu", "device_names")
+_PINNED_IF_SET = ("overrides", "draft_overrides", "load_mode", "split_mode", "main_gpu", "device_names",
+                  "cache_ram_mib", "no_kv_offload")
 _PLACEMENT = ("n_gpu_layers", "overrides", "swa_full", "no_kv_offload", "no_op_offload", "no_repack", "load_mode",
               "tensor_split", "split_mode", "main_gpu", "device_names")
 

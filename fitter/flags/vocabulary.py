@@ -70,6 +70,39 @@ class Flag:
         return self.kind in (Kind.VALUE, Kind.RULE)
 
 
+def _legacy_load(switch: str, on: bool) -> Callable[[str, Any], str]:
+    """An older llama.cpp's load switch (--mmap/--no-mmap, --mlock, --direct-io: common/arg.cpp before the -lm
+    refactor, ggml-org/llama.cpp#20834) applied to the load mode so far: those were independent booleans
+    (use_mmap on by default, use_mlock, use_direct_io), so `--no-mmap --mlock` in either order is -lm mlock and
+    `--mlock` alone -lm mmap+mlock; direct I/O reads without mapping whatever the others say."""
+
+    def merge(current: str, _: Any) -> str:
+        if current == "dio" or (switch == "dio" and on):
+            return "dio"
+        mmap = current in ("auto", "mmap", "mmap+mlock")
+        mlock = current in ("mlock", "mmap+mlock")
+        mmap, mlock = (on, mlock) if switch == "mmap" else (mmap, on)
+        return {(True, True): "mmap+mlock", (False, True): "mlock", (True, False): "mmap",
+                (False, False): "none"}[(mmap, mlock)]
+
+    return merge
+
+
+def _cache_ram(value: str) -> int:
+    try:
+        mib = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB (-1 no limit, 0 none), got {value!r}") from None
+    if mib < -1:
+        raise argparse.ArgumentTypeError(f"expected MiB (-1 no limit, 0 none), got {value!r}")
+    return mib
+
+
+def _offload_off(value: str) -> bool:
+    """The search key kv-offload's value as -nkvo's field: kv-offload false is --no-kv-offload."""
+    return not _on_off(value)
+
+
 def _ngl(value: str) -> int:
     if value == "auto":
         return -1
@@ -184,13 +217,24 @@ FLAGS: tuple[Flag, ...] = (
          preset_value="false"),
     Flag(("--swa-full",), "swa_full", Kind.SWITCH, _C, preset_key="swa-full", preset_value="true",
          help="full-size SWA cache"),
-    Flag(("-nkvo", "--no-kv-offload"), "no_kv_offload", Kind.SWITCH, _C, preset_key="kv-offload",
-         preset_value="false"),
+    Flag(("-nkvo", "--no-kv-offload"), "no_kv_offload", Kind.SWITCH, _C, fixes=("kv-offload",),
+         preset_key="kv-offload", preset_value="false", help="KV cache and attention in host memory"),
+    Flag(("-kvo", "--kv-offload"), "no_kv_offload", Kind.NEGATION, _C, "kv-offload", preset_key="kv-offload",
+         preset_value="true", parse=_offload_off),
+    Flag(("-cram", "--cache-ram"), "cache_ram_mib", Kind.VALUE, _C, preset_key="cache-ram", parse=_cache_ram,
+         metavar="MiB", help="llama-server's prompt cache in host RAM (default 8192; -1 no limit; 0 none)"),
     Flag(("--no-op-offload",), "no_op_offload", Kind.SWITCH, _C, preset_key="op-offload", preset_value="false"),
     Flag(("-nr", "--no-repack"), "no_repack", Kind.SWITCH, _M, preset_key="repack", preset_value="false"),
-    Flag(("-lm", "--load-mode"), "load_mode", Kind.VALUE, _M, preset_key="load-mode", choices=LOAD_MODES,
+    Flag(("-lm", "--load-mode"), "load_mode", Kind.VALUE, _M, "load-mode", preset_key="load-mode", choices=LOAD_MODES,
          help="how weights are loaded (default auto = mmap)"),
-    Flag(("--no-mmap",), "load_mode", Kind.CONST, _M, const="none", help="older llama.cpp spelling of -lm none"),
+    Flag(("--no-mmap",), "load_mode", Kind.CONST, _M, merge=_legacy_load("mmap", False),
+         help="older llama.cpp spelling: -lm none (with --mlock: -lm mlock)"),
+    Flag(("--mmap",), "load_mode", Kind.CONST, _M, merge=_legacy_load("mmap", True),
+         help="older llama.cpp spelling: -lm mmap"),
+    Flag(("--mlock",), "load_mode", Kind.CONST, _M, merge=_legacy_load("mlock", True),
+         help="older llama.cpp spelling: -lm mmap+mlock (with --no-mmap: -lm mlock)"),
+    Flag(("-dio", "--direct-io"), "load_mode", Kind.CONST, _M, merge=_legacy_load("dio", True),
+         help="older llama.cpp spelling: -lm dio"),
     Flag(("-fit", "--fit"), "fit", Kind.VALUE, _C, preset_key="fit", parse=_on_off, metavar="on|off"),
     Flag(("-ts", "--tensor-split"), "tensor_split", Kind.VALUE, _M, preset_key="tensor-split", parse=_split,
          metavar="N0,N1,..."),
@@ -268,6 +312,9 @@ BARE: frozenset[str] = frozenset(name for f in FLAGS if not f.takes_value for na
 # on several GPUs the split too (fitter.search.split).
 SEARCHED: frozenset[str] = frozenset(f.canonical for f in FLAGS if f.takes_value and (
     f.space_key or f.field in ("overrides", "tensor_split", "split_mode", "main_gpu")))
+# bare switches of a searched key (-nkvo/-kvo: kv-offload), shown alone
+SEARCHED_SWITCHES: frozenset[str] = frozenset(f.canonical for f in FLAGS if f.kind in (Kind.SWITCH, Kind.NEGATION)
+                                              and (f.space_key or f.fixes))
 
 
 def fixing(space_key: str) -> tuple[str, ...]:

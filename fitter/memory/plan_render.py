@@ -8,6 +8,7 @@ from fitter.flags import ContextParams, pin
 from fitter.memory.fit.fit import FitResult
 from fitter.memory.fit.fit_devices import expert_layers
 from fitter.memory.plan.estimator import MemoryPlan
+from fitter.memory.plan.host import HostMemory, host_memory
 from fitter.units import MIB
 
 
@@ -34,6 +35,7 @@ def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
         "buffers": [{"buft": b.buft, "kind": b.kind, "bytes": b.bytes, **({"model": b.model} if b.model else {})}
                     for b in plan.buffers],
         "projected": list(plan.projected),  # kinds whose buffers are llama.cpp's own projection, not fitter's rules
+        "host": _host_json(host_memory(plan)),
         "tensors": [
             {
                 "name": p.tensor.name,
@@ -50,6 +52,12 @@ def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
         "llama_cpp": dict(llama_cpp),
         **({"draft": _draft_json(plan.draft)} if plan.draft is not None else {}),
     }
+
+
+def _host_json(h: HostMemory) -> dict[str, Any]:
+    """What host RAM holds while serving (fitter.memory.plan.host), bytes."""
+    return {"total": h.total, "mapped": h.mapped, "mapped_locked": h.locked, "anonymous": h.anonymous,
+            "pinned": h.pinned, "shared": h.shared, "prompt_cache": h.prompt_cache}
 
 
 def _context_json(ctx: ContextParams) -> dict[str, Any]:
@@ -113,6 +121,7 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
     for name, t in plan.totals().items():
         lines.append(f"{name:<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.output)}{_mib(t.total)}")
     lines += overhead_lines(plan.devices)
+    lines.append(host_memory(plan).line())
     for d in plan.devices:
         if d.profile.projected and not plan.projected:  # --projection never: the CPU's rules stood in
             lines.append(f"note: {d.name}: no rules for its backend in fitter: every buffer guessed with the CPU's "
@@ -182,6 +191,7 @@ def fit_table(result: FitResult, command: str, emulated: bool, verify: dict[str,
     t = totals["CPU"]
     lines.append(f"{'host (RAM)':<28}{_mib(t.model)}{_mib(t.kv)}{_mib(t.compute)}{_mib(t.total)}")
     lines += overhead_lines(plan.devices)
+    lines.append(host_memory(plan).line())
     lines.append("")
     if result.fits:
         lines.append(f"fits: experts of {result.expert_layers_on_device}/{len(expert_layers(plan.model))} expert "

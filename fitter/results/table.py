@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fitter.flags.vocabulary import SEARCHED
+from fitter.flags.vocabulary import SEARCHED, SEARCHED_SWITCHES
 from fitter.noise import ratio_interval
 from fitter.results.pareto import Entry, ParetoDoc, fastest
 from fitter.units import MIB
@@ -144,6 +144,8 @@ def searched_part(flags: list[str]) -> list[str]:
     for i, f in enumerate(flags):
         if f in SEARCHED and i + 1 < len(flags):
             out += [f, flags[i + 1]]
+        elif f in SEARCHED_SWITCHES:
+            out.append(f)
     return out
 
 

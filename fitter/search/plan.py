@@ -17,6 +17,7 @@ from fitter.search import split
 from fitter.search.request import (
     CTX_KEY,
     THREAD_KEYS,
+    TRADE_DEFAULTS,
     Candidate,
     TuneRequest,
     _choices,
@@ -189,13 +190,22 @@ def structured_start(req: TuneRequest, screener: Screener) -> list[PlannedTrial]
             placed.append((params, plan))
     if not placed:
         return []
-    decode = min(placed, key=lambda p: (cpu_bytes_per_token(p[1]), _default_distance(p[0])))[0]
-    prefill = max(placed, key=lambda p: (p[0].get("ubatch-size", 0),
-                                         -cpu_bytes_per_token(p[1]), -_default_distance(p[0])))[0]
+    # where the weights and the KV cache live is a trade bytes read cannot judge (-nkvo reads fewer weights from RAM
+    # but runs attention on the CPU, a hand-off each way per layer): the first guesses keep llama-server's own,
+    # except that prefill's reads the CPU's weights from pinned memory (-lm none), which op offload copies faster
+    def at(params: dict[str, Any], **trade: Any) -> bool:
+        return all(params.get(k, v) == v for k, v in {**TRADE_DEFAULTS, **trade}.items())
+
+    usual = [p for p in placed if at(p[0])] or placed
+    decode = min(usual, key=lambda p: (cpu_bytes_per_token(p[1]), _default_distance(p[0])))[0]
+    pinned = [p for p in placed if at(p[0], **{"load-mode": "none"})]
+    prefill = max(pinned or usual, key=lambda p: (p[0].get("ubatch-size", 0),
+                                                  -cpu_bytes_per_token(p[1]), -_default_distance(p[0])))[0]
     out = [PlannedTrial("decode-first", decode), PlannedTrial("prefill-first", prefill)]
     if CTX_KEY in req.distributions:  # the context searched: its other end, the largest that fits, decode first
         largest = max(p[0][CTX_KEY] for p in placed)
-        widest = min((p for p in placed if p[0][CTX_KEY] == largest),
+        at_largest = [p for p in placed if p[0][CTX_KEY] == largest]
+        widest = min([p for p in at_largest if at(p[0])] or at_largest,
                      key=lambda p: (cpu_bytes_per_token(p[1]), _default_distance(p[0])))[0]
         out.append(PlannedTrial("max-context", widest))
     if "vram" in req.objectives and req.devices:

@@ -31,8 +31,10 @@ PLACEMENT_KEYS = ("n-cpu-moe", "n-gpu-layers")  # with the per-device keys of fi
 THREAD_KEYS = ("threads", "threads-batch")
 # llama-server's own defaults, the tie-breaker when the physics prior cannot tell two combos apart
 EMULATED_ENDPOINT = "<emulated GPU>"  # fitter's own emulated GPU in a config's key (Candidate.key)
+# where the weights and the KV cache live (load-mode, kv-offload): trades the first guesses leave at the defaults
+TRADE_DEFAULTS: dict[str, Any] = {"load-mode": "auto", "kv-offload": True}
 SERVER_DEFAULTS: dict[str, Any] = {"batch-size": 2048, "ubatch-size": 512, "cache-type-k": "f16",
-                                   "cache-type-v": "f16", "flash-attn": "auto"}
+                                   "cache-type-v": "f16", "flash-attn": "auto", **TRADE_DEFAULTS}
 
 
 def is_placement_key(key: str) -> bool:

@@ -2,9 +2,10 @@
 
 A trial's constraints (Optuna's `trial.set_constraint`, feasible when ≤ 0) are MiB over budget: one per device
 (predicted device total plus the margin learned from measured OOMs, minus free memory less the fit target) and one
-for host RAM (the model mapping plus every host buffer, minus available RAM; a device that shares the host's memory,
-an integrated GPU or Apple silicon, adds its buffers to that one pool, so no byte is promised twice). Pure: no files,
-no processes.
+for host RAM (what RAM holds while serving, fitter.memory.plan.host: the mapped weights the CPU reads, every host
+buffer, pinned ones included, llama-server's prompt cache at its --cache-ram limit, and the buffers of a device that
+shares the host's memory, an integrated GPU or Apple silicon, so no byte is promised twice; minus available RAM).
+Pure: no files, no processes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 from fitter.errors import FitterError
 from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.backends.devices import CpuProfile, Device
-from fitter.memory.plan.estimator import CPU, MemoryPlan, estimate
+from fitter.memory.plan.estimator import MemoryPlan, estimate
+from fitter.memory.plan.host import host_memory
 from fitter.memory.plan.projected import with_projection
 from fitter.units import MIB
 
@@ -82,9 +84,8 @@ def screen(spec: ModelSpec, config: Any, devices: tuple[Device, ...], cpu: CpuPr
     for name, budget in budgets.devices.items():
         used = totals.get(name, 0) + budgets.margins.get(name, 0)
         constraints[f"vram:{name}"] = (used - budget) / MIB
-    if budgets.host is not None:  # a device that shares the host's memory draws on the same RAM: one pool
-        shared = sum(totals.get(d.name, 0) for d in devices if d.profile.unified)
-        constraints["ram"] = (totals[CPU] + shared - budgets.host) / MIB
+    if budgets.host is not None:  # what RAM holds while serving, a device sharing it included: one pool
+        constraints["ram"] = (host_memory(plan).total - budgets.host) / MIB
     return Screen(plan, constraints)
 
 

@@ -23,7 +23,8 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 
 from fitter.errors import SearchSpaceError
 from fitter.flags import KV_CACHE_TYPES
-from fitter.flags.vocabulary import short_flag
+from fitter.flags.config import LOAD_MODES
+from fitter.flags.vocabulary import fixing, short_flag
 from fitter.paths import SOURCE_ROOT
 from fitter.search.split import EXPERT_ORDERS
 
@@ -44,6 +45,10 @@ def _cache_type(v: Any) -> bool:
     return isinstance(v, str) and v in KV_CACHE_TYPES  # a dict lookup: a list or table in the file is unhashable
 
 
+def _load_mode(v: Any) -> bool:
+    return isinstance(v, str) and v in LOAD_MODES
+
+
 def _thread_count(v: Any) -> bool:
     return (type(v) is int and v >= 1) or v in THREAD_SYMBOLS
 
@@ -55,6 +60,7 @@ class _Rule:
     minimum: int | None = None  # ranges {low, high} allowed from this value up; None: lists only
     auto: bool = False  # "auto" allowed: a layer count the tuner derives from the model
     flag: bool = True  # False: no flag of its own; fitter.search.split writes the placement it orders
+    switch: bool = False  # true/false: a bare flag either way (kv-offload: -kvo / -nkvo)
 
 
 # In the order params_to_flags emits them; each key's flag is fitter.flags.vocabulary's.
@@ -69,6 +75,10 @@ _RULES: dict[str, _Rule] = {
     "cache-type-k": _Rule(f"values must be one of {', '.join(KV_CACHE_TYPES)}", _cache_type),
     "cache-type-v": _Rule(f"values must be one of {', '.join(KV_CACHE_TYPES)}", _cache_type),
     "flash-attn": _Rule(f"values must be one of {', '.join(FLASH_ATTN_VALUES)}", FLASH_ATTN_VALUES.__contains__),
+    # where weights and the KV cache live in host memory (fitter.memory.plan.host): -lm none puts the CPU's weights
+    # in the GPU's pinned host buffers, which op offload copies from faster; -nkvo trades VRAM for host attention
+    "load-mode": _Rule(f"values must be one of {', '.join(LOAD_MODES)}", _load_mode),
+    "kv-offload": _Rule("values must be true or false", lambda v: type(v) is bool, switch=True),
     "threads": _Rule('values must be integers >= 1, "physical" or "performance-cores"', _thread_count, minimum=1),
     "threads-batch": _Rule('values must be integers >= 1, "physical" or "performance-cores"', _thread_count,
                            minimum=1),
@@ -263,6 +273,22 @@ def resolve(
     return out
 
 
+def for_target(distributions: dict[str, BaseDistribution], *, has_gpu: bool, pinned_host: bool
+               ) -> dict[str, BaseDistribution]:
+    """`distributions` less the values that cannot differ on this target: without a GPU the KV cache is the host's
+    either way (kv-offload: true only); without a device whose host buffer type is page-locked (CUDA_Host,
+    Vulkan_Host: an RPC device, the CPU alone), -lm none reads the weights into the same plain memory mmap maps them
+    in, and they run at the same speed (load-mode: its first value only)."""
+    out = dict(distributions)
+    narrow = {"kv-offload": (not has_gpu, True), "load-mode": (not pinned_host, None)}
+    for key, (pointless, keep) in narrow.items():
+        d = out.get(key)
+        if pointless and isinstance(d, CategoricalDistribution) and len(d.choices) > 1:
+            kept = keep if keep in d.choices else d.choices[0]
+            out[key] = CategoricalDistribution((kept,))
+    return out
+
+
 def params_to_flags(params: Mapping[str, Any]) -> list[str]:
     """llama.cpp short flags for concrete (resolved) parameters, in a fixed order whatever the dict's order."""
     unknown = sorted(set(params) - set(_RULES))
@@ -276,6 +302,9 @@ def params_to_flags(params: Mapping[str, Any]) -> list[str]:
         if key not in params:
             continue
         value = params[key]
+        if _RULES[key].switch and isinstance(value, bool):
+            flags.append(fixing(key)[0] if not value else short_flag(key))
+            continue
         if isinstance(value, bool) or not isinstance(value, int | str) or value in THREAD_SYMBOLS:
             raise ValueError(f"{key}={value!r} is not a concrete llama.cpp value (resolve the space first)")
         flags += [short_flag(key), str(value)]

@@ -8,7 +8,9 @@ queries attend n_kv cells on average:
 
     ubatch(m)  = Σ_work max(flops / F_dev, bytes / B_dev)          roofline of each weight and each layer's attention
                + Σ_cpu-resident weights bytes_w / B_pcie            op offload only: m ≥ 32 and a GPU (ggml-cuda.cu
-                                                                     offload_op), the weights copied per ubatch
+                                                                     offload_op), the weights copied per ubatch;
+                                                                     B_pcie: the pinned rate from a pinned host
+                                                                     buffer (-lm none: CUDA_Host), else the mapped
                + hand_offs · t_split                                changes of device along the graph: the token
                                                                      embedding (CPU), then per layer its attention
                                                                      weights, attention, router, FFN or experts, and
@@ -128,7 +130,8 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
     k_share = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
     used = expert_shares(m, plan, n_tokens)
     work: list[tuple[tuple[int, int], str, float, float]] = []  # (order, device, flops, bytes)
-    pcie = 0.0
+    pcie = pinned = 0.0
+    host_bufts = {d.profile.host_buft for d in plan.devices if d.profile.host_buft}
     for p in plan.placements:
         t = p.tensor
         if t.role is Role.EMBEDDING:
@@ -142,16 +145,21 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
             rows, size = n_tokens * k_share, t.n_bytes * used[t.layer]
         dev = p.buft if p.buft in gpus else CPU
         if dev == CPU and offload:
-            # ggml-backend.cpp ggml_backend_sched_backend_id_from_cur: the first backend that wants the op
-            dev, pcie = gpus[0], pcie + size
+            # ggml-backend.cpp ggml_backend_sched_backend_id_from_cur: the first backend that wants the op; the copy
+            # DMAs straight from a pinned host buffer (-lm none: CUDA_Host), else through the driver's staging
+            if p.buft in host_bufts:
+                dev, pinned = gpus[0], pinned + size
+            else:
+                dev, pcie = gpus[0], pcie + size
         layer = spec.n_layer if t.layer is None else t.layer
         work.append(((layer, _STEP.get(t.role, 0)), dev, 2.0 * n_el * rows, size))
     for il in range(spec.n_layer_trunk):
         work.append(((il, 1), *_attention(m, plan, il, n_tokens, n_kv, n_seq)))
     work.sort(key=lambda w: w[0])
     stages = dict.fromkeys([CPU, *gpus], 0.0)
-    if pcie:
-        stages[gpus[0]] += pcie / m.gpu_of(gpus[0]).pcie_gbps / 1e9
+    if pcie or pinned:
+        first = m.gpu_of(gpus[0])
+        stages[gpus[0]] += pcie / first.pcie_gbps / 1e9 + pinned / (first.pcie_pinned_gbps or first.pcie_gbps) / 1e9
     rates = {dev: _rates(m, dev, threads) for dev in {CPU, *gpus}}
     for _, dev, flops, size in work:
         f, b = rates[dev]

@@ -32,6 +32,8 @@ class Gpu:
     bandwidth_gbps: float = _num(0, "achieved memory bandwidth, GB/s", lo_open=True)
     tflops: float = _num(0, "achieved matmul throughput on quantized weights, TFLOPS", lo_open=True)
     pcie_gbps: float = _num(0, "achieved host-to-GPU copy bandwidth from mapped host memory, GB/s", lo_open=True)
+    pcie_pinned_gbps: float = _num(0, "achieved host-to-GPU copy bandwidth from page-locked host memory (CUDA_Host), "
+                                   "GB/s: the link's own rate, no staging copy (0: as from mapped memory)", 0.0)
     count: int = _num(1, "GPUs (identical)", 1)
     reserved_gib: float = _num(0, "memory the desktop and driver hold before llama.cpp starts", 0.0)
     context_mib: float = _num(0, "CUDA context, cuBLAS workspace and pools: memory beyond llama.cpp's buffers", 400.0)

@@ -34,7 +34,7 @@ from fitter.memory.plan.device_choice import default_devices
 from fitter.search import split
 from fitter.search.request import CTX_KEY, TuneRequest
 from fitter.search.screen import Budgets
-from fitter.search.space import default_space_name, load_space, resolve, shipped_space
+from fitter.search.space import default_space_name, for_target, load_space, resolve, shipped_space
 from fitter.storage.studies import machine_dir_name
 from fitter.tune.options import TuneOptions
 from fitter.units import GIB, MIB
@@ -286,6 +286,8 @@ def _space(o: TuneOptions, target: Target) -> tuple[dict[str, BaseDistribution],
                  shipped_space(default_space_name(o.spec.n_expert, target.has_gpu)))
         distributions = resolve(space, n_layer=o.spec.n_layer, physical_cores=target.physical_cores,
                                 performance_cores=target.performance_cores, expert_layers=expert_layers(o.spec))
+        distributions = for_target(distributions, has_gpu=target.has_gpu, pinned_host=any(
+            d.profile.host_buft for d in target.planned_devices))
         source = space.source
     fixed = fixed_space_keys(o.base)
     distributions = {k: d for k, d in distributions.items() if k not in fixed}

@@ -80,7 +80,9 @@ def test_auto_slots_and_fit_are_the_servers_own() -> None:
 def test_a_tuned_config_run_by_another_program_keeps_what_it_can_take() -> None:
     tuned = parse_launch_flags(["-c", "4096", "-np", "4", "--kv-unified", "--swa-full", "-fit", "off"])
     python = retarget(tuned, "llama-cpp-python")
-    assert dataclasses.replace(python, consumer="llama-server") == tuned  # the C API takes every one of them
+    # the C API takes every one of them; llama-server's prompt cache (--cache-ram) is not the C API's
+    assert python.cache_ram_mib == 0
+    assert dataclasses.replace(python, consumer="llama-server", cache_ram_mib=8192) == tuned
     bench = retarget(tuned, "llama-bench")
     assert _fields(bench, "n_seq_max", "unified", "swa_full", "consumer") == (1, False, False, "llama-bench")
     assert (bench.parallel, bench.kv_unified) == (1, False)

@@ -10,7 +10,16 @@ from fitter.errors import LaunchConfigError
 from fitter.flags import LaunchConfig, ProcessFlags, TensorOverride, ncmoe_rules, parse_launch_flags, pin
 from fitter.flags.overrides import experts_rules, override_flags, split_ncmoe
 from fitter.flags.parse import flag_value, has_flag, parse_flags, split_process_flags, with_params, without
-from fitter.flags.vocabulary import BARE, FLAGS, MODEL_LEVEL, SEARCHED, fixing, launch_flags, short_flag
+from fitter.flags.vocabulary import (
+    BARE,
+    FLAGS,
+    MODEL_LEVEL,
+    SEARCHED,
+    SEARCHED_SWITCHES,
+    fixing,
+    launch_flags,
+    short_flag,
+)
 
 
 def test_the_tables_derived_from_the_one_table() -> None:
@@ -21,7 +30,9 @@ def test_the_tables_derived_from_the_one_table() -> None:
     assert fixing("n-cpu-moe") == ("-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe")
     assert fixing("ubatch-size") == ("-ub", "--ubatch-size")
     assert short_flag("cache-type-k") == "-ctk" and short_flag("threads-batch") == "-tb"
-    assert {"-b", "-ub", "-ctk", "-ctv", "-fa", "-ngl", "-ncmoe", "-ot", "-t", "-tb", "-ts", "-sm", "-mg"} == SEARCHED
+    assert {"-b", "-ub", "-ctk", "-ctv", "-fa", "-ngl", "-ncmoe", "-ot", "-t", "-tb", "-ts", "-sm", "-mg",
+            "-lm"} == SEARCHED
+    assert {"-nkvo", "-kvo"} == SEARCHED_SWITCHES
     assert {"--kv-unified", "--no-kv-unified", "-nkvo", "--swa-full", "-cmoe", "--no-mmap"} <= BARE
     names = [n for f in FLAGS for n in f.names]
     assert len(names) == len(set(names))  # one row per spelling
@@ -31,7 +42,8 @@ def test_the_tables_derived_from_the_one_table() -> None:
 def test_every_spelling_of_a_flag_parses_alike(row: object) -> None:
     values = {"ctx_size": "4096", "batch_size": "1024", "ubatch_size": "256", "cache_type_k": "q8_0",
               "cache_type_v": "q8_0", "flash_attn": "on", "n_gpu_layers": "all", "parallel": "2",
-              "load_mode": "none", "fit": "off", "tensor_split": "3,1", "main_gpu": "1", "split_mode": "none",
+              "load_mode": "none", "fit": "off", "cache_ram_mib": "0", "tensor_split": "3,1", "main_gpu": "1",
+              "split_mode": "none",
               "rpc": "h:1", "device_names": "Vulkan0,Vulkan1", "draft_model": "d.gguf", "draft_n_gpu_layers": "3",
               "draft_cache_type_k": "q8_0",
               "draft_cache_type_v": "q4_0", "spec_type": "draft-simple", "spec_draft_n_max": "8",
@@ -45,8 +57,10 @@ def test_every_spelling_of_a_flag_parses_alike(row: object) -> None:
     for name in row.names:  # type: ignore[attr-defined]
         flags = [name] if name in BARE else [name, values[row.field]]  # type: ignore[attr-defined]
         configs.append(parse_launch_flags([*draft, *flags]))
-    assert all(c == configs[0] for c in configs) and configs[0] != (parse_launch_flags(draft) if draft else
-                                                                    LaunchConfig())
+    unset = parse_launch_flags(draft) if draft else LaunchConfig()
+    assert all(c == configs[0] for c in configs)
+    # a flag sets its field away from the default, or says the default aloud (-kvo): recorded as given either way
+    assert configs[0] != unset or (field in configs[0].given and field not in unset.given)
 
 
 def test_pinned_flags_parse_back_to_the_config() -> None:

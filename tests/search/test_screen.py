@@ -7,6 +7,7 @@ from dataclasses import replace
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import load_model_spec
 from fitter.memory.backends.devices import CPU_AVX2, DISCRETE_VULKAN, Device, vulkan_profile
+from fitter.memory.plan.host import host_memory
 from fitter.search.screen import Budgets, Screen, device_totals, screen
 from fitter.units import MIB
 from tests.models import model_file
@@ -31,7 +32,8 @@ def test_a_device_that_shares_the_hosts_memory_draws_on_the_same_ram() -> None:
     dgpu = (Device("Vulkan0", vulkan_profile(DISCRETE_VULKAN), 8 << 30, 8 << 30),)
     budgets = Budgets({"Vulkan0": 8 << 30}, 1 << 30, {})
     shared, own = screen(spec, config, apu, CPU_AVX2, budgets), screen(spec, config, dgpu, CPU_AVX2, budgets)
-    totals = device_totals(shared.plan)
     # one pool: the integrated GPU's bytes come out of the host's RAM too, a discrete card's do not
-    assert shared.constraints["ram"] == (totals["CPU"] + totals["Vulkan0"] - (1 << 30)) / 2**20
-    assert own.constraints["ram"] == (device_totals(own.plan)["CPU"] - (1 << 30)) / 2**20
+    on_apu, on_dgpu = host_memory(shared.plan), host_memory(own.plan)
+    assert on_apu.shared == device_totals(shared.plan)["Vulkan0"] and on_dgpu.shared == 0
+    assert shared.constraints["ram"] == (on_apu.total - (1 << 30)) / 2**20
+    assert own.constraints["ram"] == (on_dgpu.total - (1 << 30)) / 2**20

@@ -13,6 +13,7 @@ from fitter.errors import FitterError, SearchSpaceError
 from fitter.search.space import (
     Dimension,
     default_space_name,
+    for_target,
     is_valid_combination,
     load_space,
     params_to_flags,
@@ -22,8 +23,8 @@ from fitter.search.space import (
 )
 
 ALLOWED_KEYS = (
-    "n-cpu-moe, n-gpu-layers, expert-order, batch-size, ubatch-size, cache-type-k, cache-type-v, flash-attn, threads, "
-    "threads-batch"
+    "n-cpu-moe, n-gpu-layers, expert-order, batch-size, ubatch-size, cache-type-k, cache-type-v, flash-attn, "
+    "load-mode, kv-offload, threads, threads-batch"
 )
 NEEDS_FA = "needs flash-attn on/auto"
 KV_TYPES = "f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"
@@ -36,6 +37,8 @@ _COMMON: dict[str, BaseDistribution] = {
     "cache-type-k": CategoricalDistribution(("f16", "q8_0")),
     "cache-type-v": CategoricalDistribution(("f16", "q8_0")),
     "threads": CategoricalDistribution((8, 16)),  # performance-cores 8, physical 16: sorted
+    "load-mode": CategoricalDistribution(("auto", "none")),
+    "kv-offload": CategoricalDistribution((True, False)),
     "flash-attn": CategoricalDistribution(("on",)),
 }
 EXPECTED: dict[str, dict[str, BaseDistribution]] = {
@@ -84,6 +87,19 @@ def test_shipped_moe_dimensions_as_written() -> None:
     space = shipped_space("moe")
     assert space.dims[0] == Dimension("n-cpu-moe", None, auto=True)
     assert space.dims[5] == Dimension("threads", ("performance-cores", "physical"))
+
+
+def test_what_cannot_differ_on_a_target_is_left_out() -> None:
+    dists = resolve(shipped_space("moe"), **MOE_SHAPE)
+    on_cuda = for_target(dists, has_gpu=True, pinned_host=True)
+    assert on_cuda == dists
+    # an RPC device has no pinned host buffer type: -lm none would read the weights into the same memory
+    on_rpc = for_target(dists, has_gpu=True, pinned_host=False)
+    assert (on_rpc["load-mode"], on_rpc["kv-offload"]) == (CategoricalDistribution(("auto",)), dists["kv-offload"])
+    cpu_only = for_target(dists, has_gpu=False, pinned_host=False)
+    assert cpu_only["kv-offload"] == CategoricalDistribution((True,))
+    assert params_to_flags({"load-mode": "none", "kv-offload": False}) == ["-lm", "none", "-nkvo"]
+    assert params_to_flags({"kv-offload": True}) == ["-kvo"]
 
 
 def test_shipped_file_is_the_repository_file() -> None:

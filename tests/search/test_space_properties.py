@@ -16,6 +16,7 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 
 from fitter.errors import FitterError
 from fitter.flags import KV_CACHE_TYPES, parse_flags
+from fitter.flags.config import LOAD_MODES
 from fitter.paths import SOURCE_ROOT
 from fitter.search.space import (
     FIXED_ON_COMMAND_LINE,
@@ -92,6 +93,8 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "cache-type-k": st.lists(st.sampled_from(list(KV_CACHE_TYPES)), min_size=1, max_size=4, unique=True),
     "cache-type-v": st.lists(st.sampled_from(list(KV_CACHE_TYPES)), min_size=1, max_size=4, unique=True),
     "flash-attn": st.lists(st.sampled_from(FLASH_ATTN_VALUES), min_size=1, max_size=3, unique=True),
+    "load-mode": st.lists(st.sampled_from(LOAD_MODES), min_size=1, max_size=3, unique=True),
+    "kv-offload": st.lists(st.booleans(), min_size=1, max_size=2, unique=True),
     "threads": THREADS | RANGE,
     "threads-batch": THREADS | RANGE,
 }

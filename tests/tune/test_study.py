@@ -57,7 +57,8 @@ class FakeRunner:
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: Any = None) -> TrialResult:
         key = f"ub{config.ubatch_size} b{config.batch_size} ctk{config.cache_type_k} ctv{config.cache_type_v} " \
-              f"fa{config.flash_attn} ov{len(config.overrides)} t{spec.threads}"
+              f"fa{config.flash_attn} ov{config.overrides} t{spec.threads} " \
+              f"lm{config.load_mode} nkvo{config.no_kv_offload}"
         self.runs.append(key)
         plan = estimate(self.model, config, (DEVICE,), CPU_AVX2)
         for needle, outcome in self.script.items():

@@ -14,12 +14,15 @@ llama-server flags are translated first (`fit_flags`):
 - `-np`: the tool has the common `-np` (default 1, no "auto"); llama-server's default `-np -1` (auto) becomes 4
   slots before its fit runs (tools/server/server.cpp), while the tool would pass -1 on as n_seq_max and fail. So an
   absent `-np`, or `-np -1`, becomes `-np 4`.
-- `--no-mmap`: gone from this llama.cpp (neither llama-server nor the tool accepts it; fitter reads it as the older
-  spelling of `-lm none`): translated to `-lm none`.
+- `--no-mmap`, `--mmap`, `--mlock`, `--direct-io`: gone from this llama.cpp (neither llama-server nor the tool
+  accepts them; fitter reads them as an older llama.cpp did, fitter.flags.vocabulary): translated to the one `-lm`
+  they make together.
+- `-cram`/`--cache-ram`: llama-server's prompt cache, which the tool rejects and which holds no device memory:
+  dropped.
 - `-fit on|off`: accepted but ignored (the tool always fits): dropped.
 Every other flag fitter's launch config knows (`-c -b -ub -ctk -ctv -fa -ngl -cmoe -ncmoe -ot -np --swa-full -nkvo
 --no-op-offload -nr -lm -ts -mg --rpc -fitt -fitc`) is common and passes through unchanged. Server-only flags
-fitter does not model (`-cram`, `-ctxcp`, `-cb`, `--host`, …) are rejected by the tool: the fit fails with its
+fitter does not model (`-ctxcp`, `-cb`, `--host`, …) are rejected by the tool: the fit fails with its
 "invalid argument" message. The tool also keeps two differences no flag can remove: n_outputs_max stays 0 (logits
 for a full ubatch in the compute graph, where llama-server reserves min(-b, slots)), and a placement the user fixed
 (`-ngl`, `-ot`, `-ncmoe`, `-cmoe`, `-ts`) that does not fit makes it fail ("… already set by user, abort") where
@@ -63,8 +66,8 @@ FIT_TIMEOUT_S = 300.0
 LOG_TAIL_LINES = 12  # stderr lines quoted in a LlamaFitError
 
 # llama-server spellings the tool rejects or reads differently (common/arg.cpp, llama.cpp 0c1e570): see the docstring.
-_DROP = frozenset(names_of("kv_unified")) | frozenset(names_of("fit"))
-_RENAME = {name: ["-lm", str(flag(name).const)] for name in names_of("load_mode") if flag(name).kind is Kind.CONST}
+_DROP = frozenset(names_of("kv_unified")) | frozenset(names_of("fit")) | frozenset(names_of("cache_ram_mib"))
+_LEGACY_LOAD = frozenset(name for name in names_of("load_mode") if flag(name).kind is Kind.CONST)
 _PARALLEL = frozenset(names_of("parallel"))
 SERVER_AUTO_SLOTS = 4  # tools/server/server.cpp: n_parallel < 0 → 4 slots (with a unified KV)
 
@@ -130,8 +133,10 @@ def fit_flags(flags: Sequence[str]) -> list[str]:
     for name, tokens in flag_groups(flags):
         if name in _DROP:
             continue
-        if name in _RENAME:
-            out += _RENAME[name]
+        if name in _LEGACY_LOAD:  # together as llama.cpp read them (--no-mmap --mlock: -lm mlock), at the first
+            if not any(t == "-lm" for t in out):
+                mode = parse_launch_flags([n for n, _ in flag_groups(flags) if n in _LEGACY_LOAD]).load_mode
+                out += ["-lm", mode]
             continue
         if name in _PARALLEL:
             has_parallel = True
