@@ -191,10 +191,15 @@ class Builder:
         res = g.mul_mat(rot, res)
         return g.reshape(res, *cur.ne)
 
-    def attention(self, il: int, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> Tensor:
-        """build_attn + build_attn_mha for a KV cache (the iSWA variant when the model has SWA layers)."""
+    def attention(self, il: int, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, softcap: bool = False,
+                  iswa: bool | None = None) -> Tensor:
+        """build_attn + build_attn_mha for a KV cache (the iSWA variant when the model has SWA layers, or when
+        `iswa` says the architecture builds over llama_kv_cache_iswa anyway). `softcap`: hparams.attn_soft_cap
+        (gemma2), which without flash attention scales, tanh-squashes and rescales KQ before the softmax
+        (src/llama-graph.cpp build_attn_mha, 2708-2715); with flash attention it is an op parameter."""
         spec, p = self.spec, self.p
-        iswa = any(spec.swa_layers)
+        if iswa is None:
+            iswa = any(spec.swa_layers)
         k_rot, v_rot = self.k_rot.get(spec.swa_layers[il]), self.v_rot.get(spec.swa_layers[il])
         if k_rot is not None:
             q = self.hadamard(q, k_rot)
@@ -252,6 +257,8 @@ class Builder:
             cur = g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
         else:
             kq = g.mul_mat(kp, qp)
+            if softcap:  # ggml_scale(1/c), ggml_tanh, ggml_scale(c)
+                kq = g.dup_op("SCALE", g.dup_op("UNARY", g.dup_op("SCALE", kq)))
             kq = g.dup_op("SOFT_MAX", kq, mask, sinks)
             if not self.v_trans:  # a cache made for flash attention, used without it ("avoid this branch")
                 vp = g.cont(g.transpose(vp))
