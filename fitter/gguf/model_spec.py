@@ -120,6 +120,7 @@ class ModelSpec:
     indexer_width: int = 0  # a layer's indexer key row: attention.indexer.key_length (× 3 with a hybrid's k-pool)
     n_embd_r: int = 0  # llama_hparams::n_embd_r / n_embd_s: a recurrent layer's conv and SSM state per sequence
     n_embd_s: int = 0
+    final_logit_softcapping: float = 0.0  # `final_logit_softcapping` as the file gives it, 0 without the key
     skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
     # The draft model llama-server loads beside this one (`-md`, its header read at the edge: `with_draft`), whose
     # buffers every estimate of a config with `-md` adds (fitter.memory.plan.estimator)
@@ -423,6 +424,7 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         indexer_width=_indexer_width(keys, rules),
         n_embd_r=r_width,
         n_embd_s=s_width,
+        final_logit_softcapping=float(keys._raw("final_logit_softcapping") or 0.0),
         skipped=skipped,
         warnings=tuple(notes),
     )

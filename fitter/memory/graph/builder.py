@@ -19,6 +19,10 @@ from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.ggml_graph import Graph, Tensor
 from fitter.memory.graph.op_rules import OpRules
 
+# The output layer's copy of token_embd that llama.cpp makes for a model without output.weight (TENSOR_DUPLICATED,
+# src/llama-model-loader.cpp): its own weight, in the output layer's buffer, unless that is token_embd's own
+TIED_OUTPUT = "output.weight (tied token_embd)"
+
 
 @dataclass(frozen=True)
 class BackendMap:
@@ -74,8 +78,10 @@ class Builder:
     def bind(self, bm: BackendMap) -> None:
         """Give every weight, cache and pinned node its backend under this placement."""
         cpu, weight_backend = bm.cpu, bm.weight_backend
+        # a tied output placed in token_embd's buffer type is token_embd itself (the placement leaves it out)
+        tied = weight_backend.get(TIED_OUTPUT, weight_backend.get("token_embd.weight", cpu))
         for t, name in self.weights:
-            t.backend = weight_backend.get(name, cpu)
+            t.backend = tied if name == TIED_OUTPUT else weight_backend.get(name, cpu)
         for t, il in self.kv:
             t.backend = cpu if bm.kv_on_cpu else bm.layer(il)
         # graph_get_cb pins each layer's "norm" to the layer's device for small batches or full offload
@@ -101,6 +107,14 @@ class Builder:
         if t is None:  # a tensor table renamed or cut short: llama.cpp's create_tensor fails the same way
             raise GGUFError(f"{self.spec.path}: missing tensor {name!r}, which llama.cpp's {self.spec.arch} graph "
                             "needs (llama_model_loader: missing tensor)")
+        return t
+
+    def output_weight(self) -> Tensor:
+        """The lm_head's weight: output.weight, else the output layer's copy of token_embd (TIED_OUTPUT)."""
+        if "output.weight" in self.names:
+            return self.weight("output.weight")
+        t = self.weight("token_embd.weight")
+        self.weights[-1] = (t, TIED_OUTPUT)
         return t
 
     def kv_tensor(self, il: int, kind: str) -> Tensor:
@@ -177,10 +191,15 @@ class Builder:
         res = g.mul_mat(rot, res)
         return g.reshape(res, *cur.ne)
 
-    def attention(self, il: int, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> Tensor:
-        """build_attn + build_attn_mha for a KV cache (the iSWA variant when the model has SWA layers)."""
+    def attention(self, il: int, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, softcap: bool = False,
+                  iswa: bool | None = None) -> Tensor:
+        """build_attn + build_attn_mha for a KV cache (the iSWA variant when the model has SWA layers, or when
+        `iswa` says the architecture builds over llama_kv_cache_iswa anyway). `softcap`: hparams.attn_soft_cap
+        (gemma2), which without flash attention scales, tanh-squashes and rescales KQ before the softmax
+        (src/llama-graph.cpp build_attn_mha, 2708-2715); with flash attention it is an op parameter."""
         spec, p = self.spec, self.p
-        iswa = any(spec.swa_layers)
+        if iswa is None:
+            iswa = any(spec.swa_layers)
         k_rot, v_rot = self.k_rot.get(spec.swa_layers[il]), self.v_rot.get(spec.swa_layers[il])
         if k_rot is not None:
             q = self.hadamard(q, k_rot)
@@ -238,6 +257,8 @@ class Builder:
             cur = g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
         else:
             kq = g.mul_mat(kp, qp)
+            if softcap:  # ggml_scale(1/c), ggml_tanh, ggml_scale(c)
+                kq = g.dup_op("SCALE", g.dup_op("UNARY", g.dup_op("SCALE", kq)))
             kq = g.dup_op("SOFT_MAX", kq, mask, sinks)
             if not self.v_trans:  # a cache made for flash attention, used without it ("avoid this branch")
                 vp = g.cont(g.transpose(vp))
@@ -343,8 +364,7 @@ class Builder:
             cur = g.get_rows(cur, self.out_ids)
         cur = self.norm(cur, "output_norm.weight")
         cur.is_output = True  # res->t_embd
-        out_w = "output.weight" if "output.weight" in self.names else "token_embd.weight"
-        logits = self.mm(out_w, cur)
+        logits = g.mul_mat(self.output_weight(), cur)
         logits.is_output = True  # res->t_logits
         self.gf.expand(logits)
 

@@ -16,7 +16,7 @@ from fitter.flags.draft import draft_context_config
 from fitter.gguf.archs import ARCHS
 from fitter.gguf.model_spec import ModelSpec, Role, TensorSpec
 from fitter.memory.backends.devices import CPU_AVX2, CpuProfile, Device, DeviceProfile
-from fitter.memory.graph.builder import BackendMap
+from fitter.memory.graph.builder import TIED_OUTPUT, BackendMap
 from fitter.memory.graph.compute import auto_flash_attn_mismatch, backend_map, compute_bytes_by_device
 from fitter.memory.graph.graph_replay import Replayed
 from fitter.memory.graph.vulkan_ops import weight_supported
@@ -28,8 +28,6 @@ from fitter.memory.plan.projected import guess_warning
 __all__ = ["CPU", "KINDS", "Buffer", "DeviceTotals", "MemoryPlan", "Placement", "alloc_size", "complete", "estimate",
            "first_failure", "kv_cache_sizes", "layer_devices", "model_devices", "pipeline_parallel", "place",
            "row_bytes"]
-
-TIED_OUTPUT = "output.weight (tied token_embd)"  # the output layer's copy of token_embd (TENSOR_DUPLICATED)
 
 
 @dataclass(frozen=True)
