@@ -121,6 +121,13 @@ class ModelSpec:
     n_embd_r: int = 0  # llama_hparams::n_embd_r / n_embd_s: a recurrent layer's conv and SSM state per sequence
     n_embd_s: int = 0
     final_logit_softcapping: float = 0.0  # `final_logit_softcapping` as the file gives it, 0 without the key
+    # llama_hparams' SSM keys (ssm.conv_kernel, inner_size, state_size, time_step_rank, group_count): the recurrent
+    # layers' shapes a graph builder reads (fitter.memory.graph.families); 0 without them
+    ssm_d_conv: int = 0
+    ssm_d_inner: int = 0
+    ssm_d_state: int = 0
+    ssm_dt_rank: int = 0
+    ssm_n_group: int = 0
     skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
     # The draft model llama-server loads beside this one (`-md`, its header read at the edge: `with_draft`), whose
     # buffers every estimate of a config with `-md` adds (fitter.memory.plan.estimator)
@@ -425,6 +432,11 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         n_embd_r=r_width,
         n_embd_s=s_width,
         final_logit_softcapping=float(keys._raw("final_logit_softcapping") or 0.0),
+        ssm_d_conv=keys.integer("ssm.conv_kernel", 0),
+        ssm_d_inner=keys.integer("ssm.inner_size", 0),
+        ssm_d_state=keys.integer("ssm.state_size", 0),
+        ssm_dt_rank=keys.integer("ssm.time_step_rank", 0),
+        ssm_n_group=keys.integer("ssm.group_count", 0),
         skipped=skipped,
         warnings=tuple(notes),
     )

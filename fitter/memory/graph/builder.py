@@ -18,6 +18,7 @@ from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.ggml_graph import Graph, Tensor
 from fitter.memory.graph.op_rules import OpRules
+from fitter.memory.graph.recurrent_ops import repeat
 
 # The output layer's copy of token_embd that llama.cpp makes for a model without output.weight (TENSOR_DUPLICATED,
 # src/llama-model-loader.cpp): its own weight, in the output layer's buffer, unless that is token_embd's own
@@ -58,6 +59,9 @@ class GraphParams:
     type_v: str
     backends: BackendMap = field(default_factory=BackendMap)
     v_trans: bool | None = None  # V cache transposed; None: as flash attention implies
+    # the ubatch's sequences (llama_context::graph_reserve: n_seq_max for every graph it reserves): a recurrent
+    # layer's states and its tokens per sequence, n_tokens / n_seqs
+    n_seqs: int = 1
 
 
 class Builder:
@@ -297,8 +301,10 @@ class Builder:
         cur = g.glu("GLU", gate, up)
         return self.mm(f"{pre}ffn_down{suffix}.weight", cur)
 
-    def moe(self, x: Tensor, il: int, gating: int, norm_w: bool, w_scale: float = 0.0) -> Tensor:
-        """build_moe_ffn; gating is llama_expert_gating_func_type (1 softmax, 2 sigmoid, 3 softmax_weight)."""
+    def moe(self, x: Tensor, il: int, gating: int, norm_w: bool, w_scale: float = 0.0, scales: bool = False
+            ) -> Tensor:
+        """build_moe_ffn; gating is llama_expert_gating_func_type (1 softmax, 2 sigmoid, 3 softmax_weight);
+        `scales`: the architecture passes the experts' per-expert `.scale` tensors (see `exps_scale`)."""
         spec = self.spec
         pre = f"blk.{il}."
         T = x.ne[1]
@@ -334,15 +340,18 @@ class Builder:
                         n_ff * gate_up.nb[0])
         else:
             up = g.mul_mat_id(self.weight(pre + "ffn_up_exps.weight"), cur, ids)
+            up = self.exps_scale(up, pre + "ffn_up_exps.scale", ids, T) if scales else up
             up_b = self.w(pre + "ffn_up_exps.bias")
             if up_b is not None:
                 up = g.dup_op("ADD_ID", up, up_b, ids)
             gate = g.mul_mat_id(self.weight(pre + "ffn_gate_exps.weight"), cur, ids)
+            gate = self.exps_scale(gate, pre + "ffn_gate_exps.scale", ids, T) if scales else gate
             gate_b = self.w(pre + "ffn_gate_exps.bias")
             if gate_b is not None:
                 gate = g.dup_op("ADD_ID", gate, gate_b, ids)
         act = g.glu("GLU", gate, up)
         experts = g.mul_mat_id(self.weight(pre + "ffn_down_exps.weight"), act, ids)
+        experts = self.exps_scale(experts, pre + "ffn_down_exps.scale", ids, T) if scales else experts
         down_b = self.w(pre + "ffn_down_exps.bias")
         if down_b is not None:
             experts = g.dup_op("ADD_ID", experts, down_b, ids)
@@ -358,6 +367,17 @@ class Builder:
         if k == 1:
             out = g.cont(out)
         return out
+
+    def exps_scale(self, res: Tensor, name: str, ids: Tensor, n_tokens: int) -> Tensor:
+        """build_lora_mm_id's per-expert scale `w_s` {n_expert} (src/llama-graph.cpp 1555-1595; the generic loader
+        pass, src/llama-model.cpp 1634-1712, loads `<w>.scale` beside separate gate/up/down expert weights, none beside
+        a merged gate_up): reshape_3d(w_s, 1, NE, 1) → REPEAT [1, NE, T] → GET_ROWS by the selected experts
+        [1, k, T] → MUL into the mat-mul's result."""
+        w_s = self.w(name)
+        if w_s is None:
+            return res
+        rep = repeat(g.reshape(w_s, 1, w_s.ne[0], 1), 1, w_s.ne[0], n_tokens, 1)
+        return g.dup_op("MUL", res, g.get_rows(rep, ids))
 
     def output(self, cur: Tensor, rows_before: bool) -> None:
         if rows_before:

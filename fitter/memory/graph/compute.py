@@ -142,7 +142,7 @@ def auto_flash_attn_mismatch(
     if not ctx.auto_fa or backends.n_backends == 1 or spec.arch not in GRAPH_ARCHS:
         return None
     n = ctx.n_seq_max  # the probe graph: one token per sequence
-    params = GraphParams(n, n, kv_sizes, ctx.n_stream, True, *cache_types, backends, ctx.v_trans)
+    params = GraphParams(n, n, kv_sizes, ctx.n_stream, True, *cache_types, backends, ctx.v_trans, n)
     return flash_attn_devices_match(spec, params, compute_bufts(devices), replayed)
 
 
@@ -186,10 +186,12 @@ def compute_bytes_by_device(
     # sched_reserve reserves the prompt graph and the one-token-per-sequence graph; a buffer is made anew only when
     # one of its chunks grows (one chunk unless its buffer type has a maximum size: the larger of the two graphs)
     chunks: list[tuple[int, ...]] = [()] * (cpu + 1)
-    graphs = [(g.n_tokens, g.n_outputs), (ctx.n_seq_max, ctx.n_seq_max)]
+    # (llama_context::graph_reserve: n_seq_max sequences, the tokens rounded up to a multiple of them)
+    n_seqs = ctx.n_seq_max
+    graphs = [(-(-g.n_tokens // n_seqs) * n_seqs, g.n_outputs), (n_seqs, n_seqs)]
     for n_tokens, n_outputs in graphs[:1] if prompt_only else graphs:
         params = GraphParams(n_tokens, n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types, backends,
-                             ctx.v_trans)
+                             ctx.v_trans, n_seqs)
         sized = graph_compute_bytes(spec, params, bufts, replayed)
         chunks = [reserved(a, b) for a, b in zip(chunks, sized, strict=True)]
     peaks = [buft.bytes(c) for buft, c in zip(bufts, chunks, strict=True)]

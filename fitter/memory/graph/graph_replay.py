@@ -30,7 +30,8 @@ def clear_graph_cache() -> None:
 @contextmanager
 def _graph(spec: ModelSpec, p: GraphParams) -> Iterator[Graph]:
     """build_graph(spec, p), from the cache when that shape was built for this very spec object."""
-    key = (id(spec), p.n_tokens, p.n_outputs, p.n_kv, p.n_stream, p.flash_attn, p.type_k, p.type_v, p.v_trans)
+    key = (id(spec), p.n_tokens, p.n_outputs, p.n_kv, p.n_stream, p.flash_attn, p.type_k, p.type_v, p.v_trans,
+           p.n_seqs)
     entry = _GRAPHS.pop(key, None)  # taken out while in use: a concurrent caller builds its own
     if entry is not None and entry[0] is spec:
         b = entry[1]

@@ -9,13 +9,14 @@ from collections.abc import Callable
 
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.graph.builder import Builder, GraphParams
-from fitter.memory.graph.families import gemma, transformer
+from fitter.memory.graph.families import delta_net, gemma, transformer
 from fitter.memory.graph.ggml_graph import Graph
 
 # architecture → its family's builder; others get compute estimates from fitter.memory.graph.compute's phase model
 BUILDERS: dict[str, Callable[[Builder], None]] = {
     **{arch: transformer.build_transformer for arch in transformer.ARCHS},
     **{arch: gemma.build_gemma for arch in gemma.ARCHS},
+    **{arch: delta_net.build_delta_net for arch in delta_net.ARCHS},
 }
 GRAPH_ARCHS = tuple(BUILDERS)
 

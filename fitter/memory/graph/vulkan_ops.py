@@ -19,6 +19,7 @@ ggml-backend.cpp does (fitter.memory.graph.sched):
 - GET_ROWS, SET_ROWS, CONT/CPY, SOFT_MAX, SCALE, SUM_ROWS, ROPE, ARGSORT: the types and layouts of the same
   function. ARGSORT over more columns than a workgroup needs the Vulkan memory model, which every driver fitter
   knows has (lavapipe included); not modelled.
+- GATED_DELTA_NET: value heads of 16, 32, 64 or 128 elements, every source f32.
 Every other op fitter builds (element-wise f32 ops, norms, GLU, views) is supported for the f32 tensors it builds.
 """
 
@@ -124,6 +125,10 @@ def vulkan_supports_op(t: Tensor, max_bytes: int | None) -> bool:
         return src[0] is not None and src[0].type == "F32" and contiguous_rows(src[0])
     if op == "ROPE":
         return src[0] is not None and contiguous_rows(t) and contiguous_rows(src[0])
+    if op == "GATED_DELTA_NET":  # value heads of 16, 32, 64 or 128, every source F32
+        v = src[2] if len(src) > 2 else None
+        return (v is not None and v.ne[0] in (16, 32, 64, 128) and t.type == "F32"
+                and all(s is not None and s.type == "F32" for s in src[:6]))
     if op == "ARGSORT":
         return src[0] is not None and is_contiguous(t) and is_contiguous(src[0])
     return True

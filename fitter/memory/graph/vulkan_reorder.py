@@ -9,8 +9,8 @@ follows the new order: on lavapipe the Vulkan compute buffer of the demo model i
 it (tests/golden/vulkan-emulated.json; GGML_VK_DISABLE_GRAPH_OPTIMIZE turns it off in llama.cpp and here).
 
 `reorder` is a line-for-line port over fitter's shape-only tensors. Patterns of ops fitter's graphs never build (the
-snake activation, sparse attention's top-k, SSM convolutions, DeepSeek-V4's hyper-connections) can never match and
-are left out; every UNARY fitter builds (SiLU, sigmoid) is one ggml-vulkan fuses with a following MUL.
+snake activation, sparse attention's top-k, DeepSeek-V4's hyper-connections) can never match and are left out;
+every UNARY fitter builds (SiLU, sigmoid, softplus) is one ggml-vulkan fuses with a following MUL.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ KEPT_PATTERNS = (
 )
 _ALL_PATTERNS = (*TOPK_MOE_PATTERNS, *KEPT_PATTERNS)
 # a node may follow the last one of the current set even though it reads it: the pairs ggml-vulkan fuses
-_ADJACENT_FUSIONS = frozenset({("MUL_MAT", "ADD"), ("MUL_MAT_ID", "ADD_ID"), ("MUL_MAT_ID", "MUL"), ("ADD", "ADD")})
+_ADJACENT_FUSIONS = frozenset({("MUL_MAT", "ADD"), ("MUL_MAT_ID", "ADD_ID"), ("MUL_MAT_ID", "MUL"), ("ADD", "ADD"),
+                               ("SSM_CONV", "ADD"), ("SSM_CONV", "UNARY")})
 
 
 def _base(t: Tensor) -> Tensor:

@@ -35,6 +35,19 @@ def test_flash_attention_needs_head_sizes_of_eight_and_the_backends_cache_types(
     assert not vk.vulkan_supports_op(_fa("BF16", "F16"), None)  # bf16 K with a V that is not
 
 
+def test_the_gated_delta_rule_needs_value_heads_of_16_to_128() -> None:
+    from fitter.memory.graph.recurrent_ops import gated_delta_net
+
+    def gdn(s_v: int, state_type: str = "F32") -> g.Tensor:
+        q, v = g.new("F32", s_v, 2, 8, 1), g.new("F32", s_v, 4, 8, 1)
+        return gated_delta_net(q, q, v, g.new("F32", 1, 4, 8, 1), g.new("F32", 1, 4, 8, 1),
+                               g.new(state_type, s_v, s_v, 4, 1))
+
+    assert all(vk.vulkan_supports_op(gdn(s_v), None) for s_v in (16, 32, 64, 128))
+    assert not vk.vulkan_supports_op(gdn(256), None) and not vk.vulkan_supports_op(gdn(96), None)
+    assert not vk.vulkan_supports_op(gdn(128, "F16"), None)
+
+
 def test_no_tensor_past_the_buffer_range_in_an_op() -> None:
     kq = g.mul_mat(g.data_tensor("F16", 64, 8192), g.new("F32", 64, 512, 64))  # 8192 × 512 × 64 f32 = 1 GiB
     assert kq.nbytes == 1024 * MIB
