@@ -120,6 +120,11 @@ class ModelSpec:
     indexer_width: int = 0  # a layer's indexer key row: attention.indexer.key_length (× 3 with a hybrid's k-pool)
     n_embd_r: int = 0  # llama_hparams::n_embd_r / n_embd_s: a recurrent layer's conv and SSM state per sequence
     n_embd_s: int = 0
+    # graph-only hyperparameters (fitter.memory.graph.families): `interleave_moe_layer_step` (llama4, ernie4_5-moe),
+    # `n_deepstack_layers` (qwen3vl, qwen3vlmoe: llama_hparams::n_embd_inp), `attention.temperature_scale` (mistral3)
+    moe_layer_step: int = 0
+    n_deepstack: int = 0
+    attn_temp_scale: float = 0.0
     skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
     # The draft model llama-server loads beside this one (`-md`, its header read at the edge: `with_draft`), whose
     # buffers every estimate of a config with `-md` adds (fitter.memory.plan.estimator)
@@ -423,6 +428,9 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         indexer_width=_indexer_width(keys, rules),
         n_embd_r=r_width,
         n_embd_s=s_width,
+        moe_layer_step=keys.integer("interleave_moe_layer_step", 0),
+        n_deepstack=keys.integer("n_deepstack_layers", 0),
+        attn_temp_scale=float(keys._raw("attention.temperature_scale") or 0.0),
         skipped=skipped,
         warnings=tuple(notes),
     )

@@ -117,16 +117,25 @@ class Builder:
 
     # --- inputs (src/llama-graph.cpp, src/llama-kv-cache.cpp) ---
 
-    def inputs(self) -> None:
+    def inputs(self, n_pos: int = 1, n_embd_inp: int = 0) -> None:
+        """build_inp_embd, build_inp_pos, build_inp_out_ids and the KV cache's inputs. `n_pos`: positions per token
+        (llama_hparams::n_pos_per_embd, 4 for M-RoPE); `n_embd_inp`: an input wider than n_embd (deepstack, where
+        the token path is PADded to it and the embeddings are a view of its first n_embd; `self.inp_embd` keeps
+        the wide tensor, res->t_inp_embd)."""
         spec, p, T = self.spec, self.p, self.T
+        n_embd_inp = max(n_embd_inp, spec.n_embd)
         tokens = g.input_tensor("I32", T, name="inp_tokens")
-        inp_embd = g.input_tensor("F32", spec.n_embd, T, name="inp_embd")
+        inp_embd = g.input_tensor("F32", n_embd_inp, T, name="inp_embd")
         embd = g.get_rows(self.weight("token_embd.weight"), tokens)
+        if n_embd_inp != spec.n_embd:
+            embd = g.new(embd.type, n_embd_inp, T, op="PAD", src=(embd,))
         # ggml_build_forward_select adds both the token path and the (unused) embeddings input
         self.gf.expand(embd)
         self.gf.expand(inp_embd)
-        self.embd = embd
-        self.pos = g.input_tensor("I32", T, name="inp_pos")
+        if n_embd_inp != spec.n_embd:
+            embd = self.gf.expand(g.view(embd, (spec.n_embd, T), (embd.nb[1],)))
+        self.embd = self.inp_embd = embd
+        self.pos = g.input_tensor("I32", T * n_pos, name="inp_pos")
         self.out_ids = g.input_tensor("I32", p.n_outputs, name="out_ids")
         self.kv_inputs: dict[bool, tuple[Tensor, Tensor, Tensor]] = {}
         for is_swa in sorted(set(spec.swa_layers)):
