@@ -9,13 +9,14 @@ from collections.abc import Callable
 
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.graph.builder import Builder, GraphParams
-from fitter.memory.graph.families import llama_like, transformer
+from fitter.memory.graph.families import llama4, llama_like, transformer
 from fitter.memory.graph.ggml_graph import Graph
 
 # architecture → its family's builder; others get compute estimates from fitter.memory.graph.compute's phase model
 BUILDERS: dict[str, Callable[[Builder], None]] = {
     **{arch: transformer.build_transformer for arch in transformer.ARCHS},
     **{arch: llama_like.build_llama_like for arch in llama_like.ARCHS},
+    **{arch: llama4.build_llama4 for arch in llama4.ARCHS},
 }
 GRAPH_ARCHS = tuple(BUILDERS)
 
