@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.builder import SIGMOID, Builder
-from fitter.memory.graph.families.llama_like import attn_out, ffn_scaled, lm_head, moe_ffn, qkv_proj
+from fitter.memory.graph.families.llama_like import attn_out, ffn_scaled, lm_head, moe_ffn, qkv_proj, rope_factors
 
 ARCHS = ("llama4",)
 
@@ -31,9 +31,10 @@ def build_llama4(b: Builder) -> None:
         cur = b.norm(inp, pre + "attn_norm.weight")
         q, k, v = qkv_proj(b, il, cur)
         use_rope = (il + 1) % nope_step != 0
-        if use_rope:  # rope_freqs, a weight on the layer's own device, moves nothing
-            q = g.dup_op("ROPE", q, b.pos)
-            k = g.dup_op("ROPE", k, b.pos)
+        if use_rope:
+            freqs = rope_factors(b, il)
+            q = g.dup_op("ROPE", q, b.pos, freqs)
+            k = g.dup_op("ROPE", k, b.pos, freqs)
         else:
             q = g.dup_op("MUL", q, attn_scale)
         if use_rope and use_kq_norm:  # Llama4TextL2Norm: ggml_rms_norm without a weight (not pinned)

@@ -31,11 +31,13 @@ class Variant:
     attn_temp: bool = False  # Q = MUL(Q, inp_attn_scale) when attention.temperature_scale != 0 (mistral3)
     deepstack: bool = False  # n_deepstack_layers widen the input; each of the first layers adds its slice
     moe: str = ""  # which layers route experts: "gate_inp" (the tensor is there), "all", "interleaved" (ernie4-5-moe)
+    rope_factors: bool = False  # ROPE reads llama_model::get_rope_factors (mistral3, llama4)
 
 
 VARIANTS: dict[str, Variant] = {
     # mistral3.cpp 93-235: llama's graph with the optional temperature scaling of Q
-    "mistral3": Variant(ffn_biases=True, ffn_scales=True, exps_scales=True, attn_temp=True, moe="gate_inp"),
+    "mistral3": Variant(ffn_biases=True, ffn_scales=True, exps_scales=True, attn_temp=True, moe="gate_inp",
+                        rope_factors=True),
     "qwen2": Variant(output_bias=True),  # qwen2.cpp 53-154
     "qwen2vl": Variant(n_pos=4),  # qwen2vl.cpp 42-143: ggml_rope_multi, M-RoPE positions
     "qwen3vl": Variant(n_pos=4, qk_norm=True, deepstack=True),  # qwen3vl.cpp 60-197
@@ -68,6 +70,16 @@ def lora_mm_id(b: Builder, weight: str, x: Tensor, ids: Tensor, scale: str | Non
     s = g.reshape(s, 1, s.ne[0], 1)
     s = g.new(s.type, 1, s.ne[1], x.ne[2], 1, op="REPEAT", src=(s,))
     return g.dup_op("MUL", cur, g.get_rows(s, ids))
+
+
+def rope_factors(b: Builder, il: int) -> Tensor | None:
+    """llama_model::get_rope_factors (src/llama-model.cpp 2337-2350): the layer's rope_freqs, else its long or short
+    factors (one or the other by the context; the same shape, and either is a copy on the layer's own device, so
+    which one changes nothing here)."""
+    for name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in b.names:
+            return b.layer_weight(name, il)
+    return None
 
 
 def qkv_proj(b: Builder, il: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -206,12 +218,13 @@ def build_llama_like(b: Builder) -> None:
         cur = b.norm(inp, pre + "attn_norm.weight")
         q, k, val = qkv_proj(b, il, cur)
         if v.nope_step == 0 or (il + 1) % v.nope_step != 0:
+            freqs = rope_factors(b, il) if v.rope_factors else None
             if v.qk_norm:
                 q = b.norm(q, pre + "attn_q_norm.weight")
-            q = g.dup_op("ROPE", q, b.pos)  # rope_freqs, a weight on the layer's own device, moves nothing
+            q = g.dup_op("ROPE", q, b.pos, freqs)
             if v.qk_norm:
                 k = b.norm(k, pre + "attn_k_norm.weight")
-            k = g.dup_op("ROPE", k, b.pos)
+            k = g.dup_op("ROPE", k, b.pos, freqs)
         if attn_scale is not None:
             q = g.dup_op("MUL", q, attn_scale)
         cur = attn_out(b, il, q, k, val, v.wo_bias)
