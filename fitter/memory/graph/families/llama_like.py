@@ -2,8 +2,8 @@
 mistral3.cpp, qwen2.cpp, qwen2vl.cpp, qwen3vl.cpp, qwen3vlmoe.cpp, seed-oss.cpp, ernie4-5.cpp, ernie4-5-moe.cpp and
 smollm3.cpp, one builder with each model's differences as a `Variant`; and the blocks of src/llama-graph.cpp they
 (and fitter.memory.graph.families.llama4) build with the optional tensors every model may carry: `build_lora_mm`
-with its `.scale` (1519-1552), `build_lora_mm_id` with per-expert scales (1554-1595), `build_qkv` with a fused
-`attn_qkv` (1607-1759), `build_ffn` with biases and scales (1762-1968), `build_moe_ffn` (2010-2373).
+with its `.scale` (1520-1553), `build_lora_mm_id` with per-expert scales (1555-1596), `build_qkv` with a fused
+`attn_qkv` (1633-1760), `build_ffn` with biases and scales (1762-1961), `build_moe_ffn` (1963-2373).
 """
 
 from __future__ import annotations
