@@ -128,6 +128,11 @@ class ModelSpec:
     ssm_d_state: int = 0
     ssm_dt_rank: int = 0
     ssm_n_group: int = 0
+    # graph-only hyperparameters (fitter.memory.graph.families): `interleave_moe_layer_step` (llama4, ernie4_5-moe),
+    # `n_deepstack_layers` (qwen3vl, qwen3vlmoe: llama_hparams::n_embd_inp), `attention.temperature_scale` (mistral3)
+    moe_layer_step: int = 0
+    n_deepstack: int = 0
+    attn_temp_scale: float = 0.0
     skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
     # The draft model llama-server loads beside this one (`-md`, its header read at the edge: `with_draft`), whose
     # buffers every estimate of a config with `-md` adds (fitter.memory.plan.estimator)
@@ -437,6 +442,9 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         ssm_d_state=keys.integer("ssm.state_size", 0),
         ssm_dt_rank=keys.integer("ssm.time_step_rank", 0),
         ssm_n_group=keys.integer("ssm.group_count", 0),
+        moe_layer_step=keys.integer("interleave_moe_layer_step", 0),
+        n_deepstack=keys.integer("n_deepstack_layers", 0),
+        attn_temp_scale=float(keys._raw("attention.temperature_scale") or 0.0),
         skipped=skipped,
         warnings=tuple(notes),
     )

@@ -78,6 +78,10 @@ class Builder:
         self.kv: list[tuple[Tensor, int]] = []  # with its layer
         self.norm_pins: list[tuple[Tensor, int]] = []  # a layer's norm, pinned for small batches or full offload
         self.kv_pins: list[Tensor] = []  # attention outputs, pinned to the CPU with -nkvo
+        # a weight llama.cpp creates once per buffer type of the layers that read it (TENSOR_DUPLICATED), with the
+        # layer that reads it; its readers as built (node, source index, that layer's tensor), found on first bind
+        self.layer_weights: list[tuple[Tensor, int]] = []
+        self._layer_reads: list[tuple[Tensor, int, Tensor]] | None = None
 
     def bind(self, bm: BackendMap) -> None:
         """Give every weight, cache and pinned node its backend under this placement."""
@@ -88,6 +92,8 @@ class Builder:
             t.backend = tied if name == TIED_OUTPUT else weight_backend.get(name, cpu)
         for t, il in self.kv:
             t.backend = cpu if bm.kv_on_cpu else bm.layer(il)
+        if self.layer_weights:
+            self._bind_layer_weights(bm)
         # graph_get_cb pins each layer's "norm" to the layer's device for small batches or full offload
         pin_norms = self.T < 32 or bm.full_offload
         for t, il in self.norm_pins:
@@ -95,6 +101,22 @@ class Builder:
         # with -nkvo, "all nodes between the KV store and the attention output" run on the CPU
         for t in self.kv_pins:
             t.pinned = cpu if bm.kv_on_cpu else -1
+
+    def _bind_layer_weights(self, bm: BackendMap) -> None:
+        """Layers on one backend read one tensor: llama_model_loader::create_tensor returns the copy already in the
+        layer's buffer type context (one buffer type per backend here), so its copy into another backend's split is
+        made once and stays alive to the last reader, as in llama.cpp."""
+        if self._layer_reads is None:
+            own = {id(t) for t, _ in self.layer_weights}
+            self._layer_reads = [(node, j, s) for node in self.gf.nodes for j, s in enumerate(node.src)
+                                 if s is not None and id(s) in own]
+        first: dict[tuple[str, int], Tensor] = {}
+        shared: dict[int, Tensor] = {}
+        for t, il in self.layer_weights:
+            t.backend = bm.layer(il)
+            shared[id(t)] = first.setdefault((t.name, t.backend), t)
+        for node, j, orig in self._layer_reads:
+            node.src = (*node.src[:j], shared[id(orig)], *node.src[j + 1:])
 
     # --- tensors that exist outside the compute buffer ---
 
@@ -120,6 +142,15 @@ class Builder:
         t = self.weight("token_embd.weight")
         self.weights[-1] = (t, TIED_OUTPUT)
         return t
+    def layer_weight(self, name: str, il: int) -> Tensor | None:
+        """A weight llama.cpp creates in every layer's buffer type (TENSOR_DUPLICATED: `rope_freqs`): layer il reads
+        the copy on its own device, the one every layer there reads (bind)."""
+        t = self.shapes.get(name)
+        if t is None:
+            return None
+        out = g.data_tensor(t.type, *t.ne, name=name)
+        self.layer_weights.append((out, il))
+        return out
 
     def kv_tensor(self, il: int, kind: str) -> Tensor:
         """The layer's K or V cache as llama_kv_cache allocates it: {width, cells, streams}."""
@@ -135,16 +166,25 @@ class Builder:
 
     # --- inputs (src/llama-graph.cpp, src/llama-kv-cache.cpp) ---
 
-    def inputs(self) -> None:
+    def inputs(self, n_pos: int = 1, n_embd_inp: int = 0) -> None:
+        """build_inp_embd, build_inp_pos, build_inp_out_ids and the KV cache's inputs. `n_pos`: positions per token
+        (llama_hparams::n_pos_per_embd, 4 for M-RoPE); `n_embd_inp`: an input wider than n_embd (deepstack, where
+        the token path is PADded to it and the embeddings are a view of its first n_embd; `self.inp_embd` keeps
+        the wide tensor, res->t_inp_embd)."""
         spec, p, T = self.spec, self.p, self.T
+        n_embd_inp = max(n_embd_inp, spec.n_embd)
         tokens = g.input_tensor("I32", T, name="inp_tokens")
-        inp_embd = g.input_tensor("F32", spec.n_embd, T, name="inp_embd")
+        inp_embd = g.input_tensor("F32", n_embd_inp, T, name="inp_embd")
         embd = g.get_rows(self.weight("token_embd.weight"), tokens)
+        if n_embd_inp != spec.n_embd:
+            embd = g.new(embd.type, n_embd_inp, T, op="PAD", src=(embd,))
         # ggml_build_forward_select adds both the token path and the (unused) embeddings input
         self.gf.expand(embd)
         self.gf.expand(inp_embd)
-        self.embd = embd
-        self.pos = g.input_tensor("I32", T, name="inp_pos")
+        if n_embd_inp != spec.n_embd:
+            embd = self.gf.expand(g.view(embd, (spec.n_embd, T), (embd.nb[1],)))
+        self.embd = self.inp_embd = embd
+        self.pos = g.input_tensor("I32", T * n_pos, name="inp_pos")
         self.out_ids = g.input_tensor("I32", p.n_outputs, name="out_ids")
         self.kv_inputs: dict[bool, tuple[Tensor, Tensor, Tensor]] = {}
         for is_swa in sorted(set(spec.swa_layers)):

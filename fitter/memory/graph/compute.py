@@ -8,7 +8,8 @@ against llama.cpp (its errors on the CPU goldens were -38 % … +12 % before the
 there), and the estimate says so.
 
 The phase model. llama.cpp sizes compute buffers by reserving the worst-case prompt graph
-(src/llama-context.cpp `sched_reserve`): n_tokens = min(n_ctx, n_ubatch), n_outputs = min(n_tokens, n_outputs_max)
+(src/llama-context.cpp `sched_reserve`): n_tokens = min(n_ctx, n_ubatch) rounded up to a multiple of n_seq_max,
+n_outputs = min(n_ctx, n_ubatch, n_outputs_max)
 (llama-server: one per slot), every KV cell visible.
 ggml-alloc (ggml/src/ggml-alloc.c) then places each node in a buffer, frees a tensor after its last consumer and
 lets element-wise ops (add, mul, rms_norm, rope, soft_max, …) reuse their parent's memory. The buffer's size is the
@@ -58,7 +59,10 @@ class GraphShape:
 
 def graph_shape(ctx: ContextParams, kv_sizes: tuple[int, int]) -> GraphShape:
     n_tokens = min(ctx.n_ctx, ctx.n_ubatch)
-    return GraphShape(n_tokens, min(n_tokens, ctx.n_outputs_max), kv_sizes)
+    # graph_reserve (src/llama-context.cpp 2528-2531) rounds the tokens up to a multiple of n_seqs (n_seq_max); the
+    # outputs stay min(n_tokens, n_outputs_max) of the unrounded count (sched_reserve)
+    n_seqs = max(ctx.n_seq_max, 1)
+    return GraphShape(-(-n_tokens // n_seqs) * n_seqs, min(n_tokens, ctx.n_outputs_max), kv_sizes)
 
 
 def _input_bytes(spec: ModelSpec, ctx: ContextParams, g: GraphShape, swa_layers: set[bool]) -> int:
@@ -186,9 +190,9 @@ def compute_bytes_by_device(
     # sched_reserve reserves the prompt graph and the one-token-per-sequence graph; a buffer is made anew only when
     # one of its chunks grows (one chunk unless its buffer type has a maximum size: the larger of the two graphs)
     chunks: list[tuple[int, ...]] = [()] * (cpu + 1)
-    # (llama_context::graph_reserve: n_seq_max sequences, the tokens rounded up to a multiple of them)
+    # (llama_context::graph_reserve: n_seq_max sequences; graph_shape rounded the tokens up to a multiple of them)
     n_seqs = ctx.n_seq_max
-    graphs = [(-(-g.n_tokens // n_seqs) * n_seqs, g.n_outputs), (n_seqs, n_seqs)]
+    graphs = [(g.n_tokens, g.n_outputs), (n_seqs, n_seqs)]
     for n_tokens, n_outputs in graphs[:1] if prompt_only else graphs:
         params = GraphParams(n_tokens, n_outputs, kv_sizes, ctx.n_stream, ctx.flash_attn, *cache_types, backends,
                              ctx.v_trans, n_seqs)
