@@ -23,6 +23,16 @@ def model_file(shape: str, sparse: bool = False) -> Path:
     return model_files(shape, sparse)[0]
 
 
+@cache
+def projector_file(shape: str, model: str) -> Path:
+    """fitter.gguf.demo_projectors' projector `shape` made for `model` (its width)."""
+    from fitter.gguf.demo_projectors import PROJECTORS, write_projector
+
+    folder = _DIR / "mmproj"
+    folder.mkdir(exist_ok=True)
+    return write_projector(PROJECTORS[shape], SHAPES[model].n_embd, folder / f"{shape}@{model}.gguf")
+
+
 def unknown_arch_model(folder: Path) -> Path:
     """llama-tiny as an architecture fitter has not matched ('llamb'): every 'llama' in its header (the
     general.architecture value and the `llama.` key prefix) renamed to a string of the same length."""

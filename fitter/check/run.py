@@ -36,7 +36,7 @@ from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import ProcessFlags, parse_launch_flags, split_process_flags
 from fitter.flags.consumers import retarget
 from fitter.flags.parse import flag_value, process_flags_of, with_endpoints
-from fitter.gguf.model_spec import ModelSpec, load_model_spec, with_draft
+from fitter.gguf.model_spec import ModelSpec, load_model_spec, with_draft, with_projector
 from fitter.machine.gpu_order import gpu_map_text
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.runners import RunnerFactory, ServerRunner, WorkerRunner
@@ -328,6 +328,8 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
                 config = retarget(config, consumer)
             if config.draft_model:  # the draft's memory is the config's too
                 model_spec = with_draft(model_spec, config.draft_model)
+            if config.mmproj:  # and the projector's
+                model_spec = with_projector(model_spec, config.mmproj)
         except FitterError as e:
             raise FitterError(f"{where}: {e}") from None
         devices = tuple(runner.devices()) or (rpc_devices(list(config.rpc)) if config.rpc else machine_devices())

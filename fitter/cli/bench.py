@@ -180,7 +180,7 @@ def workload_from_args(ns: argparse.Namespace, config: LaunchConfig, tune: bool 
     Only tune searches a context: bench refuses a workload that asks it to."""
     from dataclasses import replace
 
-    from fitter.workload import Workload, load_workload, parse_depths, searched_context, serving_config
+    from fitter.workload import Workload, load_workload, parse_depths, searched_context, serving_config, with_images
 
     if ns.workload:
         given = [f for f, v in (("-p", ns.n_prompt), ("-n", ns.n_gen), ("-d", ns.n_depth),
@@ -210,6 +210,15 @@ def workload_from_args(ns: argparse.Namespace, config: LaunchConfig, tune: bool 
             raise FitterError(f"--workload {ns.workload} and --prompts: the workload file sets its prompts; give one "
                               "or the other")
         w = replace(w, prompts=read_prompts(ns.prompts))
+    if getattr(ns, "images", None) is not None:
+        if w.images:
+            raise FitterError(f"--workload {ns.workload} and --images: the workload file sets images; give one or "
+                              "the other")
+        w = replace(w, images=ns.images)
+    if w.images:
+        from fitter.gguf.projector import load_projector_spec
+
+        w = with_images(w, load_projector_spec(config.mmproj).tokens_per_image if config.mmproj else None)
     ns.n_prompt, ns.n_gen, ns.n_depth = w.n_prompt, w.n_gen, max(w.depths)
     config = with_bench_context(serving_config(w, searched_context(w, config)), w.tokens_per_stream())
     return w, config
@@ -234,6 +243,9 @@ def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=None, metavar="N",
                    help="streams served at once: N concurrent requests, a slot (-np N) each, through llama-server "
                    "(--llama-cpp DIR) or a simulated machine; tg is their aggregate decode (default 1)")
+    g.add_argument("--images", type=int, default=None, metavar="N",
+                   help="images in each request's prompt (with --mmproj): each adds the projector's tokens per image "
+                   "to the prompt measured and the context a slot must hold (the encoder's own time is not measured)")
     g.add_argument("--workload", metavar="NAME|FILE", help="the workload as a TOML file (prompt, gen, depths, "
                    "weights, concurrency), or a shipped one: " + ", ".join(workload_names()))
     g.add_argument("--prompts", metavar="FILE", help="decode on your text instead of synthetic tokens: JSON lines "

@@ -80,14 +80,16 @@ def model_path(arg: str | None) -> str:
 
 def load_model(path: str, config: LaunchConfig | None = None) -> ModelSpec:
     """The model's spec, its warnings (an architecture fitter has not matched, …) printed once; with a config that
-    names a draft model (-md), the draft's spec with it, and what llama-server will make of the pair."""
+    names a draft model (-md), the draft's spec with it, and what llama-server will make of the pair; with a
+    projector (--mmproj), the projector's spec."""
     from fitter.flags.draft import draft_notes
     from fitter.gguf.model_spec import load_model_spec
 
     draft = config.draft_model if config is not None else ""
-    spec = load_model_spec(path, draft)
+    spec = load_model_spec(path, draft, config.mmproj if config is not None else "")
     drafts = spec.draft.warnings if spec.draft is not None else ()
-    for w in (*spec.warnings, *(f"the draft model {draft}: {w}" for w in drafts)):
+    projector = spec.projector.warnings if spec.projector is not None else ()
+    for w in (*spec.warnings, *(f"the draft model {draft}: {w}" for w in drafts), *projector):
         warn(w)
     if config is not None and spec.draft is not None:
         inferred = "draft-mtp" if spec.draft.n_layer_nextn else "draft-dflash" if spec.draft.arch == "dflash" else None
@@ -98,10 +100,13 @@ def load_model(path: str, config: LaunchConfig | None = None) -> ModelSpec:
 
 def launch_args(ns: argparse.Namespace) -> tuple[LaunchConfig, ProcessFlags]:
     """The llama.cpp flags parsed once, at the edge: the launch config and the process-level flags. A draft model's
-    path is made absolute, as the model's is, so results and exports name the same file from anywhere."""
+    and a projector's paths are made absolute, as the model's is, so results and exports name the same file from
+    anywhere."""
     config = launch_config_from_args(ns)
     if config.draft_model and not Path(config.draft_model).is_absolute():
         config = config.with_given(draft_model=str(Path(config.draft_model).resolve()))
+    if config.mmproj and not Path(config.mmproj).is_absolute():
+        config = config.with_given(mmproj=str(Path(config.mmproj).resolve()))
     return config, process_flags_from_args(ns)
 
 

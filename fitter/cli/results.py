@@ -35,10 +35,12 @@ def cmd_export(ns: argparse.Namespace) -> int:
     if target != doc.consumer:
         p = pick(doc, ns.policy)
         spec = _result_model(doc, ns.model)
-        if p.config.draft_model:  # the draft's memory is the pick's too (fitter.gguf.model_spec.with_draft)
-            from fitter.gguf.model_spec import with_draft
+        from fitter.gguf.model_spec import with_draft, with_projector
 
+        if p.config.draft_model:  # the draft's memory is the pick's too (fitter.gguf.model_spec.with_draft)
             spec = with_draft(spec, p.config.draft_model)
+        if p.config.mmproj:  # and the projector's
+            spec = with_projector(spec, p.config.mmproj)
         plan = replan(doc, p.entry, p.config, target, spec)
         note = plan.note()
         log(f"fitter: export: {note}")

@@ -89,6 +89,12 @@ class LaunchConfig:
     spec_type: str = "none"  # --spec-type: none (the draft is loaded, nothing drafts) | draft-simple
     spec_draft_n_max: int = 3  # --spec-draft-n-max: tokens drafted per step (the target reserves logits for them)
     spec_draft_n_min: int = 0  # --spec-draft-n-min
+    # The multimodal projector (common/arg.cpp --mmproj*, tools/mtmd): libmtmd's clip context, which llama-server
+    # loads once the model and its context are made (fitter.memory.plan.projector)
+    mmproj: str = ""  # -mm/--mmproj: the projector's path as given ("" = none)
+    # -mmdev: "" llama.cpp's choice (-dev's first device, else the build's first GPU), "none" the CPU
+    # (--no-mmproj-offload, -mmdev none), else a device as the build names it
+    mmproj_device: str = ""
     # The fields a flag set (the rest are the program's defaults): what `pin(config, given=True)` writes back, so
     # the flags a user gave and the config fitter runs cannot disagree. Not part of equality: two configs that
     # allocate alike are alike however they were spelled.
@@ -257,13 +263,14 @@ def parse_cpu_mask(mask: str | None, cpu_range: str | None) -> tuple[int, ...] |
 DRAFT_FIELDS = ("draft_n_gpu_layers", "draft_overrides", "draft_cache_type_k", "draft_cache_type_v", "spec_type",
                 "spec_draft_n_max", "spec_draft_n_min")
 # Fields added after keys were recorded, left out of `recorded_repr` at their defaults
-_LATER_FIELDS = ("split_mode", "device_names", "draft_model", *DRAFT_FIELDS, "cache_ram_mib")
+_LATER_FIELDS = ("split_mode", "device_names", "draft_model", *DRAFT_FIELDS, "cache_ram_mib", "mmproj",
+                 "mmproj_device")
 
 
 def recorded_repr(config: LaunchConfig) -> str:
-    """repr(config) as keys recorded before `split_mode`, `-dev`, the draft's fields and `--cache-ram` existed spell
-    it: each is left out at its default (`-sm layer`, no `-dev`, no draft), so seeded simulations and recorded
-    landscapes keep matching (fitter.sim);
+    """repr(config) as keys recorded before `split_mode`, `-dev`, the draft's fields, `--cache-ram` and `--mmproj`
+    existed spell it: each is left out at its default (`-sm layer`, no `-dev`, no draft), so seeded simulations and
+    recorded landscapes keep matching (fitter.sim);
     `flags=()` closes it, as when a config carried its flags' tokens (keys were recorded without them)."""
     text = repr(config)[:-1] + ", flags=())"
     program = consumer(config.consumer)

@@ -58,12 +58,13 @@ CONSUMERS: dict[str, Consumer] = {
             "llama-cpp-python",
             {"ctx_size": 512, "batch_size": 512, "ubatch_size": 512, "flash_attn": "off", "n_gpu_layers": 0,
              "parallel": 1, "kv_unified": False, "swa_full": True},
-            False, False, {"fit": False, "cache_ram_mib": 0},
-            "llama-cpp-python 0.3.36 llama_cpp/llama.py Llama.__init__; src/llama-context.cpp defaults",
+            False, False, {"fit": False, "cache_ram_mib": 0, "mmproj": ""},
+            "llama-cpp-python 0.3.36 llama_cpp/llama.py Llama.__init__ (a projector is its chat handler's, not a "
+            "Llama argument); src/llama-context.cpp defaults",
         ),
         Consumer(
             "llama-bench", {"ctx_size": 640, "parallel": 1, "kv_unified": False}, False, False,
-            {"parallel": 1, "kv_unified": False, "swa_full": False, "fit": False, "cache_ram_mib": 0},
+            {"parallel": 1, "kv_unified": False, "swa_full": False, "fit": False, "cache_ram_mib": 0, "mmproj": ""},
             "tools/llama-bench/llama-bench.cpp cmd_params_instance::to_llama_cparams",
         ),
     )
@@ -95,8 +96,9 @@ def apply_defaults(values: dict[str, Any], given: set[str], name: str) -> dict[s
     for field, value in c.fixed.items():
         harmless = field == "kv_unified" and c.fixed.get("parallel") == 1  # one sequence: one stream either way
         if field in given and out[field] != value and out[field] is not None and not harmless:
+            uses = "loads none" if value == "" else f"always uses {value!r}"
             raise LaunchConfigError(f"--for {name}: {_spelling(field)} {out[field]!r} cannot be given to {name}, "
-                                    f"which always uses {value!r} ({c.source})")
+                                    f"which {uses} ({c.source})")
         out[field] = value
     if out.get("parallel", 1) < 0 and not c.auto_slots:
         raise LaunchConfigError(f"--for {name}: -np auto is llama-server's; give the number of sequences (-np N)")

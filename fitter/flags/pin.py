@@ -69,6 +69,9 @@ WRITERS: tuple[tuple[str, Callable[[LaunchConfig], list[str]]], ...] = (
     ("spec_type", lambda c: ["--spec-type", c.spec_type]),
     ("spec_draft_n_max", lambda c: ["--spec-draft-n-max", str(c.spec_draft_n_max)]),
     ("spec_draft_n_min", lambda c: ["--spec-draft-n-min", str(c.spec_draft_n_min)]),
+    ("mmproj", lambda c: ["-mm", c.mmproj] if c.mmproj else []),
+    ("mmproj_device", lambda c: ["--no-mmproj-offload"] if c.mmproj_device == "none"
+     else ["-mmdev", c.mmproj_device] if c.mmproj_device else []),
     ("fit", lambda c: ["-fit", "on" if c.fit else "off"]),
 )
 # Written pinned only away from llama-server's default (a default here is what llama-server does unasked)
@@ -113,6 +116,8 @@ def _pinned(config: LaunchConfig, context: ContextParams | None) -> tuple[Launch
     defaults = LaunchConfig()
     fields = {name for name, _ in WRITERS
               if name not in _PINNED_IF_SET or getattr(view, name) != getattr(defaults, name)}
+    if not config.mmproj:
+        fields -= {"mmproj", "mmproj_device"}
     if not config.draft_model:
         fields -= {"draft_model", *DRAFT_FIELDS}
     elif config.spec_type == "none":

@@ -161,6 +161,26 @@ def _device_list(value: str) -> tuple[str, ...]:
     return names
 
 
+def _mmproj_device(value: str) -> str:
+    """-mmdev as common/arg.cpp reads it: `none` (the CPU), else one device (parse_device_list, "only one device may
+    be specified for mmproj")."""
+    names = _device_list(value)
+    if len(names) > 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: only one device may be specified for mmproj")
+    return names[0]
+
+
+def _mmproj_offload(on: bool) -> Callable[[str, Any], str]:
+    """--mmproj-offload / --no-mmproj-offload after -mmdev (common/arg.cpp: the handlers run in order, the last one
+    sets mmproj_use_gpu): off puts the projector on the CPU; on undoes that (the device -mmdev named before an off is
+    not remembered here: name it again after)."""
+
+    def merge(current: str, _: Any) -> str:
+        return ("" if current == "none" else current) if on else "none"
+
+    return merge
+
+
 def _spec_type(value: str) -> str:
     """One --spec-type value as common/speculative.cpp `common_speculative_types_from_names` reads its comma list: in
     order, `none` ends it as none alone, an unknown name is an error; of the types it names, fitter models
@@ -276,6 +296,16 @@ FLAGS: tuple[Flag, ...] = (
          metavar="N", help="tokens to draft per step (default 3)"),
     Flag(("--spec-draft-n-min",), "spec_draft_n_min", Kind.VALUE, _C, preset_key="spec-draft-n-min", parse=int,
          metavar="N", help="fewest draft tokens to use (default 0)"),
+    # the multimodal projector (fitter.memory.plan.projector): llama-server's spellings
+    Flag(("-mm", "--mmproj"), "mmproj", Kind.VALUE, _M, preset_key="mmproj", metavar="FILE",
+         help="multimodal projector file (its weights and compute buffers are estimated beside the model's)"),
+    Flag(("-mmdev", "--mmproj-device"), "mmproj_device", Kind.VALUE, _M, preset_key="mmproj-device",
+         parse=_mmproj_device, metavar="DEVICE|none", help="the projector's device (default: -dev's first, else "
+         "the build's first GPU)"),
+    Flag(("--no-mmproj-offload",), "mmproj_device", Kind.CONST, _M, preset_key="mmproj-offload", preset_value="false",
+         merge=_mmproj_offload(False), help="the projector on the CPU"),
+    Flag(("--mmproj-offload",), "mmproj_device", Kind.CONST, _M, preset_key="mmproj-offload", preset_value="true",
+         merge=_mmproj_offload(True)),
     Flag(("-m", "--model"), "model", Kind.VALUE, Level.MODEL_PATH, preset_key="model"),
     Flag(("-fitt", "--fit-target"), "fit_target", Kind.VALUE, Level.FIT),
     Flag(("-fitc", "--fit-ctx"), "fit_ctx", Kind.VALUE, Level.FIT),

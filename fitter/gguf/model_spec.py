@@ -18,6 +18,7 @@ from fitter.errors import FitterError, GGUFError
 from fitter.gguf._constants import MODEL_TENSOR, TENSOR_NAMES
 from fitter.gguf.archs import ARCHS, Arch, Indexer, Memory, RecurrentBy, SwaWhen
 from fitter.gguf.header import GGUFHeader, SkippedArray, TensorInfo
+from fitter.gguf.projector import ProjectorSpec, load_projector_spec
 
 
 class Role(StrEnum):
@@ -137,6 +138,8 @@ class ModelSpec:
     # The draft model llama-server loads beside this one (`-md`, its header read at the edge: `with_draft`), whose
     # buffers every estimate of a config with `-md` adds (fitter.memory.plan.estimator)
     draft: ModelSpec | None = None
+    # The multimodal projector llama-server loads beside it (`--mmproj`, read at the edge: `with_projector`)
+    projector: ProjectorSpec | None = None
     # What every command prints about this model ("fitter: warning: …"), e.g. an architecture fitter has not matched
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
@@ -466,13 +469,27 @@ def _tensor_spec(t: TensorInfo) -> TensorSpec:
     return TensorSpec(t.name, t.type_name, t.ne, t.n_bytes, layer, role, t.shard, t.offset)
 
 
-def load_model_spec(path: str, draft: str = "") -> ModelSpec:
+def load_model_spec(path: str, draft: str = "", mmproj: str = "") -> ModelSpec:
     """The model's spec from its header; with `draft` (-md's path) the draft model's spec rides along
-    (ModelSpec.draft), so every estimate of a config with that -md counts its buffers."""
+    (ModelSpec.draft), with `mmproj` (--mmproj's) the projector's (ModelSpec.projector), so every estimate of a
+    config with them counts their buffers."""
     from fitter.gguf.header import read_header
 
     spec = model_spec(read_header(path))
-    return with_draft(spec, draft) if draft else spec
+    spec = with_draft(spec, draft) if draft else spec
+    return with_projector(spec, mmproj) if mmproj else spec
+
+
+def with_projector(spec: ModelSpec, mmproj: str) -> ModelSpec:
+    """`spec` with the projector's spec riding along; one that does not belong to the model is refused as libmtmd
+    refuses it (tools/mtmd/mtmd.cpp mtmd_context: its output width against llama_model_n_embd_inp)."""
+    projector = load_projector_spec(mmproj)
+    n_embd_inp = spec.n_embd * (1 + spec.n_deepstack)  # src/llama-hparams.cpp n_embd_inp
+    if projector.n_mmproj_embd != n_embd_inp:
+        raise GGUFError(f"--mmproj {mmproj}: the projector hands the text model {projector.n_mmproj_embd}-wide "
+                        f"embeddings and {spec.arch} takes {n_embd_inp} (libmtmd: mismatch between text model and "
+                        "mmproj; a projector made for another model)")
+    return replace(spec, projector=projector)
 
 
 def with_draft(spec: ModelSpec, draft: str) -> ModelSpec:

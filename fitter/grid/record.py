@@ -124,6 +124,8 @@ def record_landscape(o: TuneOptions, snapshot: MachineSnapshot | None, rounds: i
                 log(f"fitter: {message}")
                 land = replace(land, baseline_reason=why)
             else:
+                if message:  # a note on how llama.cpp's fit ran
+                    log(f"fitter: baseline: {message}")
                 base = Point({}, fitted.flags, baseline=True)
                 land = replace(land, points=(base, *land.points), baseline_reason=None)
         if base is not None:

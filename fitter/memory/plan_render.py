@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fitter.flags import ContextParams, pin
+from fitter.gguf.projector import ProjectorSpec
 from fitter.memory.fit.fit import FitResult
 from fitter.memory.fit.fit_devices import expert_layers
 from fitter.memory.plan.estimator import MemoryPlan
@@ -51,7 +52,16 @@ def plan_json(plan: MemoryPlan, llama_cpp: dict[str, str]) -> dict[str, Any]:
         "warnings": list(plan.warnings),
         "llama_cpp": dict(llama_cpp),
         **({"draft": _draft_json(plan.draft)} if plan.draft is not None else {}),
+        **({"mmproj": _projector_json(plan.model.projector)} if plan.config.mmproj and plan.model.projector else {}),
     }
+
+
+def _projector_json(p: ProjectorSpec) -> dict[str, Any]:
+    """The projector (--mmproj): what it is and the context one image takes; its buffers are the plan's ones marked
+    "model": "mmproj"."""
+    return {"path": p.path, "projector_type": p.projector_type, "n_layer": p.n_layer, "n_embd": p.n_embd,
+            "image_size": p.warmup_image_size, "tokens_per_image": p.tokens_per_image,
+            "tensor_bytes": sum(t.n_bytes for t in p.tensors)}
 
 
 def _host_json(h: HostMemory) -> dict[str, Any]:
@@ -112,9 +122,14 @@ def plan_table(plan: MemoryPlan, llama_cpp: dict[str, str], per_tensor: bool = F
                      f"{draft.tensor_bytes / MIB:.2f} MiB; its context n_ctx {dctx.n_ctx} for {dctx.n_seq_max} "
                      f"slot{'s' if dctx.n_seq_max > 1 else ''}, logits for {dctx.n_outputs_max} outputs; the model "
                      f"reserves {ctx.n_outputs_max})")
+    projector = plan.model.projector
+    if plan.config.mmproj and projector is not None:
+        lines.append(f"mmproj  {projector.path}  ({projector.projector_type}, {projector.n_layer} layers, "
+                     f"{sum(t.n_bytes for t in projector.tensors) / MIB:.2f} MiB; warm-up image "
+                     f"{projector.warmup_image_size}², {projector.tokens_per_image} context tokens per image)")
     lines += ["", f"{'buffer':<28}{'kind':<9}{'MiB':>10}"]
     for b in plan.buffers:
-        lines.append(f"{b.buft:<28}{b.kind:<9}{_mib(b.bytes)}" + ("  (draft)" if b.model else ""))
+        lines.append(f"{b.buft:<28}{b.kind:<9}{_mib(b.bytes)}" + (f"  ({b.model})" if b.model else ""))
     if plan.projected:
         lines.append(f"({' and '.join(plan.projected)}: llama.cpp's own projection per device, rounded up to the MiB)")
     lines += ["", f"{'device':<28}{'model':>10}{'kv':>10}{'compute':>10}{'output':>10}{'total':>10}"]

@@ -88,7 +88,10 @@ class Screener:
         fit (fitter.memory.fit.fit_devices); `order`: which of a device's layers give theirs to the CPU (the search
         counts them as its last; the first ones, when they do not fit, fall back to the last)."""
         context = {k: v for k, v in params.items() if not split.is_split_key(k)}
-        memory = tuple(sorted((k, v) for k, v in context.items() if k not in THREAD_KEYS))  # threads: no memory
+        # threads hold no memory; the load mode only moves host buffers (mapped, read in, pinned), and the layout
+        # that keeps the most on the devices is also the one that leaves the least on the host, so one device search
+        # serves every load mode (each placement is still screened whole below)
+        memory = tuple(sorted((k, v) for k, v in context.items() if k not in (*THREAD_KEYS, "load-mode")))
         key = (memory, counts)
         if key not in self._spreads:
             self._spreads[key] = self._spread(context, counts)

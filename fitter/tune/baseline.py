@@ -79,6 +79,8 @@ def run_baseline(req: TuneRequest, tuner: Tuner, tool: Path | None, targets: tup
     cand, why, message = baseline_candidate(req, tool, targets, fit_devices, unavailable)
     if cand is None:
         return _none(tuner, why, message, log)
+    if message:  # a note on how llama.cpp's fit was run
+        log(f"fitter: baseline: {message}")
     return _launch(req, tuner, cand)
 
 
@@ -118,9 +120,10 @@ def _none(tuner: Tuner, why: str, message: str, log: Callable[[str], None]) -> B
 def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, ...], fit_devices: Callable[[], Any],
                        unavailable: str | None = None) -> tuple[Candidate | None, str, str]:
     """The baseline as a trial (llama.cpp's fit on the devices, llama-server's defaults otherwise), or None, why
-    there is none and the line that says so. `fitter tune` launches it as trial 0; `fitter grid` records it as a
-    point."""
+    there is none and the line that says so (with a baseline: a note on how the fit ran, or ""). `fitter tune`
+    launches it as trial 0; `fitter grid` records it as a point."""
     config = req.base
+    note = ""  # how llama.cpp's fit was run, when that needs saying
     if req.devices:
         if tool is None or unavailable is not None:
             why = (f"llama.cpp's fit cannot run here: {unavailable}" if unavailable is not None else
@@ -136,6 +139,8 @@ def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, 
         # the deployed context, explicitly: the fit must place the model for the context every trial runs with
         # (with -c 0 llama-fit-params resolves a context of its own, not llama-server's)
         config = config.with_given(ctx_size=estimate(req.spec, req.base, (), req.cpu).context.n_ctx)
+        if req.base.mmproj:
+            targets, note = projector_margins(req, targets)
         try:
             fitted = _llama_fit(tool, req, pin(config, given=True), targets, fit_devices)
         except LlamaFitError as e:
@@ -147,7 +152,34 @@ def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, 
     threads = req.default_threads
     process = ProcessFlags(threads, threads)
     return Candidate({}, config, replace(req.bench, threads=threads, threads_batch=threads),
-                     tuple(pin(config, process=process, given=True))), "", ""
+                     tuple(pin(config, process=process, given=True))), "", note
+
+
+def projector_margins(req: TuneRequest, targets: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+    """llama-server's own --fit with a projector: it measures the projector first (libmtmd's
+    mtmd_get_memory_usage: each weight's bytes and the warm-up's compute buffer, per device) and adds that to the
+    device's margin (tools/server/server-context.cpp load_model, `fit_params_target[i] += size`); llama-fit-params
+    parses no --mmproj, so fitter adds it to the targets it passes. (llama-server indexes the margins by ggml's
+    device registry, the fit by the model's devices: they agree for a build's own GPUs without -dev, which is what
+    this reproduces, not the mismatch with RPC devices or -dev.)"""
+    from fitter.memory.plan.projector import MODEL
+
+    projector = req.spec.projector
+    if projector is None:
+        return targets, ""
+    plan = estimate(req.spec, req.base, req.devices, req.cpu)
+    unpadded = sum(t.n_bytes for t in projector.tensors)
+    extra = {d.name: 0 for d in req.devices}
+    for b in plan.buffers:
+        if b.model == MODEL and b.device in extra:
+            extra[b.device] += unpadded if b.kind == "model" else b.bytes
+    if not targets:
+        return targets, ""
+    added = tuple(-(-extra[d.name] // MIB) for d in req.devices)
+    moved = ", ".join(f"{d.name} +{n} MiB" for d, n in zip(req.devices, added, strict=True) if n)
+    return (tuple(t + n for t, n in zip(targets, added, strict=True)),
+            "llama-fit-params ignores the projector (--mmproj is not its flag); the baseline's margins add what "
+            f"llama-server's own --fit adds for it ({moved or 'nothing on a GPU'})")
 
 
 def recorded_baseline(req: TuneRequest, tuner: Tuner, recorded: RecordedBaseline, log: Callable[[str], None]) -> \

@@ -26,7 +26,8 @@ from fitter.paths import SOURCE_ROOT
 from fitter.workload.prompts import Prompts, read_prompts
 
 INT_MAX = 2**31 - 1  # llama-bench reads -p -n -d as C ints
-_KEYS = {"description", "prompt", "gen", "depths", "weights", "concurrency", "min_ctx", "prompts"}
+_KEYS = {"description", "prompt", "gen", "depths", "weights", "concurrency", "min_ctx", "prompts", "images",
+         "image_tokens"}
 MAX_CONTEXT_CHOICES = 8  # multiples of --min-ctx up to this many, else doublings: a search a dozen trials can cover
 _RANGE = re.compile(r"(\d+)(?:-(\d+)(?:([+*])(\d+))?)?")
 
@@ -46,6 +47,11 @@ class Workload:
     description: str = ""
     min_ctx: int = 0  # > 0: tune searches -c >= this (context as a trade, a Pareto axis); 0: -c as given
     prompts: Prompts | None = None  # the user's text decode runs on (fitter.workload.prompts); None: synthetic tokens
+    # Images per request (a vision projector's, --mmproj): each takes `image_tokens` context cells, decoded by the
+    # model as one prefill of embeddings (tools/mtmd mtmd_helper_eval_chunks); `with_images` folds them into the
+    # prompt once the projector says how many (0: not yet resolved)
+    images: int = 0
+    image_tokens: int = 0
 
     def __post_init__(self) -> None:
         where = self.source
@@ -69,6 +75,8 @@ class Workload:
         if self.prompts is not None and not self.is_default_shape:
             raise WorkloadError(f"{where}: prompts {self.prompts.file} are decoded from their own text, in one "
                                 "stream: drop the depth list and the concurrency")
+        if not 0 <= self.images <= 64 or self.image_tokens < 0:
+            raise WorkloadError(f"{where}: images {self.images} must be 0..64 per request")
         if self.prompts is not None and not self.n_gen:
             raise WorkloadError(f"{where}: prompts {self.prompts.file} with gen 0: nothing is decoded from them")
 
@@ -97,6 +105,9 @@ class Workload:
             text += f", -c >= {self.min_ctx}"
         if self.prompts is not None:
             text += f", decode on {len(self.prompts.texts)} prompts of {self.prompts.file}"
+        if self.images:
+            text += f" (the prompt holds {self.images} image{'s' if self.images > 1 else ''} of {self.image_tokens} "
+            text += "tokens)"
         return text
 
     def to_json(self) -> dict[str, Any]:
@@ -107,6 +118,8 @@ class Workload:
             out["min_ctx"] = self.min_ctx
         if self.prompts is not None:
             out["prompts"] = self.prompts.to_json()
+        if self.images:
+            out.update(images=self.images, image_tokens=self.image_tokens)
         return out
 
     @staticmethod
@@ -134,6 +147,18 @@ def measure_problem(w: Workload, config: LaunchConfig, backend: str) -> str | No
 
     return prompts_problem(w, backend) or measuring_problem(config, backend,
                                                              w.prompts.file if w.prompts is not None else None)
+
+
+def with_images(w: Workload, tokens_per_image: int | None) -> Workload:
+    """`w` with its images' tokens in each prompt (`tokens_per_image`: the projector's, fitter.gguf.projector;
+    None: no --mmproj, refused). Resolved once: a recorded workload keeps its prompt as measured."""
+    if not w.images or w.image_tokens:
+        return w
+    if tokens_per_image is None:
+        raise WorkloadError(f"{w.source}: images {w.images} per request need a vision projector: give --mmproj FILE")
+    from dataclasses import replace
+
+    return replace(w, n_prompt=w.n_prompt + w.images * tokens_per_image, image_tokens=tokens_per_image)
 
 
 def serving_config(w: Workload, config: LaunchConfig) -> LaunchConfig:
@@ -245,7 +270,8 @@ def parse_workload(data: dict[str, Any], where: str) -> Workload:
         raise WorkloadError(f"{where}: description = {description!r} must be a string")
     return Workload(n_prompt=count("prompt", 512), n_gen=count("gen", 128), depths=tuple(depths),
                     weights=tuple(float(w) for w in weights), concurrency=count("concurrency", 1), source=where,
-                    description=description, min_ctx=count("min_ctx", 0), prompts=_prompts(data, where))
+                    description=description, min_ctx=count("min_ctx", 0), prompts=_prompts(data, where),
+                    images=count("images", 0), image_tokens=count("image_tokens", 0))
 
 
 def _prompts(data: dict[str, Any], where: str) -> Prompts | None:

@@ -72,8 +72,8 @@ def test_a_users_file_with_a_depth_range_and_defaults(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("depth = [0]\n", "unknown key 'depth' (a workload has concurrency, depths, description, gen, min_ctx, prompt, "
-                     "prompts, weights)"),
+    ("depth = [0]\n", "unknown key 'depth' (a workload has concurrency, depths, description, gen, image_tokens, "
+                     "images, min_ctx, prompt, prompts, weights)"),
     ("depths = [0, 4096]\nweights = [1]\n", "weights [1.0] must be one positive number per depth (2)"),
     ("weights = [0]\n", "weights [0.0] must be one positive number per depth (1)"),
     ("prompt = 0\ngen = 0\n", "prompt and gen are both 0: nothing to measure"),

@@ -20,6 +20,10 @@ llama-server flags are translated first (`fit_flags`):
 - `-cram`/`--cache-ram`: llama-server's prompt cache, which the tool rejects and which holds no device memory:
   dropped.
 - `-fit on|off`: accepted but ignored (the tool always fits): dropped.
+- `-mm`/`--mmproj`, `-mmdev`, `--(no-)mmproj-offload`: not registered for the tool (common/arg.cpp lists them for
+  the server, CLI and mtmd examples only), and nothing in common/fit.cpp sizes a projector: dropped, so its
+  placement ignores the projector's weights and compute buffers (llama-server's own --fit adds them to its margins
+  first, tools/server/server-context.cpp load_model; fitter's baseline says so).
 Every other flag fitter's launch config knows (`-c -b -ub -ctk -ctv -fa -ngl -cmoe -ncmoe -ot -np --swa-full -nkvo
 --no-op-offload -nr -lm -ts -mg --rpc -fitt -fitc`) is common and passes through unchanged. Server-only flags
 fitter does not model (`-ctxcp`, `-cb`, `--host`, …) are rejected by the tool: the fit fails with its
@@ -66,7 +70,8 @@ FIT_TIMEOUT_S = 300.0
 LOG_TAIL_LINES = 12  # stderr lines quoted in a LlamaFitError
 
 # llama-server spellings the tool rejects or reads differently (common/arg.cpp, llama.cpp 0c1e570): see the docstring.
-_DROP = frozenset(names_of("kv_unified")) | frozenset(names_of("fit")) | frozenset(names_of("cache_ram_mib"))
+_DROP = (frozenset(names_of("kv_unified")) | frozenset(names_of("fit")) | frozenset(names_of("cache_ram_mib"))
+         | frozenset(names_of("mmproj")) | frozenset(names_of("mmproj_device")))
 _LEGACY_LOAD = frozenset(name for name in names_of("load_mode") if flag(name).kind is Kind.CONST)
 _PARALLEL = frozenset(names_of("parallel"))
 SERVER_AUTO_SLOTS = 4  # tools/server/server.cpp: n_parallel < 0 → 4 slots (with a unified KV)

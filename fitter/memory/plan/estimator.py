@@ -24,6 +24,7 @@ from fitter.memory.plan.buffers import CPU, KINDS, Buffer, Placement, alloc_size
 from fitter.memory.plan.device_choice import layer_devices, model_devices, pipeline_parallel
 from fitter.memory.plan.kv_cache import check_cache_types, kv_buffers, kv_cache_sizes
 from fitter.memory.plan.projected import guess_warning
+from fitter.memory.plan.projector import projector_buffers
 
 __all__ = ["CPU", "KINDS", "Buffer", "DeviceTotals", "MemoryPlan", "Placement", "alloc_size", "complete", "estimate",
            "first_failure", "kv_cache_sizes", "layer_devices", "model_devices", "pipeline_parallel", "place",
@@ -268,9 +269,9 @@ def output_buffer(spec: ModelSpec, ctx: ContextParams, layer_dev: tuple[Device |
 def first_failure(plan: MemoryPlan, device: str, cap_bytes: int) -> str | None:
     """The stage at which a device with cap_bytes runs out, in llama.cpp's order of allocation: model buffers
     (load_tensors), then each KV buffer (llama_kv_cache), then compute (sched_reserve); the model's, then a draft's
-    (tools/server/server-context.cpp `load_model`). None if everything fits."""
+    (tools/server/server-context.cpp `load_model`), then the projector's. None if everything fits."""
     used = 0
-    for model in ("", "draft"):
+    for model in ("", "draft", "mmproj"):
         for kind in ("model", "kv", "compute"):
             for b in plan.buffers:
                 if b.model == model and b.kind == kind and b.device == device:
@@ -394,6 +395,13 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
     if draft is not None:
         buffers += [replace(b, model="draft") for b in draft.buffers]
         warnings += [f"the draft model (-md): {w}" for w in draft.warnings if w not in warnings]  # its own only
+    if config.mmproj:  # loaded last (tools/server/server-context.cpp load_model)
+        if spec.projector is None:
+            raise LaunchConfigError(f"--mmproj {config.mmproj}: the projector's header was not read, so its memory "
+                                    "cannot be estimated")
+        mmproj, notes = projector_buffers(spec.projector, config, devices, ctx)
+        buffers += mmproj
+        warnings += notes
     return MemoryPlan(
         model=spec,
         config=config,

@@ -1,0 +1,101 @@
+"""Small vision projectors (`--mmproj`) for fitter's demo and tiny models: random but valid GGUFs that libmtmd
+loads and encodes with (tools/mtmd/clip.cpp), written with the gguf package as llama.cpp's converter writes them
+(conversion/base.py MmprojModel, conversion/gemma.py Gemma3VisionModel: general.architecture "clip", general.type
+"mmproj", the clip.vision.* keys, F16 matrices and F32 norms and biases).
+
+Two projector types: `gemma3` (a SigLIP encoder, its patches average-pooled n_merge × n_merge, an RMS norm and an
+input projection: Gemma 3's) and `mlp` (a CLIP encoder whose second-to-last layer feeds a two-layer MLP: LLaVA's).
+Each projects to the text model's n_embd, so it belongs to that model; heads of 64 keep CUDA's flash attention on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ProjectorShape:
+    name: str
+    projector_type: str  # gemma3 | mlp
+    n_embd: int = 128
+    n_ff: int = 320  # != n_embd: clip.cpp swaps ffn up/down when ffn_down's rows equal n_embd
+    n_layer: int = 2
+    n_head: int = 2
+    image_size: int = 224
+    patch_size: int = 14
+    n_merge: int = 4  # gemma3's pooling kernel
+
+
+PROJECTORS: dict[str, ProjectorShape] = {
+    s.name: s for s in (
+        ProjectorShape("gemma3-l2", "gemma3"),
+        ProjectorShape("gemma3-l4-448", "gemma3", n_embd=256, n_ff=640, n_layer=4, n_head=4, image_size=448),
+        ProjectorShape("mlp-l3", "mlp", n_layer=3),
+    )
+}
+
+
+def write_projector(shape: ProjectorShape, text_n_embd: int, path: Path, seed: int = 0) -> Path:
+    """A projector of `shape` for a text model of `text_n_embd` (its llama_model_n_embd_inp)."""
+    rng = np.random.default_rng(seed)
+    e, f, p = shape.n_embd, shape.n_ff, shape.patch_size
+    n_patches = (shape.image_size // p) ** 2
+
+    def mat(*dims: int) -> np.ndarray:
+        return (rng.standard_normal(dims) * _STD).astype(np.float16)
+
+    def vec(n: int, ones: bool = False) -> np.ndarray:
+        return np.ones(n, np.float32) if ones else (rng.standard_normal(n) * _STD).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(shape.projector_type)
+    w.add_vision_embedding_length(e)
+    w.add_vision_feed_forward_length(f)
+    w.add_vision_block_count(shape.n_layer)
+    w.add_vision_head_count(shape.n_head)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_projection_dim(text_n_embd)
+    w.add_vision_image_size(shape.image_size)
+    w.add_vision_patch_size(p)
+    w.add_vision_image_mean([0.5, 0.5, 0.5])
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w.add_vision_use_gelu(True)
+    if shape.projector_type == "gemma3":
+        w.add_vision_projector_scale_factor(shape.n_merge)
+    w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
+    w.add_tensor("v.patch_embd.bias", vec(e))
+    w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_patches, e)) * _STD).astype(np.float32))
+    for i in range(shape.n_layer):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(e, e))
+            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
+            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
+        w.add_tensor(f"v.blk.{i}.ffn_up.weight", mat(f, e))
+        w.add_tensor(f"v.blk.{i}.ffn_up.bias", vec(f))
+        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
+        w.add_tensor(f"v.blk.{i}.ffn_down.bias", vec(e))
+    if shape.projector_type == "gemma3":
+        w.add_tensor("v.post_ln.weight", vec(e, ones=True))
+        w.add_tensor("v.post_ln.bias", vec(e))
+        w.add_tensor("mm.input_projection.weight", mat(e, text_n_embd))
+        w.add_tensor("mm.soft_emb_norm.weight", vec(e, ones=True))
+    else:  # LLaVA's MLP: mm.0 (n_embd → hidden), GELU, mm.2 (hidden → the text model's n_embd)
+        w.add_tensor("mm.0.weight", mat(text_n_embd, e))
+        w.add_tensor("mm.0.bias", vec(text_n_embd))
+        w.add_tensor("mm.2.weight", mat(text_n_embd, text_n_embd))
+        w.add_tensor("mm.2.bias", vec(text_n_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
