@@ -15,8 +15,10 @@ libmtmd's memory probe first) until it answers /health and records:
 
 Models are fitter's small models (fitter.gguf.demo_models), projectors fitter.gguf.demo_projectors' made for each
 model's width. `--device rpc`: fitter's emulated GPU (RPC, big enough never to refuse), recorded under the canonical
-RPC0[127.0.0.1:50052]; `--device vulkan-emulated`: lavapipe through the Vulkan build's llama-server, capped by
-capdev's client mode.
+RPC0[127.0.0.1:50052]; `--device cuda-emulated`: the CUDA-shaped emulated GPU, whose client rules (op support and
+offload, the host buffer type) live in fitter's own loader (fitter.measure.loader, llama-cpp-python's libmtmd: no
+--fit probe there); `--device vulkan-emulated`: lavapipe through the Vulkan build's llama-server, capped by capdev's
+client mode.
 
     python scripts/make_projector_goldens.py [--device cpu|rpc|vulkan-emulated] [--out FILE]
 """
@@ -36,7 +38,9 @@ from typing import Any
 from fitter import process
 from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.gguf.demo_projectors import PROJECTORS, write_projector
+from fitter.flags import parse_launch_flags
 from fitter.measure.llamacpp.builds import server_build
+from fitter.measure.loader import load_and_capture
 from fitter.measure.llamacpp.tools import ensure_tools
 from fitter.measure.logs import parse_buffer_lines
 from fitter.measure.server import start_server
@@ -49,6 +53,7 @@ PAIRS = {  # id -> (model, projector)
     "llama+gemma3": ("llama-tiny", "gemma3-l2"),
     "llama+gemma3-448": ("llama-tiny", "gemma3-l4-448"),
     "llama+mlp": ("llama-tiny", "mlp-l3"),
+    "llama+gemma3-d48": ("llama-tiny", "gemma3-d48"),
     "demo+gemma3-448": ("demo", "gemma3-l4-448"),
 }
 C1K = ["-c", "1024"]
@@ -103,21 +108,20 @@ def mmproj_record(log: str) -> dict[str, Any]:
 
 
 def run(case: dict[str, Any], paths: dict[str, Path], binary: str, endpoint: str | None, folder: Path,
-        peaks: Any) -> dict[str, Any]:
-    flags = [*case["flags"], "--mmproj", str(paths[case["projector"] + "@" + case["model"]]), "-t", "2",
-             "-lv", "5", "-fit", "on"]
+        peaks: Any, in_process: bool = False) -> dict[str, Any]:
+    flags = [*case["flags"], "--mmproj", str(paths[case["projector"] + "@" + case["model"]])]
     if endpoint:
         flags += ["--rpc", endpoint]
-    log_path = folder / "server.log"
     t0 = time.perf_counter()
     if peaks is not None:
         peaks.reset()
-    proc, _, problem = start_server(binary, str(paths[case["model"]]), flags, log_path, t0 + 180)
-    try:
-        log = log_path.read_text(errors="replace")
-        measured = peaks.read() if peaks is not None and problem is None else {}
-    finally:
-        process.stop(proc)
+    if in_process:  # fitter's loader: the CUDA-shaped GPU's client rules apply in its process only (no probe)
+        res = load_and_capture(paths[case["model"]], parse_launch_flags([*flags, "-fit", "off"]))
+        log, problem = res.log, None if res.ok else (res.error or "failed")
+        measured = peaks.read() if peaks is not None and res.ok else {}
+    else:
+        log, problem, measured = _served(binary, paths[case["model"]], [*flags, "-t", "2", "-lv", "5", "-fit", "on"],
+                                         folder / "server.log", t0, peaks)
     record: dict[str, Any] = {**case, "outcome": "ok" if problem is None else "error", "error": None}
     if problem is not None:
         record["error"] = (problem + ": " + log[-600:]).replace(str(folder), "<models>")
@@ -133,6 +137,17 @@ def run(case: dict[str, Any], paths: dict[str, Path], binary: str, endpoint: str
         text = text.replace(endpoint, CANONICAL_RPC)
     print(f"{case['id']:<48} {time.perf_counter() - t0:5.1f} s  {record['outcome']}", file=sys.stderr)
     return json.loads(text)  # type: ignore[no-any-return]
+
+
+def _served(binary: str, model: Path, flags: list[str], log_path: Path, t0: float,
+            peaks: Any) -> tuple[str, str | None, dict[str, int]]:
+    proc, _, problem = start_server(binary, str(model), flags, log_path, t0 + 180)
+    try:
+        log = log_path.read_text(errors="replace")
+        measured = peaks.read() if peaks is not None and problem is None else {}
+    finally:
+        process.stop(proc)
+    return log, problem, measured
 
 
 class _RpcPeaks:
@@ -159,17 +174,18 @@ class _VulkanPeaks:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=("cpu", "rpc", "vulkan-emulated"), default="cpu")
+    ap.add_argument("--device", choices=("cpu", "rpc", "cuda-emulated", "vulkan-emulated"), default="cpu")
     ap.add_argument("--out", type=Path, default=None, help="default tests/golden/mmproj-<device>.json")
     args = ap.parse_args(argv)
     out: Path = args.out or REPO / "tests" / "golden" / f"mmproj-{args.device}.json"
     gpu = vulkan = peaks = None
     endpoint = None
     binary = str(ensure_tools(["llama-server"])["llama-server"])
-    if args.device == "rpc":
+    if args.device in ("rpc", "cuda-emulated"):
         from fitter.measure.emulator.emulated_gpu import EmulatedGpu
 
-        gpu = EmulatedGpu(cap_mib=20000).start()  # big enough never to refuse: sizes are recorded
+        # big enough never to refuse: sizes are recorded
+        gpu = EmulatedGpu(cap_mib=20000, cuda=args.device == "cuda-emulated").start()
         endpoint, peaks = gpu.endpoint, _RpcPeaks(gpu)
     elif args.device == "vulkan-emulated":
         from fitter.measure.emulator.emulated_vulkan import EmulatedVulkanGpus
@@ -187,14 +203,15 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{proj}@{model}"
                 if key not in paths:
                     paths[key] = write_projector(PROJECTORS[proj], SHAPES[model].n_embd, folder / f"{key}.gguf")
-            records = [run(c, paths, binary, endpoint, folder, peaks) for c in cases(args.device)]
+            records = [run(c, paths, binary, endpoint, folder, peaks, args.device == "cuda-emulated")
+                       for c in cases(args.device)]
     finally:
         if gpu is not None:
             gpu.stop()
         if vulkan is not None:
             vulkan.stop()
-    device: dict[str, Any] | None = {"rpc": {"kind": "rpc", "endpoint": CANONICAL_RPC, "emulated": True}}.get(
-        args.device)
+    device: dict[str, Any] | None = {"kind": args.device, "endpoint": CANONICAL_RPC, "emulated": True} if \
+        args.device in ("rpc", "cuda-emulated") else None
     if args.device == "vulkan-emulated":  # lavapipe's limits, as the estimate of these runs must read them
         from fitter.machine.vulkan import vulkan_devices
 

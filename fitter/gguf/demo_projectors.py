@@ -5,7 +5,8 @@ loads and encodes with (tools/mtmd/clip.cpp), written with the gguf package as l
 
 Two projector types: `gemma3` (a SigLIP encoder, its patches average-pooled n_merge × n_merge, an RMS norm and an
 input projection: Gemma 3's) and `mlp` (a CLIP encoder whose second-to-last layer feeds a two-layer MLP: LLaVA's).
-Each projects to the text model's n_embd, so it belongs to that model; heads of 64 keep CUDA's flash attention on.
+Each projects to the text model's n_embd, so it belongs to that model; heads of 64 keep CUDA's flash attention on
+(one shape has heads of 48, which CUDA's flash attention lacks).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ PROJECTORS: dict[str, ProjectorShape] = {
         ProjectorShape("gemma3-l2", "gemma3"),
         ProjectorShape("gemma3-l4-448", "gemma3", n_embd=256, n_ff=640, n_layer=4, n_head=4, image_size=448),
         ProjectorShape("mlp-l3", "mlp", n_layer=3),
+        # heads of 48: CUDA has no flash-attention kernel for them, so -fa auto reserves twice (clip.cpp warmup)
+        ProjectorShape("gemma3-d48", "gemma3", n_embd=96, n_ff=240, n_head=2),
     )
 }
 

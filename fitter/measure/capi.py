@@ -262,3 +262,21 @@ def build_context_params(
         cparams.n_outputs_max = int(n_outputs_max)
     # else the C API default stays: 0, which llama_context reads as n_batch
     return cparams
+
+
+def build_mtmd_params(config: LaunchConfig, ggml: Ggml, threads: int = 1) -> Any:
+    """`mtmd_context_params` as llama-server fills them for --mmproj (tools/server/server-context.cpp load_model;
+    common/arg.cpp: -mmdev, else -dev's first device; `none` or --no-mmproj-offload the CPU)."""
+    from llama_cpp import mtmd_cpp
+
+    params = mtmd_cpp.mtmd_context_params_default()
+    params.print_timings = False
+    params.n_threads = threads
+    params.flash_attn_type = FLASH_ATTN[config.flash_attn]
+    params.warmup = True
+    name = config.mmproj_device or (config.device_names[0] if config.device_names else "")
+    params.use_gpu = name != "none"
+    if params.use_gpu and name:
+        params.device = ctypes.c_void_p(ggml.device(name))
+    return params
+

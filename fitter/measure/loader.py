@@ -33,6 +33,7 @@ from fitter.measure.capi import (
     LogSink,
     build_context_params,
     build_model_params,
+    build_mtmd_params,
     config_from_json,
     config_to_json,
 )
@@ -164,6 +165,15 @@ def _child_load(request: dict[str, Any], log_path: Path) -> dict[str, Any]:
         if not ctx:
             out["error"] = "llama_init_from_model failed: " + (sink.error_text() or "see the log")
             return out
+        if config.mmproj:  # the projector, last, as llama-server loads it
+            from llama_cpp import mtmd_cpp
+
+            mtmd_cpp.mtmd_log_set(sink.callback, ctypes.c_void_p(0))  # clip's lines into the same log
+            mctx = mtmd_cpp.mtmd_init_from_file(config.mmproj.encode(), model, build_mtmd_params(config, ggml))
+            if not mctx:
+                out["error"] = "mtmd_init_from_file failed: " + (sink.error_text() or "see the log")
+                return out
+            mtmd_cpp.mtmd_free(mctx)
         out["ok"] = True
         return out
     except Exception as e:  # a Python-side failure (bad buffer type name, …): report, don't crash
