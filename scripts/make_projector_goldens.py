@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from fitter import process
+from fitter.flags import parse_launch_flags
 from fitter.gguf.demo_models import SHAPES, write_model
 from fitter.gguf.demo_projectors import PROJECTORS, write_projector
-from fitter.flags import parse_launch_flags
 from fitter.measure.llamacpp.builds import server_build
-from fitter.measure.loader import load_and_capture
 from fitter.measure.llamacpp.tools import ensure_tools
+from fitter.measure.loader import load_and_capture
 from fitter.measure.logs import parse_buffer_lines
 from fitter.measure.server import start_server
 
