@@ -1,6 +1,6 @@
 """Dense and MoE transformers of llama.cpp 0c1e570 whose layers differ from llama's in their norms, residuals and
 FFN: src/models/phi3.cpp, glm4.cpp, granite.cpp (granite and granitemoe: llama_model_granite_moe::graph is
-granite's), olmo2.cpp, exaone4.cpp, cohere2.cpp, command-r.cpp and starcoder2.cpp, one function per file, from the
+granite's), olmo2.cpp, exaone4.cpp, cohere2.cpp, command-r.cpp and starcoder2.cpp and minimax-m2.cpp, one function per file, from the
 blocks of fitter.memory.graph.families.llama_like and fitter.memory.graph.builder.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fitter.errors import GGUFError
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.builder import SOFTMAX, Builder
 from fitter.memory.graph.families.llama_like import attn_out, ffn_scaled, lora_mm, moe_ffn, qkv_proj, rope_factors
@@ -259,7 +260,35 @@ def starcoder2(b: Builder) -> None:
     head(b, inp, rms=False)
 
 
+def minimax_m2(b: Builder) -> None:
+    """minimax-m2.cpp 70-160: Q/K/V unreshaped (build_qkv reshape=false) with RMS norms over the whole Q and K rows,
+    reshaped and roped; every layer's experts routed by the file's gating function with the selection bias."""
+    spec = b.spec
+    if spec.expert_gating == 0:  # build_moe_ffn: GGML_ABORT on LLAMA_EXPERT_GATING_FUNC_TYPE_NONE
+        raise GGUFError(f"{spec.path}: '{spec.arch}.expert_gating_func' is missing or 0, which llama.cpp's "
+                        "minimax-m2 graph aborts on (build_moe_ffn: no gating function)")
+    b.inputs()
+    inp = b.embd
+    for il in range(spec.n_layer):
+        pre, T = f"blk.{il}.", b.T
+        inp_sa = inp
+        cur = norm(b, inp, pre + "attn_norm.weight", il)
+        q, k, v = qkv_flat(b, il, cur)
+        q = norm(b, q, pre + "attn_q_norm.weight", il)
+        k = norm(b, k, pre + "attn_k_norm.weight", il)
+        q = rope(b, g.reshape(q, spec.head_dim_k, spec.n_head[il], T))
+        k = rope(b, g.reshape(k, spec.head_dim_k, spec.n_head_kv[il], T))
+        v = g.reshape(v, spec.head_dim_v, spec.n_head_kv[il], T)
+        cur = attn_out(b, il, q, k, v, wo_bias=False)
+        cur, inp_sa = last_rows(b, il, cur, inp_sa)
+        ffn_inp = g.dup_op("ADD", cur, inp_sa)
+        cur = norm(b, ffn_inp, pre + "ffn_norm.weight", il)
+        cur = b.moe(cur, il, spec.expert_gating, True, spec.expert_weights_scale)
+        inp = g.dup_op("ADD", cur, ffn_inp)
+    head(b, inp)
+
+
 BUILDERS: dict[str, Callable[[Builder], None]] = {
     "phi3": phi3, "glm4": glm4, "granite": granite, "granitemoe": granite, "olmo2": olmo2, "exaone4": exaone4,
-    "cohere2": cohere, "command-r": cohere, "starcoder2": starcoder2,
+    "cohere2": cohere, "command-r": cohere, "starcoder2": starcoder2, "minimax-m2": minimax_m2,
 }
