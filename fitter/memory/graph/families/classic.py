@@ -1,7 +1,7 @@
 """Dense and MoE transformers of llama.cpp 0c1e570 whose layers differ from llama's in their norms, residuals and
 FFN: src/models/phi3.cpp, glm4.cpp, granite.cpp (granite and granitemoe: llama_model_granite_moe::graph is
-granite's), olmo2.cpp, exaone4.cpp, cohere2.cpp, command-r.cpp and starcoder2.cpp and minimax-m2.cpp, one function per file, from the
-blocks of fitter.memory.graph.families.llama_like and fitter.memory.graph.builder.
+granite's), olmo2.cpp, exaone4.cpp, cohere2.cpp, command-r.cpp, starcoder2.cpp and minimax-m2.cpp, one function per
+file, from the blocks of fitter.memory.graph.families.llama_like and fitter.memory.graph.builder.
 """
 
 from __future__ import annotations
@@ -34,10 +34,20 @@ def rope(b: Builder, x: Tensor, freqs: Tensor | None = None) -> Tensor:
     return g.dup_op("ROPE", x, b.pos, freqs)
 
 
-def head(b: Builder, cur: Tensor, rms: bool = True, logit_scale: bool = False) -> None:
-    """The final norm (res->t_embd, with output_norm.bias where loaded), the lm_head with its scale and bias, and a
-    logit SCALE (granite, cohere2, command-r) as res->t_logits."""
-    cur = norm(b, cur, "output_norm.weight", -1, "output_norm.bias", rms)
+def file_gating(b: Builder) -> int:
+    """The file's `expert_gating_func` for a model that routes by it alone (minimax-m2, lfm2moe): 0 (NONE) is a
+    GGML_ABORT in build_moe_ffn (src/llama-graph.cpp 2054-2073)."""
+    spec = b.spec
+    if spec.expert_gating == 0:
+        raise GGUFError(f"{spec.path}: '{spec.arch}.expert_gating_func' is missing or 0, which llama.cpp's "
+                        f"{spec.arch} graph aborts on (build_moe_ffn: no gating function)")
+    return spec.expert_gating
+
+
+def head(b: Builder, cur: Tensor, rms: bool = True, logit_scale: bool = False, norm_name: str = "output_norm") -> None:
+    """The final norm (res->t_embd, with its bias where loaded), the lm_head with its scale and bias, and a logit
+    SCALE (granite, cohere2, command-r) as res->t_logits."""
+    cur = norm(b, cur, norm_name + ".weight", -1, norm_name + ".bias", rms)
     cur.is_output = True
     out_w = "output.weight" if "output.weight" in b.names else "token_embd.weight"
     logits = b.add_bias(lora_mm(b, out_w, cur, "output.scale"), "output.bias")
@@ -264,9 +274,6 @@ def minimax_m2(b: Builder) -> None:
     """minimax-m2.cpp 70-160: Q/K/V unreshaped (build_qkv reshape=false) with RMS norms over the whole Q and K rows,
     reshaped and roped; every layer's experts routed by the file's gating function with the selection bias."""
     spec = b.spec
-    if spec.expert_gating == 0:  # build_moe_ffn: GGML_ABORT on LLAMA_EXPERT_GATING_FUNC_TYPE_NONE
-        raise GGUFError(f"{spec.path}: '{spec.arch}.expert_gating_func' is missing or 0, which llama.cpp's "
-                        "minimax-m2 graph aborts on (build_moe_ffn: no gating function)")
     b.inputs()
     inp = b.embd
     for il in range(spec.n_layer):
@@ -283,7 +290,7 @@ def minimax_m2(b: Builder) -> None:
         cur, inp_sa = last_rows(b, il, cur, inp_sa)
         ffn_inp = g.dup_op("ADD", cur, inp_sa)
         cur = norm(b, ffn_inp, pre + "ffn_norm.weight", il)
-        cur = b.moe(cur, il, spec.expert_gating, True, spec.expert_weights_scale)
+        cur = b.moe(cur, il, file_gating(b), True, spec.expert_weights_scale)
         inp = g.dup_op("ADD", cur, ffn_inp)
     head(b, inp)
 
