@@ -1,7 +1,8 @@
 """Dense and MoE transformers of llama.cpp 0c1e570 whose layers differ from llama's in their norms, residuals and
 FFN: src/models/phi3.cpp, glm4.cpp, granite.cpp (granite and granitemoe: llama_model_granite_moe::graph is
-granite's), olmo2.cpp, exaone4.cpp, cohere2.cpp, command-r.cpp, starcoder2.cpp and minimax-m2.cpp, one function per
-file, from the blocks of fitter.memory.graph.families.llama_like and fitter.memory.graph.builder.
+granite's), olmo2.cpp, exaone4.cpp, cohere2.cpp, command-r.cpp, starcoder2.cpp, minimax-m2.cpp and
+hunyuan-moe.cpp, one function per file, from the blocks of fitter.memory.graph.families.llama_like and
+fitter.memory.graph.builder.
 """
 
 from __future__ import annotations
@@ -295,7 +296,32 @@ def minimax_m2(b: Builder) -> None:
     head(b, inp)
 
 
+def hunyuan_moe(b: Builder) -> None:
+    """hunyuan-moe.cpp 60-170: RoPE (with the rope factors) before the Q/K norms; every layer's ungated-by-router
+    shared FFN beside softmax-routed experts, summed (experts first)."""
+    spec = b.spec
+    b.inputs()
+    inp = b.embd
+    for il in range(spec.n_layer):
+        pre = f"blk.{il}."
+        inp_sa = inp
+        cur = norm(b, inp, pre + "attn_norm.weight", il)
+        freqs = rope_factors(b, il)
+        q, k, v = qkv_proj(b, il, cur)
+        k = norm(b, rope(b, k, freqs), pre + "attn_k_norm.weight", il)
+        q = norm(b, rope(b, q, freqs), pre + "attn_q_norm.weight", il)
+        cur = attn_out(b, il, q, k, v)
+        cur, inp_sa = last_rows(b, il, cur, inp_sa)
+        ffn_inp = g.dup_op("ADD", cur, inp_sa)
+        cur = norm(b, ffn_inp, pre + "ffn_norm.weight", il)
+        mlp = b.ffn(cur, pre, "_shexp")
+        experts = moe_ffn(b, cur, il, SOFTMAX, True, spec.expert_weights_scale)
+        inp = g.dup_op("ADD", g.dup_op("ADD", experts, mlp), ffn_inp)
+    head(b, inp)
+
+
 BUILDERS: dict[str, Callable[[Builder], None]] = {
     "phi3": phi3, "glm4": glm4, "granite": granite, "granitemoe": granite, "olmo2": olmo2, "exaone4": exaone4,
     "cohere2": cohere, "command-r": cohere, "starcoder2": starcoder2, "minimax-m2": minimax_m2,
+    "hunyuan-moe": hunyuan_moe,
 }
