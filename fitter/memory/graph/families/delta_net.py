@@ -13,6 +13,8 @@ norm's result is kept (t_h_nextn) and the output rows are taken after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.builder import SOFTMAX, Builder
 from fitter.memory.graph.ggml_graph import Tensor
@@ -41,12 +43,14 @@ class StateInput:
         b.kv.append((t, il))
         return t
 
-    def read(self, b: Builder, s: Tensor, size: int) -> Tensor:
+    def read(self, b: Builder, s: Tensor, size: int,
+             rows: Callable[[Tensor, Tensor], Tensor] = g.get_rows) -> Tensor:
         """build_rs (src/llama-graph.cpp 3512-3546): clear state rs_z (an in-place SCALE, a view), gather the
-        ubatch's states [size, n_seqs], copy the extra states (none in the reserve)."""
+        ubatch's states [size, n_seqs] (or `rows`: the model's get_state_rows on them and the ids), copy the extra
+        states (none in the reserve)."""
         states = g.reshape(s, size, s.ne[1])
         b.gf.expand(scale_inplace(g.view(states, (size,), ())))
-        out = g.get_rows(states, self.main)
+        out = rows(states, self.main)
         b.gf.expand(out)
         extra = g.get_rows(states, self.extra)
         rest = g.view(s, (size, self.n_rs - self.n_seqs), (s.nb[1],), self.n_seqs * s.nb[1])
