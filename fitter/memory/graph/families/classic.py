@@ -16,7 +16,7 @@ from fitter.memory.graph.families.llama_like import attn_out, ffn_scaled, lora_m
 from fitter.memory.graph.ggml_graph import Tensor
 
 
-def norm(b: Builder, x: Tensor, weight: str | None, il: int, bias: str | None = None, rms: bool = True) -> Tensor:
+def build_norm(b: Builder, x: Tensor, weight: str | None, il: int, bias: str | None = None, rms: bool = True) -> Tensor:
     """build_norm (src/llama-graph.cpp 1598-1631): RMS_NORM or NORM (LLM_NORM), MUL by the weight, ADD the bias;
     graph_get_cb pins the result named "norm" to layer il's device (il >= 0, a weight or bias given)."""
     cur = g.dup_op("RMS_NORM" if rms else "NORM", x)
@@ -48,7 +48,7 @@ def file_gating(b: Builder) -> int:
 def head(b: Builder, cur: Tensor, rms: bool = True, logit_scale: bool = False, norm_name: str = "output_norm") -> None:
     """The final norm (res->t_embd, with its bias where loaded), the lm_head with its scale and bias, and a logit
     SCALE (granite, cohere2, command-r) as res->t_logits."""
-    cur = norm(b, cur, norm_name + ".weight", -1, norm_name + ".bias", rms)
+    cur = build_norm(b, cur, norm_name + ".weight", -1, norm_name + ".bias", rms)
     cur.is_output = True
     out_w = "output.weight" if "output.weight" in b.names else "token_embd.weight"
     logits = b.add_bias(lora_mm(b, out_w, cur, "output.scale"), "output.bias")
@@ -82,14 +82,14 @@ def phi3(b: Builder) -> None:
         pre = f"blk.{il}."
         residual = inp
         freqs = rope_factors(b, il)
-        cur = norm(b, inp, pre + "attn_norm.weight", il)
+        cur = build_norm(b, inp, pre + "attn_norm.weight", il)
         q, k, v = qkv_proj(b, il, cur)
         q = g.dup_op("SCALE", rope(b, q, freqs))
         k = rope(b, k, freqs)
         cur = attn_out(b, il, q, k, v)
         cur, residual = last_rows(b, il, cur, residual)
         residual = g.dup_op("ADD", cur, residual)
-        cur = norm(b, residual, pre + "ffn_norm.weight", il)
+        cur = build_norm(b, residual, pre + "ffn_norm.weight", il)
         inp = g.dup_op("ADD", residual, swiglu_seq(b, cur, pre))
     head(b, inp)
 
@@ -103,14 +103,14 @@ def glm4(b: Builder) -> None:
     for il in range(spec.n_layer):
         pre = f"blk.{il}."
         inp_sa = inp
-        cur = norm(b, inp, pre + "attn_norm.weight", il)
+        cur = build_norm(b, inp, pre + "attn_norm.weight", il)
         q, k, v = qkv_proj(b, il, cur)
         cur = attn_out(b, il, rope(b, q), rope(b, k), v, wo_bias=False)
         cur, inp_sa = last_rows(b, il, cur, inp_sa)
-        cur = norm(b, cur, pre + "post_attention_norm.weight", il)
+        cur = build_norm(b, cur, pre + "post_attention_norm.weight", il)
         ffn_inp = g.dup_op("ADD", cur, inp_sa)
-        cur = norm(b, ffn_inp, pre + "ffn_norm.weight", il)
-        cur = norm(b, swiglu_seq(b, cur, pre), pre + "post_ffw_norm.weight", il)
+        cur = build_norm(b, ffn_inp, pre + "ffn_norm.weight", il)
+        cur = build_norm(b, swiglu_seq(b, cur, pre), pre + "post_ffw_norm.weight", il)
         inp = g.dup_op("ADD", cur, ffn_inp)
     head(b, inp)
 
@@ -128,7 +128,7 @@ def granite(b: Builder) -> None:
     for il in range(spec.n_layer):
         pre = f"blk.{il}."
         inp_sa = inp
-        cur = norm(b, inp, pre + "attn_norm.weight", il)
+        cur = build_norm(b, inp, pre + "attn_norm.weight", il)
         q, k, v = qkv_proj(b, il, cur)
         if has_rope:
             freqs = rope_factors(b, il)
@@ -138,7 +138,7 @@ def granite(b: Builder) -> None:
         if spec.residual_scale:
             cur = g.dup_op("SCALE", cur)
         ffn_inp = g.dup_op("ADD", cur, inp_sa)
-        cur = norm(b, ffn_inp, pre + "ffn_norm.weight", il)
+        cur = build_norm(b, ffn_inp, pre + "ffn_norm.weight", il)
         if pre + "ffn_gate_inp.weight" not in b.names:
             cur = ffn_scaled(b, cur, pre, biases=True)
         else:
@@ -158,9 +158,9 @@ def _post_norm_layer(b: Builder, il: int, inp: Tensor, q: Tensor, k: Tensor, v: 
     pre = f"blk.{il}."
     cur = attn_out(b, il, q, k, v, wo_bias=False)
     cur, inp_sa = last_rows(b, il, cur, inp)
-    cur = norm(b, cur, pre + "post_attention_norm.weight", il)
+    cur = build_norm(b, cur, pre + "post_attention_norm.weight", il)
     ffn_inp = g.dup_op("ADD", cur, inp_sa)
-    cur = norm(b, b.ffn(ffn_inp, pre), pre + "post_ffw_norm.weight", -1)
+    cur = build_norm(b, b.ffn(ffn_inp, pre), pre + "post_ffw_norm.weight", -1)
     return g.dup_op("ADD", cur, ffn_inp)
 
 
@@ -173,8 +173,8 @@ def olmo2(b: Builder) -> None:
     for il in range(spec.n_layer):
         pre, T = f"blk.{il}.", b.T
         q, k, v = qkv_flat(b, il, inp)
-        q = norm(b, q, pre + "attn_q_norm.weight", il)
-        k = norm(b, k, pre + "attn_k_norm.weight", il)
+        q = build_norm(b, q, pre + "attn_q_norm.weight", il)
+        k = build_norm(b, k, pre + "attn_k_norm.weight", il)
         dk, dv = spec.head_dim_k, spec.head_dim_v
         q = rope(b, g.reshape(q, dk, spec.n_head[il], T))
         k = rope(b, g.reshape(k, dk, spec.n_head_kv[il], T))
@@ -210,8 +210,8 @@ def exaone4(b: Builder) -> None:
         pre = f"blk.{il}."
         freqs = rope_factors(b, il)
         q, k, v = qkv_proj(b, il, inp)
-        q = norm(b, q, pre + "attn_q_norm.weight", il)
-        k = norm(b, k, pre + "attn_k_norm.weight", il)
+        q = build_norm(b, q, pre + "attn_q_norm.weight", il)
+        k = build_norm(b, k, pre + "attn_k_norm.weight", il)
         if spec.swa_layers[il] or not any_swa:
             q, k = rope(b, q, freqs), rope(b, k, freqs)
         inp = _post_norm_layer(b, il, inp, q, k, v)
@@ -228,7 +228,7 @@ def cohere(b: Builder) -> None:
     inp = b.embd
     for il in range(spec.n_layer):
         pre = f"blk.{il}."
-        cur = norm(b, inp, pre + "attn_norm.weight", il, rms=False)
+        cur = build_norm(b, inp, pre + "attn_norm.weight", il, rms=False)
         ffn_inp = cur
         freqs = rope_factors(b, il) if cohere2 else None
         q, k, v = qkv_proj(b, il, cur)
@@ -237,10 +237,10 @@ def cohere(b: Builder) -> None:
                 q, k = rope(b, q, freqs), rope(b, k, freqs)
         else:
             if pre + "attn_q_norm.weight" in b.names:
-                q = norm(b, q, pre + "attn_q_norm.weight", il, rms=False)
+                q = build_norm(b, q, pre + "attn_q_norm.weight", il, rms=False)
             q = rope(b, q)
             if pre + "attn_k_norm.weight" in b.names:
-                k = norm(b, k, pre + "attn_k_norm.weight", il, rms=False)
+                k = build_norm(b, k, pre + "attn_k_norm.weight", il, rms=False)
             k = rope(b, k)
         cur = lora_mm(b, pre + "attn_output.weight", b.attention(il, q, k, v, None, iswa=cohere2),
                       pre + "attn_output.scale")
@@ -259,12 +259,12 @@ def starcoder2(b: Builder) -> None:
     for il in range(b.spec.n_layer):
         pre = f"blk.{il}."
         inp_sa = inp
-        cur = norm(b, inp, pre + "attn_norm.weight", il, pre + "attn_norm.bias", rms=False)
+        cur = build_norm(b, inp, pre + "attn_norm.weight", il, pre + "attn_norm.bias", rms=False)
         q, k, v = qkv_proj(b, il, cur)
         cur = attn_out(b, il, rope(b, q), rope(b, k), v)
         cur, inp_sa = last_rows(b, il, cur, inp_sa)
         ffn_inp = g.dup_op("ADD", cur, inp_sa)
-        cur = norm(b, ffn_inp, pre + "ffn_norm.weight", il, pre + "ffn_norm.bias", rms=False)
+        cur = build_norm(b, ffn_inp, pre + "ffn_norm.weight", il, pre + "ffn_norm.bias", rms=False)
         cur = b.add_bias(b.mm(pre + "ffn_up.weight", cur), pre + "ffn_up.bias")
         cur = b.add_bias(b.mm(pre + "ffn_down.weight", g.dup_op("UNARY", cur)), pre + "ffn_down.bias")
         inp = g.dup_op("ADD", cur, ffn_inp)
@@ -280,17 +280,17 @@ def minimax_m2(b: Builder) -> None:
     for il in range(spec.n_layer):
         pre, T = f"blk.{il}.", b.T
         inp_sa = inp
-        cur = norm(b, inp, pre + "attn_norm.weight", il)
+        cur = build_norm(b, inp, pre + "attn_norm.weight", il)
         q, k, v = qkv_flat(b, il, cur)
-        q = norm(b, q, pre + "attn_q_norm.weight", il)
-        k = norm(b, k, pre + "attn_k_norm.weight", il)
+        q = build_norm(b, q, pre + "attn_q_norm.weight", il)
+        k = build_norm(b, k, pre + "attn_k_norm.weight", il)
         q = rope(b, g.reshape(q, spec.head_dim_k, spec.n_head[il], T))
         k = rope(b, g.reshape(k, spec.head_dim_k, spec.n_head_kv[il], T))
         v = g.reshape(v, spec.head_dim_v, spec.n_head_kv[il], T)
         cur = attn_out(b, il, q, k, v, wo_bias=False)
         cur, inp_sa = last_rows(b, il, cur, inp_sa)
         ffn_inp = g.dup_op("ADD", cur, inp_sa)
-        cur = norm(b, ffn_inp, pre + "ffn_norm.weight", il)
+        cur = build_norm(b, ffn_inp, pre + "ffn_norm.weight", il)
         cur = b.moe(cur, il, file_gating(b), True, spec.expert_weights_scale)
         inp = g.dup_op("ADD", cur, ffn_inp)
     head(b, inp)
@@ -305,15 +305,15 @@ def hunyuan_moe(b: Builder) -> None:
     for il in range(spec.n_layer):
         pre = f"blk.{il}."
         inp_sa = inp
-        cur = norm(b, inp, pre + "attn_norm.weight", il)
+        cur = build_norm(b, inp, pre + "attn_norm.weight", il)
         freqs = rope_factors(b, il)
         q, k, v = qkv_proj(b, il, cur)
-        k = norm(b, rope(b, k, freqs), pre + "attn_k_norm.weight", il)
-        q = norm(b, rope(b, q, freqs), pre + "attn_q_norm.weight", il)
+        k = build_norm(b, rope(b, k, freqs), pre + "attn_k_norm.weight", il)
+        q = build_norm(b, rope(b, q, freqs), pre + "attn_q_norm.weight", il)
         cur = attn_out(b, il, q, k, v)
         cur, inp_sa = last_rows(b, il, cur, inp_sa)
         ffn_inp = g.dup_op("ADD", cur, inp_sa)
-        cur = norm(b, ffn_inp, pre + "ffn_norm.weight", il)
+        cur = build_norm(b, ffn_inp, pre + "ffn_norm.weight", il)
         mlp = b.ffn(cur, pre, "_shexp")
         experts = moe_ffn(b, cur, il, SOFTMAX, True, spec.expert_weights_scale)
         inp = g.dup_op("ADD", g.dup_op("ADD", experts, mlp), ffn_inp)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fitter.errors import GGUFError
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.builder import Builder
-from fitter.memory.graph.families.classic import norm
+from fitter.memory.graph.families.classic import build_norm
 from fitter.memory.graph.families.delta_net import StateInput
 from fitter.memory.graph.families.llama_like import attn_out, lora_mm, qkv_proj
 from fitter.memory.graph.ggml_graph import Tensor
@@ -62,7 +62,7 @@ def mamba2(b: Builder, rs: StateInput, il: int, cur: Tensor) -> Tensor:
     y = g.dup_op("ADD", y, g.dup_op("MUL", x, b.weight(pre + "ssm_d")))
     y = g.glu("GLU", g.cont(z), y)  # ggml_swiglu_split
     if pre + "ssm_norm.weight" in b.names:
-        y = norm(b, g.reshape(y, d_inner // n_group, n_group, nst, ns), pre + "ssm_norm.weight", il)
+        y = build_norm(b, g.reshape(y, d_inner // n_group, n_group, nst, ns), pre + "ssm_norm.weight", il)
     y = g.reshape(y, d_inner, nst * ns)
     return lora_mm(b, pre + "ssm_out.weight", y, pre + "ssm_out.scale")
 
@@ -89,7 +89,7 @@ def build_nemotron_h(b: Builder) -> None:
     inp = b.embd
     for il in range(spec.n_layer):
         pre = f"blk.{il}."
-        cur = norm(b, inp, pre + "attn_norm.weight", il)
+        cur = build_norm(b, inp, pre + "attn_norm.weight", il)
         if spec.recurrent_layers[il]:
             cur = mamba2(b, rs, il, cur)
         elif spec.n_ff[il] == 0:
@@ -101,7 +101,7 @@ def build_nemotron_h(b: Builder) -> None:
         else:
             cur = ffn(b, il, cur)
         inp = g.dup_op("ADD", cur, inp)
-    h = norm(b, inp, "output_norm.weight", -1)
+    h = build_norm(b, inp, "output_norm.weight", -1)
     h.is_output = True  # res->t_h_nextn
     embd = g.get_rows(h, b.out_ids)
     embd.is_output = True  # res->t_embd

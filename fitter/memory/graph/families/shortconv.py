@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.builder import Builder
-from fitter.memory.graph.families.classic import file_gating, head, last_rows, norm, rope
+from fitter.memory.graph.families.classic import build_norm, file_gating, head, last_rows, rope
 from fitter.memory.graph.families.delta_net import StateInput
 from fitter.memory.graph.families.llama_like import attn_out, qkv_proj
 from fitter.memory.graph.ggml_graph import Tensor
@@ -58,17 +58,17 @@ def build_lfm2(b: Builder) -> None:
     for il in range(spec.n_layer):
         pre = f"blk.{il}."
         prev = cur
-        cur = norm(b, cur, pre + "attn_norm.weight", il)
+        cur = build_norm(b, cur, pre + "attn_norm.weight", il)
         if spec.recurrent_layers[il]:
             cur = shortconv(b, rs, il, cur)
         else:
             q, k, v = qkv_proj(b, il, cur)
-            q = rope(b, norm(b, q, pre + "attn_q_norm.weight", il))
-            k = rope(b, norm(b, k, pre + "attn_k_norm.weight", il))
+            q = rope(b, build_norm(b, q, pre + "attn_q_norm.weight", il))
+            k = rope(b, build_norm(b, k, pre + "attn_k_norm.weight", il))
             cur = attn_out(b, il, q, k, v, wo_bias=False)
         cur, prev = last_rows(b, il, cur, prev)
         cur = g.dup_op("ADD", prev, cur)
-        ffn_in = norm(b, cur, pre + "ffn_norm.weight", il)
+        ffn_in = build_norm(b, cur, pre + "ffn_norm.weight", il)
         if spec.arch == "lfm2moe" and il >= spec.n_layer_dense_lead:
             out = b.moe(ffn_in, il, file_gating(b), True, spec.expert_weights_scale)
         else:
