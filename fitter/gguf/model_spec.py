@@ -130,10 +130,18 @@ class ModelSpec:
     ssm_dt_rank: int = 0
     ssm_n_group: int = 0
     # graph-only hyperparameters (fitter.memory.graph.families): `interleave_moe_layer_step` (llama4, ernie4_5-moe),
-    # `n_deepstack_layers` (qwen3vl, qwen3vlmoe: llama_hparams::n_embd_inp), `attention.temperature_scale` (mistral3)
+    # `n_deepstack_layers` (qwen3vl, qwen3vlmoe: llama_hparams::n_embd_inp), `attention.temperature_scale` (mistral3),
+    # `rope.dimension_sections` (M-RoPE where the first two are set: llama_hparams::use_mrope), the `embedding_scale`,
+    # `residual_scale` and `logit_scale` (granite, cohere2, command-r: a SCALE node where not 0) and
+    # `rope.scaling.finetuned` (granite's switch for RoPE, true without the key)
     moe_layer_step: int = 0
     n_deepstack: int = 0
     attn_temp_scale: float = 0.0
+    rope_sections: tuple[int, ...] = ()
+    embedding_scale: float = 0.0
+    residual_scale: float = 0.0
+    logit_scale: float = 0.0
+    rope_finetuned: bool = True
     skipped: tuple[TensorSpec, ...] = field(default=(), compare=False)  # TENSOR_SKIP: in the file, never loaded
     # The draft model llama-server loads beside this one (`-md`, its header read at the edge: `with_draft`), whose
     # buffers every estimate of a config with `-md` adds (fitter.memory.plan.estimator)
@@ -163,6 +171,11 @@ class ModelSpec:
 
     def n_embd_v_gqa(self, il: int) -> int:
         return self.head_dim_v * self.n_head_kv[il]
+
+    @property
+    def use_mrope(self) -> bool:
+        """llama_hparams::use_mrope: the first two M-RoPE sections set (glm4, glm4moe rope with ggml_rope_multi)."""
+        return len(self.rope_sections) >= 2 and self.rope_sections[0] > 0 and self.rope_sections[1] > 0
 
     @property
     def n_layer_trunk(self) -> int:
@@ -448,6 +461,11 @@ def model_spec(header: GGUFHeader) -> ModelSpec:
         moe_layer_step=keys.integer("interleave_moe_layer_step", 0),
         n_deepstack=keys.integer("n_deepstack_layers", 0),
         attn_temp_scale=float(keys._raw("attention.temperature_scale") or 0.0),
+        rope_sections=tuple(keys.per_layer("rope.dimension_sections", 4, ())),  # get_key_or_arr, 4 entries
+        embedding_scale=float(keys._raw("embedding_scale") or 0.0),
+        residual_scale=float(keys._raw("residual_scale") or 0.0),
+        logit_scale=float(keys._raw("logit_scale") or 0.0),
+        rope_finetuned=bool(keys._raw("rope.scaling.finetuned") in (None, True)),
         skipped=skipped,
         warnings=tuple(notes),
     )

@@ -9,7 +9,16 @@ from collections.abc import Callable
 
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.graph.builder import Builder, GraphParams
-from fitter.memory.graph.families import delta_net, gemma, llama4, llama_like, transformer
+from fitter.memory.graph.families import (
+    classic,
+    delta_net,
+    gemma,
+    llama4,
+    llama_like,
+    mamba2,
+    shortconv,
+    transformer,
+)
 from fitter.memory.graph.ggml_graph import Graph
 
 # architecture → its family's builder; others get compute estimates from fitter.memory.graph.compute's phase model
@@ -19,6 +28,9 @@ BUILDERS: dict[str, Callable[[Builder], None]] = {
     **{arch: delta_net.build_delta_net for arch in delta_net.ARCHS},
     **{arch: llama_like.build_llama_like for arch in llama_like.ARCHS},
     **{arch: llama4.build_llama4 for arch in llama4.ARCHS},
+    **classic.BUILDERS,
+    **{arch: shortconv.build_lfm2 for arch in shortconv.ARCHS},
+    **{arch: mamba2.build_nemotron_h for arch in mamba2.ARCHS},
 }
 GRAPH_ARCHS = tuple(BUILDERS)
 

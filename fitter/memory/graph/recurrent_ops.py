@@ -1,6 +1,7 @@
 """The ggml ops of recurrent layers, on fitter's shape-only tensors (fitter.memory.graph.ggml_graph): the short
-convolution and the gated delta rule that make new tensors, REPEAT, and the two ops whose result is a view of their
-destination, so ggml-alloc gives them no memory: a copy into a state cache and the in-place SCALE that clears a state.
+convolution, the gated delta rule and the Mamba-2 selective scan that make new tensors, REPEAT, and the two ops whose
+result is a view of their destination, so ggml-alloc gives them no memory: a copy into a state cache and the in-place
+SCALE that clears a state.
 Shapes and source orders as ggml/src/ggml.c (0c1e570) makes them.
 """
 
@@ -45,3 +46,11 @@ def gated_delta_net(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, beta: Tensor,
     s_v, n_head, n_tokens, n_seqs = v.ne
     return g.new("F32", s_v * n_head, n_tokens * n_seqs + snapshots * s_v * n_seqs, op="GATED_DELTA_NET",
                  src=(q, k, v, gate, beta, state))
+
+
+def ssm_scan(s: Tensor, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, ids: Tensor,
+             snapshots: int = 1) -> Tensor:
+    """ggml_ssm_scan(s, x, dt, A, B, C, ids, K) → F32 1-D [nelements(x) + K * s.ne0 * s.ne1 * s.ne2 * n_seqs]: y,
+    then the new states (s: [d_state, head_dim, n_head, slots], ids: [n_seqs])."""
+    n = x.ne[0] * x.ne[1] * x.ne[2] * x.ne[3] + snapshots * s.ne[0] * s.ne[1] * s.ne[2] * ids.ne[0]
+    return g.new("F32", n, op="SSM_SCAN", src=(s, x, dt, a, b, c, ids))

@@ -13,6 +13,8 @@ norm's result is kept (t_h_nextn) and the output rows are taken after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.builder import SOFTMAX, Builder
 from fitter.memory.graph.ggml_graph import Tensor
@@ -24,7 +26,7 @@ _IMROPE = ("qwen35", "qwen35moe")
 F32 = 4
 
 
-class _StateInput:
+class StateInput:
     """build_rs_inp_impl (src/llama-graph.cpp 3548-3570) for the reserve's full memory context: `rs_s_copy` I32
     [n_rs], n_rs = mem_size = n_seqs (get_n_rs, src/llama-memory-recurrent.cpp 1318), head 0, rs_z 0."""
 
@@ -41,12 +43,14 @@ class _StateInput:
         b.kv.append((t, il))
         return t
 
-    def read(self, b: Builder, s: Tensor, size: int) -> Tensor:
+    def read(self, b: Builder, s: Tensor, size: int,
+             rows: Callable[[Tensor, Tensor], Tensor] = g.get_rows) -> Tensor:
         """build_rs (src/llama-graph.cpp 3512-3546): clear state rs_z (an in-place SCALE, a view), gather the
-        ubatch's states [size, n_seqs], copy the extra states (none in the reserve)."""
+        ubatch's states [size, n_seqs] (or `rows`: the model's get_state_rows on them and the ids), copy the extra
+        states (none in the reserve)."""
         states = g.reshape(s, size, s.ne[1])
         b.gf.expand(scale_inplace(g.view(states, (size,), ())))
-        out = g.get_rows(states, self.main)
+        out = rows(states, self.main)
         b.gf.expand(out)
         extra = g.get_rows(states, self.extra)
         rest = g.view(s, (size, self.n_rs - self.n_seqs), (s.nb[1],), self.n_seqs * s.nb[1])
@@ -61,7 +65,7 @@ def build_delta_net(b: Builder) -> None:
     b.inputs()
     if spec.arch in _IMROPE:
         b.pos = g.input_tensor("I32", b.T * 4, name="inp_pos")  # build_inp_pos: n_tokens * n_pos_per_embd
-    rs = _StateInput(b)
+    rs = StateInput(b)
     inp = b.embd
     for il in range(spec.n_layer_trunk):
         pre = f"blk.{il}."
@@ -150,7 +154,7 @@ def gated_attention(b: Builder, il: int, x: Tensor) -> Tensor:
     return _mm(b, pre + "attn_output", cur)
 
 
-def linear_attention(b: Builder, rs: _StateInput, il: int, x: Tensor) -> Tensor:
+def linear_attention(b: Builder, rs: StateInput, il: int, x: Tensor) -> Tensor:
     """build_layer_attn_linear (qwen3next.cpp 395-563, qwen35.cpp 335-468, qwen35moe.cpp 359-492) with
     build_conv_state and build_recurrent_attn (delta-net-base.cpp 449-606)."""
     spec = b.spec
@@ -220,7 +224,7 @@ def _legacy_qkvz(b: Builder, il: int, x: Tensor, nst: int, ns: int) -> tuple[Ten
     return g.concat(g.concat(q_flat, k_flat), v_flat), z
 
 
-def _conv_state(b: Builder, rs: _StateInput, conv_states_all: Tensor, qkv: Tensor, d_conv: int,
+def _conv_state(b: Builder, rs: StateInput, conv_states_all: Tensor, qkv: Tensor, d_conv: int,
                 channels: int) -> Tensor:
     """build_conv_state (delta-net-base.cpp 449-525, n_rs_seq = 0): the stored conv state before the new tokens,
     and the last d_conv - 1 columns copied back into the cache."""

@@ -14,8 +14,9 @@ ARCHS = ("gpt-oss", "qwen3moe", "qwen2moe", "qwen3", "llama", "deepseek2", "glm4
 def build_transformer(b: Builder) -> None:
     """gpt-oss, qwen3moe, qwen2moe, qwen3, llama (dense and Mixtral-style), deepseek2 (MLA) and glm4moe."""
     spec = b.spec
-    b.inputs()
     arch = spec.arch
+    # glm4-moe.cpp 304-311: M-RoPE (ggml_rope_multi) where the file sets rope sections, with 4 positions per token
+    b.inputs(n_pos=4 if arch == "glm4moe" and spec.use_mrope else 1)
     inp = b.embd
     last = spec.n_layer_trunk - 1  # a NextN block is not in the trunk's graph
     for il in range(spec.n_layer_trunk):
