@@ -36,7 +36,8 @@ from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import ProcessFlags, parse_launch_flags, split_process_flags
 from fitter.flags.consumers import retarget
 from fitter.flags.parse import flag_value, process_flags_of, with_endpoints
-from fitter.gguf.model_spec import ModelSpec, load_model_spec, with_draft, with_projector
+from fitter.gguf.model_spec import ModelSpec, load_model_spec, with_draft
+from fitter.gguf.projector import with_projector
 from fitter.machine.gpu_order import gpu_map_text
 from fitter.machine.snapshot import MachineSnapshot
 from fitter.measure.runners import RunnerFactory, ServerRunner, WorkerRunner

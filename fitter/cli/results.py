@@ -35,7 +35,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
     if target != doc.consumer:
         p = pick(doc, ns.policy)
         spec = _result_model(doc, ns.model)
-        from fitter.gguf.model_spec import with_draft, with_projector
+        from fitter.gguf.model_spec import with_draft
+        from fitter.gguf.projector import with_projector
 
         if p.config.draft_model:  # the draft's memory is the pick's too (fitter.gguf.model_spec.with_draft)
             spec = with_draft(spec, p.config.draft_model)

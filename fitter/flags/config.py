@@ -90,7 +90,7 @@ class LaunchConfig:
     spec_draft_n_max: int = 3  # --spec-draft-n-max: tokens drafted per step (the target reserves logits for them)
     spec_draft_n_min: int = 0  # --spec-draft-n-min
     # The multimodal projector (common/arg.cpp --mmproj*, tools/mtmd): libmtmd's clip context, which llama-server
-    # loads once the model and its context are made (fitter.memory.plan.projector)
+    # loads once the model and its context are made (fitter.memory.plan.mmproj)
     mmproj: str = ""  # -mm/--mmproj: the projector's path as given ("" = none)
     # -mmdev: "" llama.cpp's choice (-dev's first device, else the build's first GPU), "none" the CPU
     # (--no-mmproj-offload, -mmdev none), else a device as the build names it

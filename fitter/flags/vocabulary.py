@@ -296,7 +296,7 @@ FLAGS: tuple[Flag, ...] = (
          metavar="N", help="tokens to draft per step (default 3)"),
     Flag(("--spec-draft-n-min",), "spec_draft_n_min", Kind.VALUE, _C, preset_key="spec-draft-n-min", parse=int,
          metavar="N", help="fewest draft tokens to use (default 0)"),
-    # the multimodal projector (fitter.memory.plan.projector): llama-server's spellings
+    # the multimodal projector (fitter.memory.plan.mmproj): llama-server's spellings
     Flag(("-mm", "--mmproj"), "mmproj", Kind.VALUE, _M, preset_key="mmproj", metavar="FILE",
          help="multimodal projector file (its weights and compute buffers are estimated beside the model's)"),
     Flag(("-mmdev", "--mmproj-device"), "mmproj_device", Kind.VALUE, _M, preset_key="mmproj-device",

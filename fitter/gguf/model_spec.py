@@ -18,7 +18,7 @@ from fitter.errors import FitterError, GGUFError
 from fitter.gguf._constants import MODEL_TENSOR, TENSOR_NAMES
 from fitter.gguf.archs import ARCHS, Arch, Indexer, Memory, RecurrentBy, SwaWhen
 from fitter.gguf.header import GGUFHeader, SkippedArray, TensorInfo
-from fitter.gguf.projector import ProjectorSpec, load_projector_spec
+from fitter.gguf.projector import ProjectorSpec, with_projector
 
 
 class Role(StrEnum):
@@ -496,18 +496,6 @@ def load_model_spec(path: str, draft: str = "", mmproj: str = "") -> ModelSpec:
     spec = model_spec(read_header(path))
     spec = with_draft(spec, draft) if draft else spec
     return with_projector(spec, mmproj) if mmproj else spec
-
-
-def with_projector(spec: ModelSpec, mmproj: str) -> ModelSpec:
-    """`spec` with the projector's spec riding along; one that does not belong to the model is refused as libmtmd
-    refuses it (tools/mtmd/mtmd.cpp mtmd_context: its output width against llama_model_n_embd_inp)."""
-    projector = load_projector_spec(mmproj)
-    n_embd_inp = spec.n_embd * (1 + spec.n_deepstack)  # src/llama-hparams.cpp n_embd_inp
-    if projector.n_mmproj_embd != n_embd_inp:
-        raise GGUFError(f"--mmproj {mmproj}: the projector hands the text model {projector.n_mmproj_embd}-wide "
-                        f"embeddings and {spec.arch} takes {n_embd_inp} (libmtmd: mismatch between text model and "
-                        "mmproj; a projector made for another model)")
-    return replace(spec, projector=projector)
 
 
 def with_draft(spec: ModelSpec, draft: str) -> ModelSpec:

@@ -11,11 +11,14 @@ context of their own, which fitter does not estimate: said in the spec's warning
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from fitter.errors import GGUFError
 from fitter.gguf.header import GGUFHeader, read_header
+
+if TYPE_CHECKING:
+    from fitter.gguf.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -151,3 +154,15 @@ def load_projector_spec(path: str) -> ProjectorSpec:
         return projector_spec(read_header(path))
     except GGUFError as e:
         raise GGUFError(f"--mmproj {e}") from None
+
+
+def with_projector(spec: ModelSpec, mmproj: str) -> ModelSpec:
+    """`spec` with the projector's spec riding along; one that does not belong to the model is refused as libmtmd
+    refuses it (tools/mtmd/mtmd.cpp mtmd_context: its output width against llama_model_n_embd_inp)."""
+    projector = load_projector_spec(mmproj)
+    n_embd_inp = spec.n_embd * (1 + spec.n_deepstack)  # src/llama-hparams.cpp n_embd_inp
+    if projector.n_mmproj_embd != n_embd_inp:
+        raise GGUFError(f"--mmproj {mmproj}: the projector hands the text model {projector.n_mmproj_embd}-wide "
+                        f"embeddings and {spec.arch} takes {n_embd_inp} (libmtmd: mismatch between text model and "
+                        "mmproj; a projector made for another model)")
+    return replace(spec, projector=projector)

@@ -162,7 +162,7 @@ def projector_margins(req: TuneRequest, targets: tuple[int, ...]) -> tuple[tuple
     parses no --mmproj, so fitter adds it to the targets it passes. (llama-server indexes the margins by ggml's
     device registry, the fit by the model's devices: they agree for a build's own GPUs without -dev, which is what
     this reproduces, not the mismatch with RPC devices or -dev.)"""
-    from fitter.memory.plan.projector import MODEL
+    from fitter.memory.plan.mmproj import MODEL
 
     projector = req.spec.projector
     if projector is None:

@@ -94,10 +94,9 @@ class _Clip:
         """One encoder layer of clip_graph::build_vit (llava.cpp's is the same for these tensors)."""
         p, pre = self.p, f"v.blk.{il}"
         cur = self.norm(inp_l, f"{pre}.ln1")
-        heads = []
-        for name, n_head in (("attn_q", p.n_head), ("attn_k", p.n_head_kv), ("attn_v", p.n_head_kv)):
-            heads.append(g.reshape(self.linear(cur, f"{pre}.{name}"), p.d_head, n_head, n_pos, 1))
-        cur = g.dup_op("ADD", self.attn(*heads, il), inp_l)
+        q, k, v = (g.reshape(self.linear(cur, f"{pre}.{name}"), p.d_head, n_head, n_pos, 1)
+                   for name, n_head in (("attn_q", p.n_head), ("attn_k", p.n_head_kv), ("attn_v", p.n_head_kv)))
+        cur = g.dup_op("ADD", self.attn(q, k, v, il), inp_l)
         inp_l = cur
         cur = self.ffn(self.norm(cur, f"{pre}.ln2"), pre)
         return g.dup_op("ADD", inp_l, cur)

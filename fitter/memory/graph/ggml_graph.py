@@ -182,7 +182,7 @@ def argsort_top_k(a: Tensor, k: int) -> Tensor:
     return view(s, (k, s.ne[1], s.ne[2], s.ne[3]), (s.nb[1], s.nb[2], s.nb[3]))
 
 
-def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sinks: Tensor | None) -> Tensor:
+def flash_attn_ext(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor | None) -> Tensor:
     return new("F32", v.ne[0], q.ne[2], q.ne[1], q.ne[3], op="FLASH_ATTN_EXT", src=(q, k, v, mask, sinks))
 
 

@@ -23,8 +23,8 @@ from fitter.memory.graph.vulkan_ops import weight_supported
 from fitter.memory.plan.buffers import CPU, KINDS, Buffer, Placement, alloc_size, pad_to, row_bytes
 from fitter.memory.plan.device_choice import layer_devices, model_devices, pipeline_parallel
 from fitter.memory.plan.kv_cache import check_cache_types, kv_buffers, kv_cache_sizes
+from fitter.memory.plan.mmproj import projector_buffers
 from fitter.memory.plan.projected import guess_warning
-from fitter.memory.plan.projector import projector_buffers
 
 __all__ = ["CPU", "KINDS", "Buffer", "DeviceTotals", "MemoryPlan", "Placement", "alloc_size", "complete", "estimate",
            "first_failure", "kv_cache_sizes", "layer_devices", "model_devices", "pipeline_parallel", "place",

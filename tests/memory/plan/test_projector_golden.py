@@ -18,7 +18,7 @@ from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.memory.backends.devices import CPU_AVX2
 from fitter.memory.plan.estimator import MemoryPlan, estimate
-from fitter.memory.plan.projector import MODEL
+from fitter.memory.plan.mmproj import MODEL
 from tests.memory.plan.test_golden import MIB, _by_kind, assert_all_but_compute_exact, device_target
 from tests.models import model_file, projector_file
 
