@@ -3,8 +3,10 @@ loads and encodes with (tools/mtmd/clip.cpp), written with the gguf package as l
 (conversion/base.py MmprojModel, conversion/gemma.py Gemma3VisionModel: general.architecture "clip", general.type
 "mmproj", the clip.vision.* keys, F16 matrices and F32 norms and biases).
 
-Two projector types: `gemma3` (a SigLIP encoder, its patches average-pooled n_merge × n_merge, an RMS norm and an
-input projection: Gemma 3's) and `mlp` (a CLIP encoder whose second-to-last layer feeds a two-layer MLP: LLaVA's).
+Projector types: `gemma3` (a SigLIP encoder, its patches average-pooled n_merge × n_merge, an RMS norm and an
+input projection: Gemma 3's), `mlp` (a CLIP encoder whose second-to-last layer feeds a two-layer MLP: LLaVA's) and
+the Qwen2-VL and Qwen2.5-VL mergers (two patch kernels, M-RoPE, 2.5's RMS norms, gated SiLU FFN and window
+attention, a 2×2 merger MLP: conversion/qwen.py's layout).
 Each projects to the text model's n_embd, so it belongs to that model; heads of 64 keep CUDA's flash attention on
 (one shape has heads of 48, which CUDA's flash attention lacks).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -31,6 +34,7 @@ class ProjectorShape:
     image_size: int = 224
     patch_size: int = 14
     n_merge: int = 4  # gemma3's pooling kernel
+    n_wa_pattern: int = 0  # Qwen2.5-VL's full-attention period
 
 
 PROJECTORS: dict[str, ProjectorShape] = {
@@ -40,6 +44,9 @@ PROJECTORS: dict[str, ProjectorShape] = {
         ProjectorShape("mlp-l3", "mlp", n_layer=3),
         # heads of 48: CUDA has no flash-attention kernel for them, so -fa auto reserves twice (clip.cpp warmup)
         ProjectorShape("gemma3-d48", "gemma3", n_embd=96, n_ff=240, n_head=2),
+        ProjectorShape("qwen2vl-l2", "qwen2vl_merger", n_embd=64, n_ff=160, n_head=1, patch_size=8, n_merge=2),
+        ProjectorShape("qwen25vl-l2", "qwen2.5vl_merger", n_embd=64, n_ff=160, n_head=1, patch_size=8, n_merge=2,
+                       n_wa_pattern=2),
     )
 }
 
@@ -70,9 +77,13 @@ def write_projector(shape: ProjectorShape, text_n_embd: int, path: Path, seed: i
     w.add_vision_patch_size(p)
     w.add_vision_image_mean([0.5, 0.5, 0.5])
     w.add_vision_image_std([0.5, 0.5, 0.5])
-    w.add_vision_use_gelu(True)
+    if shape.projector_type != "qwen2.5vl_merger":  # its FFN is SiLU-gated (use_silu below)
+        w.add_vision_use_gelu(True)
     if shape.projector_type == "gemma3":
         w.add_vision_projector_scale_factor(shape.n_merge)
+    if shape.projector_type.startswith("qwen"):
+        _qwen(w, shape, text_n_embd, mat, vec)
+        return _close(w, path)
     w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
     w.add_tensor("v.patch_embd.bias", vec(e))
     w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_patches, e)) * _STD).astype(np.float32))
@@ -97,8 +108,46 @@ def write_projector(shape: ProjectorShape, text_n_embd: int, path: Path, seed: i
         w.add_tensor("mm.0.bias", vec(text_n_embd))
         w.add_tensor("mm.2.weight", mat(text_n_embd, text_n_embd))
         w.add_tensor("mm.2.bias", vec(text_n_embd))
+    return _close(w, path)
+
+
+def _close(w: gguf.GGUFWriter, path: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _qwen(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: Any, vec: Any) -> None:
+    """A Qwen-VL merger's keys and tensors (clip.cpp load_tensors: the second patch kernel, q/k/v biases, no patch
+    bias or position embedding; 2.5: RMS norms without bias, a gated FFN, n_wa_pattern)."""
+    e, f, p = shape.n_embd, shape.n_ff, shape.patch_size
+    v25 = shape.projector_type == "qwen2.5vl_merger"
+    w.add_vision_spatial_merge_size(shape.n_merge)
+    if v25:
+        w.add_vision_n_wa_pattern(shape.n_wa_pattern)
+        w.add_vision_use_silu(True)
+    w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
+    w.add_tensor("v.patch_embd.weight.1", mat(e, 3, p, p))
+    for i in range(shape.n_layer):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(e, e))
+            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
+            if not v25:
+                w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
+        for name in ("ffn_up", "ffn_gate") if v25 else ("ffn_up",):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(f, e))
+            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(f))
+        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
+        w.add_tensor(f"v.blk.{i}.ffn_down.bias", vec(e))
+    w.add_tensor("v.post_ln.weight", vec(e, ones=True))
+    if not v25:
+        w.add_tensor("v.post_ln.bias", vec(e))
+    hidden = 4 * e
+    w.add_tensor("mm.0.weight", mat(hidden, 4 * e))
+    w.add_tensor("mm.0.bias", vec(hidden))
+    w.add_tensor("mm.2.weight", mat(text_n_embd, hidden))
+    w.add_tensor("mm.2.bias", vec(text_n_embd))

@@ -47,6 +47,7 @@ class ProjectorSpec:
     n_mmproj_embd: int  # clip_n_mmproj_embd: the width of what it hands the text model
     tensors: tuple[ProjectorTensor, ...]  # the vision encoder's, in file order
     has_audio: bool = False
+    n_wa_pattern: int = 0  # Qwen2.5-VL: every n-th layer attends fully, the others within windows (0: all fully)
     warnings: tuple[str, ...] = ()
 
     def tensor(self, name: str) -> ProjectorTensor | None:
@@ -118,6 +119,8 @@ def projector_spec(header: GGUFHeader) -> ProjectorSpec:
     by_name = {t.name: t for t in tensors}
     merge_key = "clip.vision.spatial_merge_size" if ptype in QWEN_MERGERS else "clip.vision.projector.scale_factor"
     use_gelu, use_silu = bool(meta.get("clip.use_gelu", False)), bool(meta.get("clip.use_silu", False))
+    if use_gelu and use_silu:  # clip.cpp load_hparams refuses the file
+        raise GGUFError(f"{path}: both clip.use_gelu and clip.use_silu are set (clip.cpp load_hparams refuses it)")
     image_size = int(_key(meta, path, "clip.vision.image_size"))
     patch_size = int(_key(meta, path, "clip.vision.patch_size"))
     if not 0 < patch_size < 65536 or not 0 <= image_size <= 8192:  # clip.cpp load_hparams' sanity checks
@@ -139,6 +142,7 @@ def projector_spec(header: GGUFHeader) -> ProjectorSpec:
         n_mmproj_embd=_n_mmproj_embd(ptype, by_name, int(meta.get("clip.vision.projection_dim", 0))),
         tensors=tensors,
         has_audio=bool(meta.get("clip.has_audio_encoder", False)),
+        n_wa_pattern=int(meta.get("clip.vision.n_wa_pattern", 0)),
     )
     notes = []
     if spec.has_audio:

@@ -4,8 +4,10 @@ projector's shapes node for node, scheduled on [the projector's device, the CPU]
 parallel copies, op offload on) and allocated as ggml-alloc does.
 
 Graphs rebuilt: `gemma3` (models/siglip.cpp: build_inp's patch convolution, clip_graph::build_vit, the average
-pool, RMS norm and input projection) and `mlp` (models/llava.cpp: the encoder up to its second-to-last layer and the
-two-layer MLP). Attention is clip_graph::build_attn's, with flash attention (K and V cast to F16) or without.
+pool, RMS norm and input projection), `mlp` (models/llava.cpp: the encoder up to its second-to-last layer and the
+two-layer MLP) and the Qwen2-VL and Qwen2.5-VL mergers (models/qwen2vl.cpp: two patch kernels, M-RoPE, 2.5's
+window attention, the 2×2 merger MLP). Attention is clip_graph::build_attn's, with flash attention (K and V cast
+to F16) or without.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from fitter.gguf.projector import ProjectorSpec
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.ggml_graph import Graph, Tensor
 
-CLIP_ARCHS = ("gemma3", "mlp")
+CLIP_ARCHS = ("gemma3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger")
 
 
 class _Clip:
@@ -34,20 +36,27 @@ class _Clip:
     def w(self, name: str) -> Tensor | None:
         return self.weights.get(name)
 
-    def inp(self) -> Tensor:
-        """clip_graph::build_inp: the image through ggml_conv_2d (ggml.c: im2col to F16, a matmul, a permute made
-        contiguous), transposed to [n_embd, n_patches], plus the patch bias."""
-        p, side = self.p, self.p.warmup_image_size
-        raw = g.input_tensor("F32", side, side, 3, 1, name="inp_raw")
-        kernel = self.w("v.patch_embd.weight")
-        assert kernel is not None
+    def raw(self) -> Tensor:
+        side = self.p.warmup_image_size
+        return g.input_tensor("F32", side, side, 3, 1, name="inp_raw")
+
+    def conv(self, kernel: Tensor, raw: Tensor) -> Tensor:
+        """ggml_conv_2d with the patch as stride (ggml.c: im2col to F16, a matmul, a permute made contiguous):
+        [n_patches_x, n_patches_y, n_embd, 1]."""
         n = self.n_patches_x
         col_type = "F32" if kernel.type == "BF16" else "F16"
         im2col = g.new(col_type, kernel.ne[0] * kernel.ne[1] * kernel.ne[2], n, n, 1, op="IM2COL",
                        src=(kernel, raw))
         mm = g.mul_mat(g.reshape(im2col, im2col.ne[0], n * n), g.reshape(kernel, im2col.ne[0], kernel.ne[3]))
-        conv = g.cont(g.permute(g.reshape(mm, n, n, 1, kernel.ne[3]), 0, 1, 3, 2))
-        cur = g.cont(g.transpose(g.reshape(conv, self.n_patches, p.n_embd, 1)))
+        return g.cont(g.permute(g.reshape(mm, n, n, 1, kernel.ne[3]), 0, 1, 3, 2))
+
+    def inp(self) -> Tensor:
+        """clip_graph::build_inp: the image through the patch convolution, transposed to [n_embd, n_patches], plus
+        the patch bias."""
+        kernel = self.w("v.patch_embd.weight")
+        assert kernel is not None
+        conv = self.conv(kernel, self.raw())
+        cur = g.cont(g.transpose(g.reshape(conv, self.n_patches, self.p.n_embd, 1)))
         bias = self.w("v.patch_embd.bias")
         return g.dup_op("ADD", cur, bias) if bias is not None else cur
 
@@ -67,27 +76,34 @@ class _Clip:
         b = self.w(f"{prefix}.bias")
         return g.dup_op("ADD", cur, b) if b is not None else cur
 
-    def attn(self, q_cur: Tensor, k_cur: Tensor, v_cur: Tensor, il: int) -> Tensor:
+    def attn(self, q_cur: Tensor, k_cur: Tensor, v_cur: Tensor, il: int, mask: Tensor | None = None) -> Tensor:
         """clip_graph::build_attn: Q, K and V added to the graph in that order first (ggml_build_forward_order)."""
         for t in (q_cur, k_cur, v_cur):
             self.gf.expand(t)
         q, k = g.permute(q_cur, 0, 2, 1, 3), g.permute(k_cur, 0, 2, 1, 3)
         if self.flash_attn:
             v = g.permute(v_cur, 0, 2, 1, 3)
-            k = g.new("F16", *k.ne, op="CPY", src=(k,))  # ggml_cast
-            v = g.new("F16", *v.ne, op="CPY", src=(v,))
-            cur = g.flash_attn_ext(q, k, v, None, None)
+            k = _cast(k, "F16")
+            v = _cast(v, "F16")
+            if mask is not None:
+                mask = _cast(mask, "F16")
+            cur = g.flash_attn_ext(q, k, v, mask, None)
             cur = g.reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
         else:
             v = g.cont(g.permute(v_cur, 1, 2, 0, 3))
-            kq = g.dup_op("SOFT_MAX", g.mul_mat(k, q), None)
+            kq = g.dup_op("SOFT_MAX", g.mul_mat(k, q), mask)
             cur = g.permute(g.mul_mat(v, kq), 0, 2, 1, 3)
             cur = g.cont(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
         return self.linear(cur, f"v.blk.{il}.attn_out")
 
     def ffn(self, x: Tensor, prefix: str, up: str = "ffn_up", down: str = "ffn_down") -> Tensor:
-        """clip_graph::build_ffn without a gate: up (+ bias), the activation, down (+ bias)."""
-        cur = g.dup_op("UNARY", self.linear(x, f"{prefix}.{up}"))
+        """clip_graph::build_ffn: up (+ bias), the gate (+ bias) where there is one, the activation (a GLU of the
+        two), down (+ bias)."""
+        tmp = self.linear(x, f"{prefix}.{up}")
+        if self.w(f"{prefix}.ffn_gate.weight") is not None:
+            cur = g.glu("GLU", self.linear(x, f"{prefix}.ffn_gate"), tmp)
+        else:
+            cur = g.dup_op("UNARY", tmp)
         return self.linear(cur, f"{prefix}.{down}")
 
     def layer(self, inp_l: Tensor, il: int, n_pos: int) -> Tensor:
@@ -100,6 +116,58 @@ class _Clip:
         inp_l = cur
         cur = self.ffn(self.norm(cur, f"{pre}.ln2"), pre)
         return g.dup_op("ADD", inp_l, cur)
+
+
+def _cast(t: Tensor, type_name: str) -> Tensor:
+    """ggml_cast: a CPY into a new tensor of that type (its second source is itself, which changes no count)."""
+    return g.new(type_name, *t.ne, op="CPY", src=(t,))
+
+
+def _qwen2vl(c: _Clip) -> Tensor:
+    """models/qwen2vl.cpp for the Qwen2-VL and Qwen2.5-VL mergers: two patch kernels summed, the 2×2 patch blocks
+    made adjacent, M-RoPE on Q and K (4 positions a patch), 2.5's window attention (patches reordered by window,
+    a mask on all but every n_wa_pattern-th layer), then four patches' rows through the merger MLP."""
+    p = c.p
+    rms = p.projector_type == "qwen2.5vl_merger"
+    raw = c.raw()
+    k0, k1 = c.w("v.patch_embd.weight"), c.w("v.patch_embd.weight.1")
+    assert k0 is not None and k1 is not None
+    cur = g.dup_op("ADD", c.conv(k0, raw), c.conv(k1, raw))
+    nx = c.n_patches_x
+    cur = g.cont(g.permute(cur, 1, 2, 0, 3), p.n_embd * 2, nx // 2, nx, 1)
+    cur = g.permute(g.reshape(cur, p.n_embd * 2, nx // 2, 2, nx // 2), 0, 2, 1, 3)
+    cur = g.cont(cur, p.n_embd, c.n_patches, 1)
+    n_pos = c.n_patches
+    positions = g.input_tensor("I32", n_pos * 4, name="positions")
+    if c.w("v.pre_ln.weight") is not None:
+        cur = c.norm(cur, "v.pre_ln", rms)
+    mask = None
+    if p.n_wa_pattern > 0:
+        inv_window_idx = g.input_tensor("I32", n_pos // 4, name="inv_window_idx")
+        mask = g.input_tensor("F32", n_pos, n_pos, name="window_mask")
+        if c.flash_attn:
+            mask = _cast(mask, "F16")
+        cur = g.reshape(g.get_rows(g.reshape(cur, p.n_embd * 4, n_pos // 4), inv_window_idx), p.n_embd, n_pos, 1)
+    for il in range(p.n_layer):
+        pre = f"v.blk.{il}"
+        full = p.n_wa_pattern <= 0 or (il + 1) % p.n_wa_pattern == 0
+        inp_l = cur
+        cur = c.norm(cur, f"{pre}.ln1", rms)
+        q, k, v = (g.reshape(c.linear(cur, f"{pre}.{name}"), p.d_head, p.n_head, n_pos)
+                   for name in ("attn_q", "attn_k", "attn_v"))
+        q, k = g.dup_op("ROPE", q, positions), g.dup_op("ROPE", k, positions)  # ggml_rope_multi
+        cur = g.dup_op("ADD", c.attn(q, k, v, il, None if full else mask), inp_l)
+        inp_l = cur
+        cur = g.dup_op("ADD", inp_l, c.ffn(c.norm(cur, f"{pre}.ln2", rms), pre))
+    if c.w("v.post_ln.weight") is not None:
+        cur = c.norm(cur, "v.post_ln", rms)
+    cur = g.reshape(cur, p.n_embd * 4, n_pos // 4, 1)
+    cur = c.linear(g.dup_op("UNARY", c.linear(cur, "mm.0")), "mm.2")
+    if p.n_wa_pattern > 0:
+        window_idx = g.input_tensor("I32", n_pos // 4, name="window_idx")
+        width = cur.ne[0]
+        cur = g.reshape(g.get_rows(g.reshape(cur, width, n_pos // 4), window_idx), width, n_pos // 4, 1)
+    return cur
 
 
 def _gemma3(c: _Clip) -> Tensor:
@@ -153,7 +221,8 @@ def _mlp(c: _Clip) -> Tensor:
     return c.linear(cur, "mm.2")
 
 
-_BUILDERS: dict[str, Callable[[_Clip], Tensor]] = {"gemma3": _gemma3, "mlp": _mlp}
+_BUILDERS: dict[str, Callable[[_Clip], Tensor]] = {"gemma3": _gemma3, "mlp": _mlp, "qwen2vl_merger": _qwen2vl,
+                                                   "qwen2.5vl_merger": _qwen2vl}
 
 
 def clip_graph(p: ProjectorSpec, flash_attn: bool, weight_backend: int = 0) -> Graph:
