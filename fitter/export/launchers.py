@@ -334,6 +334,9 @@ def _not_in_kwargs(p: Pick) -> list[str]:
     if c.draft_model:
         out.append(f"-md {c.draft_model}: llama-cpp-python loads no draft model (its draft_model is a prompt-lookup "
                    "object); the measured memory counted the draft's weights, KV cache and compute")
+    if c.mmproj:
+        out.append(f"--mmproj {c.mmproj}: a chat handler's clip_model_path in llama-cpp-python (llama_chat_format), "
+                   "not a Llama keyword; the measured memory counted the projector's weights and compute")
     return out
 
 

@@ -114,6 +114,8 @@ def replan(doc: ParetoDoc, entry: Entry, config: LaunchConfig, target: str, spec
     changes: list[str] = []
     if config.draft_model and not moved.draft_model:
         changes.append(f"the draft model (-md {config.draft_model}) left out: {target} loads none")
+    if config.mmproj and not moved.mmproj:
+        changes.append(f"the projector (--mmproj {config.mmproj}) left out: {target} loads none with the model")
     b, a = before.context, after.context
     for label, old, new in (("n_seq_max", b.n_seq_max, a.n_seq_max), ("n_outputs_max", b.n_outputs_max,
                             a.n_outputs_max), ("swa_full", b.swa_full, a.swa_full)):

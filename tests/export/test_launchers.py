@@ -138,7 +138,7 @@ def test_server_line_quotes_a_path_with_blanks() -> None:
 
 # -- preset-ini --------------------------------------------------------------------------------------------------
 
-PRESET_BOOL_KEYS = {"kv-unified", "swa-full", "kv-offload", "op-offload", "repack", "cpu-moe"}
+PRESET_BOOL_KEYS = {"kv-unified", "swa-full", "kv-offload", "op-offload", "repack", "cpu-moe", "mmproj-offload"}
 
 
 def _preset_argv(section: dict[str, str]) -> list[str]:
@@ -595,3 +595,22 @@ def test_the_python_export_says_llama_cpp_python_loads_no_draft() -> None:
     assert doc["not_in_kwargs"][-1] == (
         "-md /home/me/models/draft.gguf: llama-cpp-python loads no draft model (its draft_model is a prompt-lookup "
         "object); the measured memory counted the draft's weights, KV cache and compute")
+
+
+def test_every_format_pins_the_projector_and_the_python_export_says_where_it_goes() -> None:
+    config = parse_launch_flags(["-c", "4096", "-fa", "on", "-ngl", "all", "-np", "1", "-mm",
+                                 "/home/me/models/mmproj.gguf", "--no-mmproj-offload"])
+    result = _result()
+    result["pareto"][0]["flags"] = _flags(config, 2, 2)
+    argv = shlex.split(render(result, "max-decode", "server", SOURCE))
+    assert argv[argv.index("-mm"):argv.index("-mm") + 3] == ["-mm", "/home/me/models/mmproj.gguf",
+                                                            "--no-mmproj-offload"]
+    section = llama_cpp_ini(render(result, "max-decode", "preset-ini", SOURCE))["fitter-demo-gpt-oss"]
+    assert (section["mmproj"], section["mmproj-offload"]) == ("/home/me/models/mmproj.gguf", "false")
+    from_ini, _ = _split_threads(_preset_argv(section)[2:])
+    again = parse_launch_flags(from_ini)
+    assert (again.mmproj, again.mmproj_device) == ("/home/me/models/mmproj.gguf", "none")
+    doc = json.loads(render(result, "max-decode", "python", SOURCE))
+    assert doc["not_in_kwargs"][-1] == (
+        "--mmproj /home/me/models/mmproj.gguf: a chat handler's clip_model_path in llama-cpp-python "
+        "(llama_chat_format), not a Llama keyword; the measured memory counted the projector's weights and compute")
