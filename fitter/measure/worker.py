@@ -55,6 +55,7 @@ from fitter.measure.capi import (
     LogSink,
     build_context_params,
     build_model_params,
+    build_mtmd_params,
     config_from_json,
     config_to_json,
 )
@@ -352,7 +353,7 @@ class _ChildState:
                                "load_s": None, "context_s": None, "peak_rss": None}
         reset_peak_rss()
         self.sink.errors.clear()
-        ctx = None
+        ctx = mctx = None
         try:
             if self.rpc is None:
                 self.rpc = config.rpc
@@ -383,6 +384,15 @@ class _ChildState:
             if not ctx:
                 out["error"] = "llama_init_from_model failed: " + (self.sink.error_text() or "see the log")
                 return out
+            if config.mmproj:  # held while serving, as llama-server holds it: its memory is the trial's too
+                from llama_cpp import mtmd_cpp
+
+                mtmd_cpp.mtmd_log_set(self.sink.callback, ctypes.c_void_p(0))
+                mctx = mtmd_cpp.mtmd_init_from_file(config.mmproj.encode(), self.model,
+                                                    build_mtmd_params(config, self.ggml, spec.threads))
+                if not mctx:
+                    out["error"] = "mtmd_init_from_file failed: " + (self.sink.error_text() or "see the log")
+                    return out
             n_ctx_seq = int(llama.llama_n_ctx_seq(ctx))
             need = spec.n_depth + max(spec.n_prompt, spec.n_gen)
             if need > n_ctx_seq:
@@ -396,6 +406,10 @@ class _ChildState:
             out["error"] = f"{type(e).__name__}: {e}"
             return out
         finally:
+            if mctx:
+                from llama_cpp import mtmd_cpp
+
+                mtmd_cpp.mtmd_free(mctx)
             if ctx:
                 llama.llama_free(ctx)
             out["peak_rss"] = peak_rss()
