@@ -125,5 +125,19 @@ def with_projection(plan: MemoryPlan, projection: Mapping[str, Mapping[str, int]
     else:
         warnings.append(f"{plan.model.arch}: {' and '.join(kinds)} from llama.cpp's own projection ({source}), its "
                         f"floored MiB rounded up: fitter has no rules for {'it' if len(kinds) == 1 else 'them'} on "
-                        "this architecture")
+                        "this architecture" + _logits_note(plan, kinds))
     return replace(plan, buffers=tuple(buffers), warnings=tuple(warnings), projected=kinds)
+
+
+def _logits_note(plan: MemoryPlan, kinds: tuple[str, ...]) -> str:
+    """What the projection's compute reserves beyond the program's: llama-fit-params reserves logits for a whole
+    ubatch (the C API's n_outputs_max 0 = n_batch), a server one per slot. The projection cannot say whether that
+    tensor is a device's peak (the last layer's may be larger), so the figure stays the tool's, an upper bound."""
+    ctx = plan.context
+    outputs = min(ctx.n_ubatch, ctx.n_batch)
+    if "compute" not in kinds or ctx.n_outputs_max >= outputs:
+        return ""
+    extra = plan.model.n_vocab * (outputs - ctx.n_outputs_max) * 4
+    return (f"; its compute reserves logits for {outputs} outputs where {plan.config.consumer} reserves "
+            f"{ctx.n_outputs_max}, so the output layer's device is up to {extra / MIB:.2f} MiB high")
+

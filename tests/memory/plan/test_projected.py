@@ -41,8 +41,11 @@ def test_a_projection_replaces_only_what_fitter_guesses(tmp_path: Path) -> None:
         ("CPU", "kv", 4 * MIB - 1), ("CPU", "compute", MIB - 1)]
     assert projected.projected == ("kv", "compute")
     assert guess_warning(spec) not in projected.warnings
+    # llama-server's 4 slots reserve logits for 4 outputs, the tool for 512 (its ubatch): 512 tokens × 508 × 4 B
     assert projected.warnings[-1] == ("llamb: kv and compute from llama.cpp's own projection (the tool), its floored "
-                                      "MiB rounded up: fitter has no rules for them on this architecture")
+                                      "MiB rounded up: fitter has no rules for them on this architecture; its compute "
+                                      "reserves logits for 512 outputs where llama-server reserves 4, so the output "
+                                      "layer's device is up to 0.99 MiB high")
     assert projected.totals()["CPU"].kv == 4 * MIB - 1
 
 
