@@ -41,7 +41,7 @@ from fitter.memory.backends.devices import CPU_ALIGNMENT, Device
 from fitter.memory.graph.builder import BackendMap, GraphParams
 from fitter.memory.graph.ggml_graph import BufferType
 from fitter.memory.graph.graph_replay import Replayed, flash_attn_devices_match, graph_compute_bytes
-from fitter.memory.graph.graphs import GRAPH_ARCHS
+from fitter.memory.graph.graphs import replays
 from fitter.memory.graph.op_rules import OpRules
 
 F32 = 4
@@ -143,7 +143,7 @@ def auto_flash_attn_mismatch(
     """The first layer whose flash-attention op llama.cpp would place off the layer's device under `-fa auto`
     (then it turns flash attention off for the whole context), or None. With `replayed`, the probe graph's compute
     bytes on `devices` are kept for `compute_bytes_by_device`."""
-    if not ctx.auto_fa or backends.n_backends == 1 or spec.arch not in GRAPH_ARCHS:
+    if not ctx.auto_fa or backends.n_backends == 1 or not replays(spec):
         return None
     n = ctx.n_seq_max  # the probe graph: one token per sequence
     params = GraphParams(n, n, kv_sizes, ctx.n_stream, True, *cache_types, backends, ctx.v_trans, n)
@@ -183,7 +183,7 @@ def compute_bytes_by_device(
     """Peak compute bytes per device name ("CPU" for the host); `replayed`: graphs this estimate sized already;
     `prompt_only`: the prompt graph alone (fitter.memory.fit.fit's judgments, see `complete`)."""
     g = graph_shape(ctx, kv_sizes)
-    if spec.arch not in GRAPH_ARCHS:
+    if not replays(spec):
         return _phase_bytes_by_device(spec, ctx, layer_dev, g)
     cpu = len(devices)
     bufts = compute_bufts(devices)

@@ -33,6 +33,14 @@ BUILDERS: dict[str, Callable[[Builder], None]] = {
     **{arch: mamba2.build_nemotron_h for arch in mamba2.ARCHS},
 }
 GRAPH_ARCHS = tuple(BUILDERS)
+# architectures whose files a builder covers only in part: the rest go the way of an architecture without one
+_PARTIAL: dict[str, Callable[[ModelSpec], bool]] = {arch: mamba2.rebuilt for arch in mamba2.ARCHS}
+
+
+def replays(spec: ModelSpec) -> bool:
+    """fitter rebuilds this model's compute graph (its architecture's builder covers the file)."""
+    covers = _PARTIAL.get(spec.arch)
+    return spec.arch in BUILDERS and (covers is None or covers(spec))
 
 
 def build(b: Builder) -> None:

@@ -19,7 +19,7 @@ from fitter.errors import FitterError
 from fitter.gguf.archs import ARCHS
 from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.backends.devices import Device
-from fitter.memory.graph.graphs import GRAPH_ARCHS
+from fitter.memory.graph.graphs import GRAPH_ARCHS, replays
 from fitter.memory.plan.buffers import CPU, Buffer
 from fitter.units import MIB
 
@@ -45,7 +45,7 @@ def guessed_kinds(spec: ModelSpec, devices: Sequence[Device] = ()) -> tuple[str,
     kinds = []
     if spec.arch not in ARCHS:
         kinds.append("kv")
-    if spec.arch not in GRAPH_ARCHS:
+    if not replays(spec):
         kinds.append("compute")
     return tuple(kinds)
 
@@ -67,7 +67,7 @@ def guess_warning(spec: ModelSpec, devices: Sequence[Device] = ()) -> str | None
     if spec.arch not in ARCHS:
         parts.append(f"its KV cache as a plain cache over every layer (fitter.gguf.archs has no row for {spec.arch!r}: "
                      "a sliding window, recurrent state or NextN block in it is not known)")
-    if spec.arch not in GRAPH_ARCHS:
+    if not replays(spec):
         parts.append(f"its compute buffers by fitter's phase model (no replay of {spec.arch}'s graph; fitter rebuilds "
                      f"those of {', '.join(GRAPH_ARCHS)}), 95 % low to 60 % high where compared")
     if not parts:

@@ -8,6 +8,7 @@ the output norm (kept as t_h_nextn).
 from __future__ import annotations
 
 from fitter.errors import GGUFError
+from fitter.gguf.model_spec import ModelSpec
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.builder import Builder
 from fitter.memory.graph.families.classic import build_norm
@@ -17,6 +18,12 @@ from fitter.memory.graph.ggml_graph import Tensor
 from fitter.memory.graph.recurrent_ops import cpy, ssm_conv, ssm_scan
 
 ARCHS = ("nemotron_h",)
+
+
+def rebuilt(spec: ModelSpec) -> bool:
+    """Whether this graph covers the file: not where a layer routes experts (nemotron-h.cpp 136-175's latent
+    projections and ReLU² experts are not rebuilt here; such a file's compute comes from llama.cpp's projection)."""
+    return not any(t.name.endswith("ffn_gate_inp.weight") for t in spec.tensors)
 F32 = 4
 
 
