@@ -27,6 +27,7 @@ from fitter.memory.fit.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, d
 from fitter.memory.fit.fit_devices import DeviceSearch, better, expert_layers
 from fitter.memory.plan.estimator import MemoryPlan, complete, estimate, place
 from fitter.memory.plan.projected import Projects, guessed_kinds, with_projection
+from fitter.memory.plan.tensor_split import meta_buft_name
 from fitter.units import MIB
 
 
@@ -123,7 +124,7 @@ class _Search:
 
 def _expert_layers_on_device(plan: MemoryPlan) -> int:
     """Layers with at least one expert tensor on a device."""
-    names = {d.name for d in plan.devices}
+    names = {d.name for d in plan.devices} | {meta_buft_name(plan.devices)}  # -sm tensor: the Meta() buffer type
     return len({p.tensor.layer for p in plan.placements if p.tensor.role is Role.EXPERT and p.buft in names})
 
 

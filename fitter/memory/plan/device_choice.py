@@ -48,9 +48,10 @@ def tensor_devices(devices: tuple[Device, ...]) -> tuple[Device, ...]:
 
 def model_devices(config: LaunchConfig, devices: tuple[Device, ...]) -> tuple[Device, ...]:
     """The devices the model uses: those -dev names, in its order (`none`: none), else llama.cpp's default choice
-    (`default_devices`, `tensor_devices` with -sm tensor); of them all with -sm layer and tensor, with -sm none only -mg's ("if using single GPU mode, remove all
-    except the main GPU"; a negative -mg removes them all). -ts and -mg are checked against the devices here:
-    llama.cpp reads only the first n_devices values of -ts and silently drops the rest."""
+    (`default_devices`; `tensor_devices` with -sm tensor); of them all with -sm layer and tensor, with -sm none
+    only -mg's ("if using single GPU mode, remove all except the main GPU"; a negative -mg removes them all). -ts
+    and -mg are checked against the devices here: llama.cpp reads only the first n_devices values of -ts and
+    silently drops the rest."""
     if config.device_names == ("none",):
         devices = ()
     elif config.device_names:

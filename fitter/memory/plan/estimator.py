@@ -325,7 +325,11 @@ def place(
             f"-b {ctx.n_batch} with {ctx.n_seq_max} sequences (-np): llama.cpp aborts making the context, its logits "
             "reserved for fewer outputs than sequences (src/llama-context.cpp output_reserve); give -b >= -np")
     warnings = list(ctx.warnings)
-    if devices and config.n_gpu_layers == -1 and config.fit:
+    if devices and config.n_gpu_layers == -1 and config.fit and config.split_mode == "tensor":
+        # common/fit.cpp common_params_fit_impl throws for TENSOR; common_fit_params logs it and the load goes on
+        warnings.append("--fit: llama.cpp does not fit -sm tensor (llama_params_fit is not implemented for "
+                        "SPLIT_MODE_TENSOR) and loads every layer as given; this estimate offloads all")
+    elif devices and config.n_gpu_layers == -1 and config.fit:
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
     devices = model_devices(config, devices)
     if config.split_mode == "tensor":
@@ -352,6 +356,12 @@ def _place_tensor(spec: ModelSpec, config: LaunchConfig, ctx: ContextParams, war
     check_tensor_mode(spec, config, len(devices))
     if config.flash_attn == "auto":
         warnings.append("-sm tensor: llama.cpp turns flash attention on, which the tensor split requires")
+    if len(devices) > 1:  # ggml-backend-meta.cpp graph_compute: the reduction scratch, made at the first compute
+        steps = (len(devices) - 1).bit_length()  # ceil(log2(n_devs))
+        partial = 4 * spec.n_embd * ctx.n_ubatch * (spec.n_expert_used if spec.n_expert else 1)
+        warnings.append(f"-sm tensor: each device also takes {steps} x {partial / 2**20:.2f} MiB of all-reduce "
+                        "scratch at the first compute (the largest row-parallel output, f32), plus NCCL's own "
+                        "memory on CUDA: outside llama.cpp's logged buffers, not in this estimate")
     if len(devices) == 1:  # src/llama-context.cpp llama_init_from_model
         warnings.append(f"-sm tensor on one device ({devices[0].name}): llama.cpp warns it is not recommended")
     ctx = replace(ctx, flash_attn=True, auto_fa=False, v_trans=False)

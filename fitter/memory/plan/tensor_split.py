@@ -312,7 +312,7 @@ def tensor_slices(spec: ModelSpec, name: str, type_name: str, ne: tuple[int, ...
     for (ne_s, nr_s), g_s in zip(segments, grans, strict=True):
         for j, n in enumerate(split_rows(ne_s, g_s, n_dev, rotation, tensor_split)):
             extent[j] += n * nr_s
-    return [ne[:cfg.axis] + (e,) + ne[cfg.axis + 1:] for e in extent]
+    return [(*ne[:cfg.axis], e, *ne[cfg.axis + 1:]) for e in extent]
 
 
 def _slice_bytes(type_name: str, ne: tuple[int, ...]) -> int:

@@ -2,8 +2,8 @@
 scripts/make_arch_goldens.py: llama.cpp's tests/test-llama-archs.cpp builds them, llama.cpp loads them CPU-only).
 
 An architecture with a row in fitter.gguf.archs must match llama.cpp's model, KV (and recurrent state) and output
-buffers to the logged 0.01 MiB; one whose graph fitter rebuilds (GRAPH_ARCHS) its compute buffer within 0.5 % beyond the log's rounding
-to 0.01 MiB. Every
+buffers to the logged 0.01 MiB; one whose graph fitter rebuilds (GRAPH_ARCHS) its compute buffer within 0.5 % beyond
+the log's rounding to 0.01 MiB. Every
 other architecture must be named in the spec's warning, never estimated silently. The models are rebuilt from their
 headers as sparse files (the estimate reads nothing else).
 """
