@@ -24,8 +24,9 @@ from fitter.gguf.model_spec import ModelSpec, TensorSpec
 from fitter.memory.backends.devices import Device
 from fitter.memory.plan.buffers import Buffer, alloc_size, row_bytes
 
-__all__ = ["MAX_DEVICES", "NO_SM_TENSOR", "check_tensor_mode", "meta_buft_name", "meta_device", "split_rows",
-           "tensor_kv_buffers", "tensor_model_buffers", "tensor_slices"]
+__all__ = ["MAX_DEVICES", "NO_SM_TENSOR", "check_tensor_mode", "device_shares", "meta_buft_name", "meta_device",
+           "row_parallel", "split_rows", "tensor_kv_buffers", "tensor_model_buffers", "tensor_mode_runs",
+           "tensor_slices"]
 
 # ggml/include/ggml-backend.h GGML_BACKEND_META_MAX_DEVICES: ggml_backend_meta_device asserts n_devs <= 16
 MAX_DEVICES = 16
@@ -86,6 +87,16 @@ def check_tensor_mode(spec: ModelSpec, config: LaunchConfig, n_devices: int) -> 
     if config.flash_attn == "off":
         raise LaunchConfigError("-fa off: llama.cpp's -sm tensor requires flash attention (SPLIT_MODE_TENSOR "
                                 "requires flash_attn to be enabled, the context is not made); use -fa on or auto")
+
+
+def tensor_mode_runs(spec: ModelSpec, config: LaunchConfig, n_devices: int) -> bool:
+    """Whether llama.cpp would run `config` with -sm tensor over n_devices GPUs, two or more (one is allowed, but
+    splits nothing): none of `check_tensor_mode`'s refusals."""
+    try:
+        check_tensor_mode(spec, replace(config, split_mode="tensor"), n_devices)
+    except LaunchConfigError:
+        return False
+    return n_devices >= 2
 
 
 def meta_buft_name(devices: tuple[Device, ...]) -> str:
@@ -313,6 +324,22 @@ def tensor_slices(spec: ModelSpec, name: str, type_name: str, ne: tuple[int, ...
         for j, n in enumerate(split_rows(ne_s, g_s, n_dev, rotation, tensor_split)):
             extent[j] += n * nr_s
     return [(*ne[:cfg.axis], e, *ne[cfg.axis + 1:]) for e in extent]
+
+
+def device_shares(spec: ModelSpec, name: str, type_name: str, ne: tuple[int, ...], n_dev: int,
+                  tensor_split: tuple[float, ...] = (), types: dict[str, str] | None = None) -> list[float]:
+    """Each device's share of a tensor's elements on the Meta device: its slice over the whole (1.0 on every
+    device for a mirrored tensor)."""
+    whole = math.prod(ne)
+    return [math.prod(s) / whole if whole else 1.0
+            for s in tensor_slices(spec, name, type_name, ne, n_dev, tensor_split, types)]
+
+
+def row_parallel(name: str, arch: str) -> bool:
+    """A weight split by its input columns (attn_output, ssm_out, ffn_down, ffn_down_exps): each device's product is
+    a partial sum of the whole output, which ggml-backend-meta.cpp's graph_compute all-reduces before the next
+    subgraph (`get_tensor_config`: split axis 0 of a matrix)."""
+    return name.endswith(".weight") and not _SINKS(name) and _config(name, arch).axis == 0  # sinks: one per head
 
 
 def _slice_bytes(type_name: str, ne: tuple[int, ...]) -> int:
