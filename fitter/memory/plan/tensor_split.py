@@ -25,7 +25,7 @@ from fitter.memory.backends.devices import Device
 from fitter.memory.plan.buffers import Buffer, alloc_size, row_bytes
 
 __all__ = ["MAX_DEVICES", "NO_SM_TENSOR", "check_tensor_mode", "device_shares", "meta_buft_name", "meta_device",
-           "row_parallel", "split_rows", "tensor_kv_buffers", "tensor_model_buffers", "tensor_mode_runs",
+           "row_parallel", "split_rows", "tensor_kv_buffers", "tensor_mode_runs", "tensor_model_buffers",
            "tensor_slices"]
 
 # ggml/include/ggml-backend.h GGML_BACKEND_META_MAX_DEVICES: ggml_backend_meta_device asserts n_devs <= 16
