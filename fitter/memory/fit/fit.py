@@ -14,8 +14,9 @@ placements differ in their compute buffers (the graph splits differently), so fi
 
 On two or more GPUs with no split given (-sm, -ts, -mg), fit also places the model under `-sm tensor` where llama.cpp
 runs it (the GPUs as one Meta device, placed as one GPU) and keeps that placement only where it holds the whole model
-and the layer split's best does not (a Meta device offloads no op, so with weights left on the CPU tensor mode's
-prefill computes them there); llama.cpp's own `--fit` refuses `-sm tensor`.
+and the layer split's best does not (a Meta device offloads no op: with weights left on the CPU, tensor mode's
+prefill computes them there instead of copying them to a GPU, a trade of speed); llama.cpp's own `--fit` refuses
+`-sm tensor`.
 """
 
 from __future__ import annotations
@@ -140,9 +141,9 @@ def _place(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | 
             return across
         # -sm tensor: the GPUs as one Meta device, placed as one GPU is; kept only where it holds the whole model
         # and the layer split cannot. Where the CPU keeps weights, the Meta device offloads no op
-        # (ggml-backend-meta.cpp: offload_op = nullptr), so the CPU computes its layers' prompt itself where the layer
-        # split's op offload sends them to the GPU; where both hold the model, which is faster is the GPUs' link's to
-        # say (fitter tune measures it). llama.cpp's own --fit refuses -sm tensor.
+        # (ggml-backend-meta.cpp: offload_op = nullptr): the CPU computes its weights' prompt itself where the layer
+        # split's op offload copies them to a GPU, a trade of speed bytes cannot judge, as is the GPUs' link where
+        # both hold the model (fitter tune measures both). llama.cpp's own --fit refuses -sm tensor.
         tensor = (_place_moe if s.spec.n_expert else _place_layers)(s, replace(base, split_mode="tensor"))
         if tensor is not None and _all_on_devices(tensor[1]) and (across is None or _cpu_weight_bytes(across[1])
                                                                    > _cpu_weight_bytes(tensor[1])):
