@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fitter.memory.plan.estimator import MemoryPlan
-from fitter.memory.plan.tensor_split import device_shares, row_parallel
+from fitter.memory.plan.tensor_split import device_shares, meta_buft_name, row_parallel
 from fitter.sim.profile import Machine
 
 ATTENTION = "attention"  # a work item's name for a layer's attention over its KV cache
@@ -50,29 +50,44 @@ def allreduce_seconds(m: Machine, gpus: Sequence[str], n_bytes: float) -> float:
     return copies * slowest + steps * add
 
 
+_SPLITS: dict[int, tuple[MemoryPlan, int, dict[str, tuple[list[float], bool]]]] = {}  # by the plan's id
+
+
+def _split(plan: MemoryPlan, n: int, key: str, layer: int) -> tuple[list[float], bool]:
+    """A tensor's (or layer's attention's) per-device shares and whether it is row-parallel: the same for every
+    ubatch of a plan, so made once per plan (a prefill is many ubatches), for the tensors the Meta device holds."""
+    held = _SPLITS.get(id(plan))
+    if held is None or held[0] is not plan or held[1] != n:
+        if len(_SPLITS) >= 16:
+            _SPLITS.clear()
+        spec, config = plan.model, plan.config
+        types = {t.name: t.type for t in spec.tensors}
+        known = {p.tensor.name: (device_shares(spec, p.tensor.name, p.tensor.type, p.tensor.ne, n,
+                                               config.tensor_split, types), row_parallel(p.tensor.name, spec.arch))
+                 for p in plan.placements if p.buft == meta_buft_name(plan.devices)}
+        for il in range(spec.n_layer):  # attention: the KV cache's split, by whole KV heads
+            known[f"{ATTENTION}{il}"] = (device_shares(spec, f"cache_k_l{il}", config.cache_type_k,
+                                                       (spec.n_embd_k_gqa(il), 1, 1), n, config.tensor_split, types),
+                                         False)
+        held = _SPLITS[id(plan)] = (plan, n, known)
+    return held[2][key]
+
+
 def meta_seconds(m: Machine, plan: MemoryPlan, gpus: Sequence[str], work: Sequence[Work], n_tokens: int) -> float:
     """The Meta device's seconds for one ubatch of n_tokens: `work` is its pieces in graph order, each with the whole
     tensor's (or the whole attention's) flops and bytes."""
-    spec, config = plan.model, plan.config
+    spec = plan.model
     n = len(gpus)
-    types = {t.name: t.type for t in spec.tensors}
-    ne = {t.name: (t.type, t.ne) for t in spec.tensors}
     rates = [(m.gpu_of(g).tflops * 1e12, m.gpu_of(g).bandwidth_gbps * 1e9) for g in gpus]
     subgraphs: dict[tuple[int, int], list[float]] = {}
     reduced: set[tuple[int, int]] = set()
     for (layer, step), name, flops, size in work:
         part = (layer, 0 if step < 2 else 1)  # attention's subgraph ends at attn_output, the FFN's at ffn_down
-        if name == ATTENTION:
-            width = spec.n_embd_k_gqa(layer)
-            shares = device_shares(spec, f"cache_k_l{layer}", config.cache_type_k, (width, 1, 1), n,
-                                   config.tensor_split, types)
-            fa = [m.gpu_of(g).fa_efficiency for g in gpus]
-        else:
-            type_name, shape = ne[name]
-            shares = device_shares(spec, name, type_name, shape, n, config.tensor_split, types)
-            fa = [1.0] * n
-            if row_parallel(name, spec.arch):
-                reduced.add(part)
+        key = f"{ATTENTION}{layer}" if name == ATTENTION else name
+        shares, row = _split(plan, n, key, layer)
+        fa = [m.gpu_of(g).fa_efficiency for g in gpus] if name == ATTENTION else [1.0] * n
+        if row:
+            reduced.add(part)
         seconds = subgraphs.setdefault(part, [0.0] * n)
         for j, g in enumerate(gpus):
             f, b = rates[j]
