@@ -260,8 +260,9 @@ FLAGS: tuple[Flag, ...] = (
          metavar="N0,N1,..."),
     Flag(("-mg", "--main-gpu"), "main_gpu", Kind.VALUE, _M, preset_key="main-gpu", parse=int, metavar="INDEX",
          help="the GPU that holds everything with -sm none"),
-    Flag(("-sm", "--split-mode"), "split_mode", Kind.VALUE, _M, preset_key="split-mode", choices=SPLIT_MODES,
-         help="how layers spread over several GPUs (default layer; none: -mg's GPU only)"),
+    Flag(("-sm", "--split-mode"), "split_mode", Kind.VALUE, _M, "split-mode", preset_key="split-mode",
+         choices=SPLIT_MODES, help="how layers spread over several GPUs (default layer; none: -mg's GPU only; "
+         "tensor: every layer split over them)"),
     Flag(("--rpc",), "rpc", Kind.VALUE, _M, preset_key="rpc", parse=_endpoints, metavar="HOST:PORT[,...]"),
     Flag(("-dev", "--device"), "device_names", Kind.VALUE, _M, preset_key="device", parse=_device_list,
          metavar="DEV0,DEV1,...|none", help="the devices the model uses, as the build names them (default: its GPUs)"),

@@ -17,10 +17,11 @@ from fitter.flags import parse_launch_flags
 from fitter.measure.types import BenchSpec
 from fitter.memory.fit.budgets import device_budgets
 from fitter.memory.fit.fit_devices import expert_layers
+from fitter.memory.plan.tensor_split import tensor_mode_runs
 from fitter.search.plan import Screener
 from fitter.search.request import TuneRequest, _choices, candidate
 from fitter.search.screen import Budgets
-from fitter.search.space import default_space_name, resolve, shipped_space
+from fitter.search.space import default_space_name, for_target, resolve, shipped_space
 from fitter.sim import SimRunner, out_of_memory, speeds
 from fitter.tune.targets import HOST_RESERVE
 from fitter.units import GIB
@@ -99,10 +100,13 @@ def sim_request(machine: Any, spec: Any, model: str, fixed_flags: tuple[str, ...
     cores = machine.cpu.p_cores + machine.cpu.e_cores
     dists = resolve(space, n_layer=spec.n_layer, physical_cores=cores, performance_cores=machine.cpu.p_cores,
                     expert_layers=expert_layers(spec))
+    base = parse_launch_flags(fixed_flags)
+    dists = for_target(dists, has_gpu=bool(devices), pinned_host=any(d.profile.host_buft for d in devices),
+                       tensor_split=tensor_mode_runs(spec, base, len(devices)))
     budgets = {name: b or 0 for name, b in device_budgets(devices, (fit_target_mib,)).items()}
     host = int(machine.ram.gib * GIB) - HOST_RESERVE
     objectives = objectives if devices else tuple(o for o in objectives if o != "vram")
-    return TuneRequest(model=model, spec=spec, base=parse_launch_flags(fixed_flags), distributions=dists,
+    return TuneRequest(model=model, spec=spec, base=base, distributions=dists,
                        devices=devices, budgets=Budgets(budgets, host, {}), cpu=runner.cpu_profile(),
                        objectives=objectives, bench=bench or BenchSpec(threads=machine.cpu.p_cores),
                        n_trials=n_trials, seed=seed)

@@ -68,9 +68,12 @@ class Screener:
     def placement(self, params: dict[str, Any]) -> dict[str, Any] | None:
         """`params` completed with the placement that reads the fewest bytes from RAM and still fits: the smallest
         `-ncmoe` or the largest `-ngl` in the space (memory is monotone in both, so bisection); on several devices
-        fitter fit's split (fitter.search.split). None: nothing fits."""
+        fitter fit's split (fitter.search.split), or with split-mode tensor the Meta device's (`tensor`). None:
+        nothing fits."""
         dists = self.req.distributions
-        if split.MODE in dists:
+        if split.MODE in dists and params.get(split.MODE, _default_choice(dists[split.MODE], "layer")) == split.TENSOR:
+            return self.tensor(params)
+        if split.MODE in dists and split.experts_key(0) in dists:
             return self.spread(params)
         if split.ORDER in dists and split.ORDER not in params:  # one GPU: -ncmoe's own order unless told
             params = {**params, split.ORDER: _default_choice(dists[split.ORDER], "first")}
@@ -141,6 +144,22 @@ class Screener:
                 return None
             room = {name: r - max(0, more.get(name, 0)) for name, r in room.items()}
         return None
+
+    def tensor(self, params: dict[str, Any]) -> dict[str, Any] | None:
+        """-sm tensor: the GPUs are one Meta device to the model (src/llama-model.cpp `load_tensors`: one split),
+        placed as one GPU is (fitter fit does the same): the fewest of the model's expert layers with their experts
+        on the CPU, in the order params give (else last, llama.cpp --fit's), or the most layers -ngl offloads."""
+        context = {k: v for k, v in params.items() if not split.is_split_key(k)}
+        dists = self.req.distributions
+        if split.experts_key(0) in dists:
+            order = params.get(split.ORDER, "last")
+            return self._first_fitting({**context, split.MODE: split.TENSOR, split.ORDER: order}, split.experts_key(0),
+                                       list(range(self.req.spec.n_layer + 1)))
+        if "n-gpu-layers" in dists:
+            return self._first_fitting({**context, split.MODE: split.TENSOR}, "n-gpu-layers",
+                                       sorted(_choices(dists["n-gpu-layers"]), reverse=True))
+        placed = {**context, split.MODE: split.TENSOR}
+        return placed if self(candidate(self.req, self._with_threads(placed))).feasible else None
 
     def one_device(self, params: dict[str, Any], main: int) -> dict[str, Any] | None:
         """The whole model on device `main` (-sm none -mg main) with its fewest experts on the CPU, or None."""
@@ -284,7 +303,9 @@ def _placed_alike(screener: Screener, context: dict[str, Any], params: dict[str,
     """`context` at its best placement of the same shape as `params`': on several devices the same split (or the
     same one device), each device keeping the experts that fit; else the best placement."""
     current = _current_split(screener.req, params)
-    if current is None:  # one GPU: the same expert order
+    if current is not None and current.tensor:
+        return screener.tensor({**context, split.ORDER: current.order})
+    if current is None or split.experts_key(0) not in screener.req.distributions:  # one GPU: the same expert order
         return screener.placement({**context, split.ORDER: params[split.ORDER]} if split.ORDER in params else context)
     if current.main is not None:
         return screener.one_device(context, current.main)
@@ -293,15 +314,30 @@ def _placed_alike(screener: Screener, context: dict[str, Any], params: dict[str,
 
 def _split_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -> \
         Iterator[tuple[dict[str, Any], MemoryPlan]]:
-    """On several devices, the placement's own neighbours, each feasible: a few layers moved from one device to the
-    next or the one before (each then keeping the experts that fit), the other expert order, the whole model on one
-    device. Which is faster is the GPUs' speeds' to say: these are measured, not judged by bytes alone."""
+    """On several devices, the placement's own neighbours, each feasible: the other split mode (layer or tensor,
+    where the space has tensor) at its own best placement, a few layers moved from one device to the next or the one
+    before (each then keeping the experts that fit), the other expert order, the whole model on one device. Which is
+    faster is the GPUs' speeds' (and link's) to say: these are measured, not judged by bytes alone."""
     current = _current_split(req, params)
     if current is None:
         yield from _order_moves(req, screener, params)
         return
+    modes = _choices(req.distributions[split.MODE])
+    context = {k: v for k, v in params.items() if not split.is_split_key(k)}
+    # -sm tensor against the layers' split: the same context in the other mode, each at its own best placement
+    other = ["layer" if current.tensor else split.TENSOR] if split.TENSOR in modes else []
+    order = {split.ORDER: current.order} if split.ORDER in req.distributions else {}
+    moves: list[dict[str, Any] | None] = [screener.placement({**context, split.MODE: m, **order}) for m in other
+                                          if m in modes]
+    if split.experts_key(0) not in req.distributions:  # a dense model: the mode is the whole placement
+        yield from _feasible(req, screener, moves)
+        return
     n_devices, n_layer = len(req.devices), req.spec.n_layer
-    moves: list[dict[str, Any] | None] = [{**params, split.ORDER: "first" if current.order == "last" else "last"}]
+    moves.append({**params, split.ORDER: "first" if current.order == "last" else "last"})
+    if current.tensor:
+        moves += [screener.one_device(params, g) for g in range(n_devices)] if "none" in modes else []
+        yield from _feasible(req, screener, moves)
+        return
     if current.main is None and current.counts is not None:
         step = max(1, (n_layer + 1) // 8)
         for i in range(n_devices):
@@ -310,6 +346,11 @@ def _split_moves(req: TuneRequest, screener: Screener, params: dict[str, Any]) -
                     counts = tuple(c - step * (k == i) + step * (k == j) for k, c in enumerate(current.counts))
                     moves.append(screener.spread(params, counts, current.order))
     moves += [screener.one_device(params, g) for g in range(n_devices) if g != current.main]
+    yield from _feasible(req, screener, moves)
+
+
+def _feasible(req: TuneRequest, screener: Screener, moves: list[dict[str, Any] | None]) -> \
+        Iterator[tuple[dict[str, Any], MemoryPlan]]:
     for move in moves:
         if move is not None:
             s = screener(candidate(req, move))

@@ -20,6 +20,7 @@ from fitter.memory.backends.devices import CpuProfile, Device
 from fitter.memory.plan.estimator import MemoryPlan, estimate
 from fitter.memory.plan.host import host_memory
 from fitter.memory.plan.projected import with_projection
+from fitter.memory.plan.tensor_split import meta_buft_name
 from fitter.units import MIB
 
 
@@ -96,7 +97,7 @@ def cpu_bytes_per_token(plan: MemoryPlan) -> float:
     spec = plan.model
     share = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
     total = 0.0
-    device_names = {d.name for d in plan.devices}
+    device_names = {d.name for d in plan.devices} | {meta_buft_name(plan.devices)}  # -sm tensor: the Meta device
     for p in plan.placements:
         if p.buft in device_names:
             continue

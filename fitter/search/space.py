@@ -26,10 +26,11 @@ from fitter.flags import KV_CACHE_TYPES
 from fitter.flags.config import LOAD_MODES
 from fitter.flags.vocabulary import fixing, short_flag
 from fitter.paths import SOURCE_ROOT
-from fitter.search.split import EXPERT_ORDERS
+from fitter.search.split import EXPERT_ORDERS, TENSOR
 
 SHIPPED = ("moe", "dense", "cpu")
 THREAD_SYMBOLS = ("physical", "performance-cores")
+SPACE_SPLIT_MODES = ("layer", TENSOR)  # -sm values a space may list (none is fitter.search.split's own placement)
 FLASH_ATTN_VALUES = ("on", "off", "auto")
 # Fixed by the user for the whole run (a tuned context would change what is being measured), with the flag to use.
 FIXED_ON_COMMAND_LINE = {"ctx-size": "-c", "parallel": "-np", "depth": "-d", "n-depth": "-d"}
@@ -79,6 +80,9 @@ _RULES: dict[str, _Rule] = {
     # in the GPU's pinned host buffers, which op offload copies from faster; -nkvo trades VRAM for host attention
     "load-mode": _Rule(f"values must be one of {', '.join(LOAD_MODES)}", _load_mode),
     "kv-offload": _Rule("values must be true or false", lambda v: type(v) is bool, switch=True),
+    # -sm on two or more GPUs: layer (llama.cpp's default) or tensor parallelism; fitter.search.split writes it
+    "split-mode": _Rule(f"values must be one of {', '.join(SPACE_SPLIT_MODES)}", SPACE_SPLIT_MODES.__contains__,
+                        flag=False),
     "threads": _Rule('values must be integers >= 1, "physical" or "performance-cores"', _thread_count, minimum=1),
     "threads-batch": _Rule('values must be integers >= 1, "physical" or "performance-cores"', _thread_count,
                            minimum=1),
@@ -273,13 +277,23 @@ def resolve(
     return out
 
 
-def for_target(distributions: dict[str, BaseDistribution], *, has_gpu: bool, pinned_host: bool
-               ) -> dict[str, BaseDistribution]:
+def for_target(distributions: dict[str, BaseDistribution], *, has_gpu: bool, pinned_host: bool,
+               tensor_split: bool = False) -> dict[str, BaseDistribution]:
     """`distributions` less the values that cannot differ on this target: without a GPU the KV cache is the host's
     either way (kv-offload: true only); without a device whose host buffer type is page-locked (CUDA_Host,
     Vulkan_Host: an RPC device, the CPU alone), -lm none reads the weights into the same plain memory mmap maps them
-    in, and they run at the same speed (load-mode: its first value only)."""
+    in, and they run at the same speed (load-mode: its first value only). `tensor_split`: llama.cpp can run this
+    model with -sm tensor here (two or more GPUs, an architecture it splits, flash attention possible); where it
+    cannot, split-mode leaves the space (layer, llama.cpp's default, is what runs), and with flash-attn off alone
+    listed tensor is refused (SPLIT_MODE_TENSOR requires flash_attn), so it goes too."""
     out = dict(distributions)
+    fa = out.get("flash-attn")
+    if isinstance(fa, CategoricalDistribution) and set(fa.choices) == {"off"}:
+        tensor_split = False
+    modes = out.get("split-mode")
+    if modes is not None and (not tensor_split or not isinstance(modes, CategoricalDistribution)
+                              or TENSOR not in modes.choices):
+        del out["split-mode"]
     narrow = {"kv-offload": (not has_gpu, True), "load-mode": (not pinned_host, None)}
     for key, (pointless, keep) in narrow.items():
         d = out.get(key)
@@ -317,6 +331,9 @@ def is_valid_combination(params: Mapping[str, Any]) -> str | None:
     # src/llama-context.cpp: "V cache quantization requires flash_attn"; -fa auto is forced on by a quantized V.
     if params.get("flash-attn") == "off" and ctv in KV_CACHE_TYPES and KV_CACHE_TYPES[ctv][0] != 1:
         return f"quantized V cache (cache-type-v={ctv}) needs flash-attn on/auto"
+    # src/llama-context.cpp llama_init_from_model: "SPLIT_MODE_TENSOR requires flash_attn to be enabled"
+    if params.get("flash-attn") == "off" and params.get("split-mode") == TENSOR:
+        return "split-mode=tensor needs flash-attn on/auto"
     b, ub = params.get("batch-size"), params.get("ubatch-size")
     # src/llama-context.cpp: n_ubatch = min(n_batch, n_ubatch), so the run would repeat ubatch-size = batch-size.
     if b is not None and ub is not None and b < ub:

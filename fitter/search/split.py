@@ -12,7 +12,12 @@ devices `n-cpu-moe` becomes these keys, each a llama.cpp flag per device, writte
 - ``expert-order``: which of a device's layers those are: its ``last`` (llama.cpp `--fit`'s order) or ``first``
   (`-ncmoe`'s);
 - ``split-mode`` ``layer`` (the layers across the devices) or ``none`` with ``main-gpu`` (the whole model on that
-  one GPU, src/llama.cpp `llama_model_load_from_file_impl`; under `-sm layer` llama.cpp reads no `-mg`).
+  one GPU, src/llama.cpp `llama_model_load_from_file_impl`; under `-sm layer` llama.cpp reads no `-mg`), or
+  ``tensor`` where the search space lists it (llama.cpp's tensor parallelism: every layer's weights split over all
+  the devices, which the model sees as one "Meta" device, src/llama-model.cpp `llama_meta_device_get_split_state`):
+  there ``n-cpu-moe[0]`` counts the model's expert layers whose experts go to the CPU, its first or last ones as
+  ``expert-order`` says, as on one GPU. A dense model on several GPUs searches ``split-mode`` only when it can be
+  ``tensor``: layer (llama.cpp's own split by free memory, `-ngl` searched) or tensor.
 
 On one GPU ``expert-order`` is searched beside `n-cpu-moe N` when the space lists it: ``first`` is `-ncmoe N`;
 ``last`` keeps as many expert layers on the CPU as `-ncmoe N` would, the model's last ones, as one `-ot` rule
@@ -43,6 +48,7 @@ MODE = "split-mode"
 MAIN = "main-gpu"
 EXPERT_ORDERS = ("last", "first")
 SPLIT_MODES = ("layer", "none")
+TENSOR = "tensor"  # -sm tensor, searched where the space lists it (fitter.search.space.for_target)
 # the flags that fix the placement on several devices: the user's own split, rules, or expert counts
 FIXING_FLAGS = ("tensor_split", "overrides", "split_mode", "main_gpu", "n_gpu_layers")
 
@@ -77,9 +83,17 @@ def experts_rule(layers: list[int]) -> TensorOverride:
 
 def split_dims(distributions: Mapping[str, BaseDistribution], n_devices: int, n_layer: int) -> \
         dict[str, BaseDistribution]:
-    """The space on `n_devices` devices: `n-cpu-moe` (one GPU's placement) replaced by the keys above, in its place."""
+    """The space on `n_devices` devices: `n-cpu-moe` (one GPU's placement) replaced by the keys above, in its place;
+    the space's own `split-mode` (layer, tensor) folded into theirs: tensor beside layer and none. Without
+    `n-cpu-moe` the space's `split-mode` stays where it can be tensor, else goes (layer is llama.cpp's default)."""
+    listed = distributions.get(MODE)
+    modes = tuple(listed.choices) if isinstance(listed, CategoricalDistribution) else ("layer",)
     out: dict[str, BaseDistribution] = {}
     for key, d in distributions.items():
+        if key == MODE:
+            if "n-cpu-moe" not in distributions and TENSOR in modes and n_devices >= 2:
+                out[key] = d
+            continue
         if key != "n-cpu-moe" or n_devices < 2:
             out[key] = d
             continue
@@ -88,7 +102,8 @@ def split_dims(distributions: Mapping[str, BaseDistribution], n_devices: int, n_
         for i in range(n_devices):
             out[experts_key(i)] = IntDistribution(0, n_layer)
         out[ORDER] = distributions.get(ORDER, CategoricalDistribution(EXPERT_ORDERS))  # the space's, if it has one
-        out[MODE] = CategoricalDistribution(SPLIT_MODES)
+        out[MODE] = CategoricalDistribution((*(SPLIT_MODES if "layer" in modes else ()),
+                                             *((TENSOR,) if TENSOR in modes else ())))
         out[MAIN] = IntDistribution(0, n_devices - 1)
     return out
 
@@ -101,10 +116,13 @@ class Split:
     to_cpu: tuple[int, ...]  # per device: how many of its expert layers keep their experts on the CPU
     order: str = "last"
     main: int | None = None  # -sm none -mg main: every layer on that device
+    tensor: bool = False  # -sm tensor: to_cpu is one count, of the model's expert layers (the Meta device's)
 
     def params(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        if self.main is not None:
+        if self.tensor:
+            out[MODE], out[experts_key(0)] = TENSOR, self.to_cpu[0]
+        elif self.main is not None:
             out[MODE], out[MAIN] = "none", self.main
             out[experts_key(self.main)] = self.to_cpu[self.main]
         else:
@@ -119,6 +137,8 @@ class Split:
 def read_split(params: Mapping[str, Any], n_devices: int, n_layer: int) -> Split:
     """The split the params stand for (keys absent: llama.cpp's default split, no experts on the CPU)."""
     order = str(params.get(ORDER, "last"))
+    if params.get(MODE) == TENSOR:
+        return Split(None, (int(params.get(experts_key(0), 0)),), order, tensor=True)
     to_cpu = tuple(int(params.get(experts_key(i), 0)) for i in range(n_devices))
     if params.get(MODE, "layer") == "none":
         return Split(None, to_cpu, order, int(params.get(MAIN, 0)))
@@ -134,8 +154,11 @@ def read_split(params: Mapping[str, Any], n_devices: int, n_layer: int) -> Split
 
 
 def apply_split(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig, split: Split) -> LaunchConfig:
-    """`config` (every layer offloaded) placed as `split` says: -sm none -mg, or -ts, and the experts' rules."""
-    if split.main is not None:
+    """`config` (every layer offloaded) placed as `split` says: -sm tensor, -sm none -mg, or -ts, and the experts'
+    rules."""
+    if split.tensor:
+        config = config.with_given(split_mode=TENSOR)
+    elif split.main is not None:
         config = config.with_given(split_mode="none", main_gpu=split.main)
     elif split.counts is not None:
         config = config.with_given(tensor_split=tuple(float(c) for c in split.counts))
@@ -146,7 +169,12 @@ def apply_split(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConf
 
 
 def experts_to_cpu(spec: ModelSpec, devices: tuple[Device, ...], config: LaunchConfig, split: Split) -> list[int]:
-    """The layers whose experts the split sends to the CPU: per device its first or last n expert layers."""
+    """The layers whose experts the split sends to the CPU: per device its first or last n expert layers (-sm
+    tensor: of the model's, as on one GPU)."""
+    if split.tensor:
+        layers = expert_layers(spec)
+        n = min(split.to_cpu[0], len(layers))
+        return layers[:n] if split.order == "first" else layers[len(layers) - n:]
     out: list[int] = []
     for layers, n in zip(expert_ranges(spec, devices, config), split.to_cpu, strict=True):
         n = min(n, len(layers))

@@ -37,6 +37,9 @@ queries attend n_kv cells on average:
              from the pool; past the free hardware threads each CPU op also waits barrier_wait_us.
   FA:        with -fa on, attention runs at fa_efficiency of its device's rates (the CPU's or the GPU's).
 
+  -sm tensor: the Meta device's work is fitter.sim.tensor_parallel's (every GPU at once on its share, all-reduced
+             over the GPUs' link per subgraph); it offloads no op, and a hand-off to it waits for its slowest GPU.
+
     decode t/s  = 1 / ubatch(1) at n_kv = depth + n/2                         (threads: -t)
     prefill t/s = n_prompt / Σ ubatch(m_i) over the -b/-ub chunks at n_kv = their mean position (-tb, else -t)
 
@@ -63,7 +66,9 @@ from fitter.gguf.model_spec import Role
 from fitter.measure.types import BenchSpec, OomInfo
 from fitter.memory.fit.fit_devices import expert_layers
 from fitter.memory.plan.estimator import CPU, KINDS, Buffer, MemoryPlan, model_devices, row_bytes
+from fitter.memory.plan.tensor_split import meta_buft_name
 from fitter.sim.profile import Cpu, Machine
+from fitter.sim.tensor_parallel import ATTENTION, Work, meta_seconds
 from fitter.units import GIB, MIB
 
 OP_OFFLOAD_MIN_BATCH = 32  # ggml-cuda.cu ggml_backend_cuda_device_offload_op: get_op_batch_size(op) >= 32
@@ -126,10 +131,13 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
     spec, config = plan.model, plan.config
     # the scheduler's GPUs are the model's devices: under -sm none only -mg's (the plan lists every device given)
     gpus = [d.name for d in model_devices(config, plan.devices)]
-    offload = bool(gpus) and not config.no_op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH
+    # -sm tensor: the scheduler's one GPU is the Meta device, run by every GPU at once (fitter.sim.tensor_parallel);
+    # it offloads no op (ggml-backend-meta.cpp: offload_op = nullptr)
+    meta = meta_buft_name(plan.devices) if config.split_mode == "tensor" and gpus else None
+    offload = bool(gpus) and meta is None and not config.no_op_offload and n_tokens >= OP_OFFLOAD_MIN_BATCH
     k_share = spec.n_expert_used / spec.n_expert if spec.n_expert else 1.0
     used = expert_shares(m, plan, n_tokens)
-    work: list[tuple[tuple[int, int], str, float, float]] = []  # (order, device, flops, bytes)
+    work: list[tuple[tuple[int, int], str, float, float, str]] = []  # (order, device, flops, bytes, name)
     pcie = pinned = 0.0
     host_bufts = {d.profile.host_buft for d in plan.devices if d.profile.host_buft}
     for p in plan.placements:
@@ -143,7 +151,7 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
         size: float = t.n_bytes
         if t.role is Role.EXPERT:
             rows, size = n_tokens * k_share, t.n_bytes * used[t.layer]
-        dev = p.buft if p.buft in gpus else CPU
+        dev = p.buft if p.buft in gpus or p.buft == meta else CPU
         if dev == CPU and offload:
             # ggml-backend.cpp ggml_backend_sched_backend_id_from_cur: the first backend that wants the op; the copy
             # DMAs straight from a pinned host buffer (-lm none: CUDA_Host), else through the driver's staging
@@ -152,29 +160,38 @@ def ubatch_stages(m: Machine, plan: MemoryPlan, n_tokens: int, n_kv: float, thre
             else:
                 dev, pcie = gpus[0], pcie + size
         layer = spec.n_layer if t.layer is None else t.layer
-        work.append(((layer, _STEP.get(t.role, 0)), dev, 2.0 * n_el * rows, size))
+        work.append(((layer, _STEP.get(t.role, 0)), dev, 2.0 * n_el * rows, size, t.name))
     for il in range(spec.n_layer_trunk):
-        work.append(((il, 1), *_attention(m, plan, il, n_tokens, n_kv, n_seq)))
+        work.append(((il, 1), *_attention(m, plan, il, n_tokens, n_kv, n_seq), ATTENTION))
     work.sort(key=lambda w: w[0])
-    stages = dict.fromkeys([CPU, *gpus], 0.0)
+    stages = dict.fromkeys([CPU, *gpus] if meta is None else [CPU, meta], 0.0)
     if pcie or pinned:
         first = m.gpu_of(gpus[0])
         stages[gpus[0]] += pcie / first.pcie_gbps / 1e9 + pinned / (first.pcie_pinned_gbps or first.pcie_gbps) / 1e9
     rates = {dev: _rates(m, dev, threads) for dev in {CPU, *gpus}}
-    for _, dev, flops, size in work:
+    on_meta: list[Work] = []
+    for order, dev, flops, size, name in work:
+        if dev == meta:
+            on_meta.append((order, name, flops, size))
+            continue
         f, b = rates[dev]
         stages[dev] += max(flops / f, size / b)
+    if meta is not None:
+        stages[meta] += meta_seconds(m, plan, gpus, on_meta, n_tokens)
     path = [CPU] + [w[1] for w in work]  # the token embedding is looked up on the CPU
     activation = n_tokens * spec.n_embd * 4.0  # the f32 hidden state a split hands to the next device
     for src, dst in itertools.pairwise(path):
         if src == dst:
             continue
         gpu = dst if dst != CPU else src
+        if gpu == meta:  # a hand-off to or from the Meta device waits for its slowest GPU
+            stages[gpu] += max(m.gpu_of(g).split_sync_us for g in gpus) * 1e-6
+            continue
         stages[gpu] += m.gpu_of(gpu).split_sync_us * 1e-6
         if src != CPU and dst != CPU:
             # ggml-cuda.cu ggml_backend_cuda_cpy_tensor_async: cudaMemcpyPeerAsync, over the peer link or the host
             stages[dst] += activation / (m.peer_gbps(src, dst) * 1e9)
-    for dev in gpus:
+    for dev in gpus if meta is None else ():  # the Meta device's launches are in its own seconds
         stages[dev] += sum(w[1] == dev for w in work) * m.gpu_of(dev).launch_us * 1e-6
     sync = m.cpu.sync_us * threads
     if threads > _free_logical(m.cpu):
@@ -220,6 +237,8 @@ def _attention(m: Machine, plan: MemoryPlan, il: int, n_tokens: int, n_kv: float
     # the fused kernel (ggml_compute_forward_flash_attn_ext on the CPU: one query row at a time, every KV cell
     # dequantised and dotted per row, no reuse across the ubatch's queries) may run below the rate of the unfused
     # path's batched mul_mats: llama.cpp #27086 measures ~2x the instructions of a whole pp512 on Neoverse-V2
+    if dev == meta_buft_name(plan.devices):  # -sm tensor: each GPU's own rate, on its share (tensor_parallel)
+        return dev, flops, size
     fa = m.gpu_of(dev).fa_efficiency if dev != CPU else m.cpu.fa_efficiency
     return dev, flops / fa, size / fa
 

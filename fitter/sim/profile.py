@@ -44,6 +44,10 @@ class Gpu:
     name: str = field(default="", metadata={"doc": "what the GPU stands for (e.g. RTX 3060)"})
     peer_gbps: float = _num(0, "achieved copy bandwidth to another GPU, GB/s (0: no peer access, copies go through "
                             "host memory at the slower of the two PCIe links)", 0.0)
+    peer_latency_us: float = _num(0, "per copy to another GPU over the peer link: the copy's start and the event the "
+                                  "receiving stream waits on, μs (-sm tensor's all-reduce steps)", 10.0)
+    host_copy_latency_us: float = _num(0, "per copy to another GPU without peer access, staged through host memory "
+                                       "(GPU to host, then host to GPU), μs (-sm tensor's all-reduce steps)", 30.0)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,17 @@ class Machine:
         if ga.peer_gbps and gb.peer_gbps:
             return min(ga.peer_gbps, gb.peer_gbps)
         return min(ga.pcie_gbps, gb.pcie_gbps)
+
+    def copy_seconds(self, a: str, b: str, n_bytes: float) -> float:
+        """One copy of n_bytes from GPU a to GPU b as -sm tensor's all-reduce makes it (ggml_backend_tensor_copy_async
+        between two devices): over their peer link when both have one, else staged through host memory, over both
+        PCIe links one after the other."""
+        ga, gb = self.gpu_of(a), self.gpu_of(b)
+        if ga.peer_gbps and gb.peer_gbps:
+            latency = max(ga.peer_latency_us, gb.peer_latency_us) * 1e-6
+            return latency + n_bytes / (min(ga.peer_gbps, gb.peer_gbps) * 1e9)
+        latency = max(ga.host_copy_latency_us, gb.host_copy_latency_us) * 1e-6
+        return latency + n_bytes / (ga.pcie_gbps * 1e9) + n_bytes / (gb.pcie_gbps * 1e9)
 
     @property
     def cpu_threads(self) -> int:

@@ -139,6 +139,16 @@ def baseline_candidate(req: TuneRequest, tool: Path | None, targets: tuple[int, 
         # the deployed context, explicitly: the fit must place the model for the context every trial runs with
         # (with -c 0 llama-fit-params resolves a context of its own, not llama-server's)
         config = config.with_given(ctx_size=estimate(req.spec, req.base, (), req.cpu).context.n_ctx)
+        if config.split_mode == "tensor":
+            # common/fit.cpp common_params_fit_impl refuses SPLIT_MODE_TENSOR (llama-fit-params exits 1), and
+            # llama-server's --fit logs that and loads the flags as given (common/common.cpp): that load is the baseline
+            config = config.with_given(fit=False)
+            if req.rpc and not config.rpc:
+                config = config.with_given(rpc=req.rpc)
+            validate(config)
+            threads = req.default_threads
+            return Candidate({}, config, replace(req.bench, threads=threads, threads_batch=threads),
+                             tuple(pin(config, process=ProcessFlags(threads, threads), given=True))), "", ""
         if req.base.mmproj:
             targets, note = projector_margins(req, targets)
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,13 @@ from fitter.measure.types import BenchSpec
 from fitter.memory.backends.devices import CpuProfile, Device, rpc_device_name, rpc_devices
 from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.fit.fit_devices import expert_layers
-from fitter.memory.plan.device_choice import default_devices
+from fitter.memory.plan.device_choice import default_devices, model_devices
+from fitter.memory.plan.tensor_split import tensor_mode_runs
 from fitter.search import split
 from fitter.search.request import CTX_KEY, TuneRequest
 from fitter.search.screen import Budgets
 from fitter.search.space import default_space_name, for_target, load_space, resolve, shipped_space
+from fitter.search.split import TENSOR
 from fitter.storage.studies import machine_dir_name
 from fitter.tune.options import TuneOptions
 from fitter.units import GIB, MIB
@@ -254,6 +256,8 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
     if target.distributions is None and len(devices) > 1 and not set(split.FIXING_FLAGS) & o.base.given:
         # several GPUs: per-device placement instead of -ncmoe's first layers (fitter.search.split)
         distributions = split.split_dims(distributions, len(devices), o.spec.n_layer)
+    elif target.distributions is None:  # the flags place the model (or one GPU): -sm is not the search's to change
+        distributions.pop(split.MODE, None)
     if o.process.threads is not None:
         distributions.pop("threads", None)
     if o.process.threads_batch is not None:
@@ -277,6 +281,16 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
                        rpc=rpc, space_source=source)
 
 
+def _tensor_split(o: TuneOptions, target: Target) -> bool:
+    """Whether llama.cpp runs this model with -sm tensor on the target's GPUs (two to 16 of them, an architecture
+    off llama.cpp's deny-list, flash attention not turned off by the flags: fitter.memory.plan.tensor_split)."""
+    try:
+        n = len(model_devices(replace(o.base, split_mode=TENSOR), target.planned_devices))
+    except FitterError:  # -dev, -ts or -mg that llama.cpp refuses: the estimate says so for every trial
+        return False
+    return tensor_mode_runs(o.spec, o.base, n)
+
+
 def _space(o: TuneOptions, target: Target) -> tuple[dict[str, BaseDistribution], str]:
     """The resolved search space (the target's, else the given or shipped one) less what the flags fix."""
     if target.distributions is not None:  # a replay: the recorded space
@@ -287,7 +301,7 @@ def _space(o: TuneOptions, target: Target) -> tuple[dict[str, BaseDistribution],
         distributions = resolve(space, n_layer=o.spec.n_layer, physical_cores=target.physical_cores,
                                 performance_cores=target.performance_cores, expert_layers=expert_layers(o.spec))
         distributions = for_target(distributions, has_gpu=target.has_gpu, pinned_host=any(
-            d.profile.host_buft for d in target.planned_devices))
+            d.profile.host_buft for d in target.planned_devices), tensor_split=_tensor_split(o, target))
         source = space.source
     fixed = fixed_space_keys(o.base)
     distributions = {k: d for k, d in distributions.items() if k not in fixed}

@@ -24,7 +24,7 @@ from fitter.search.space import (
 
 ALLOWED_KEYS = (
     "n-cpu-moe, n-gpu-layers, expert-order, batch-size, ubatch-size, cache-type-k, cache-type-v, flash-attn, "
-    "load-mode, kv-offload, threads, threads-batch"
+    "load-mode, kv-offload, split-mode, threads, threads-batch"
 )
 NEEDS_FA = "needs flash-attn on/auto"
 KV_TYPES = "f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1"
@@ -39,6 +39,7 @@ _COMMON: dict[str, BaseDistribution] = {
     "threads": CategoricalDistribution((8, 16)),  # performance-cores 8, physical 16: sorted
     "load-mode": CategoricalDistribution(("auto", "none")),
     "kv-offload": CategoricalDistribution((True, False)),
+    "split-mode": CategoricalDistribution(("layer", "tensor")),
     "flash-attn": CategoricalDistribution(("on",)),
 }
 EXPECTED: dict[str, dict[str, BaseDistribution]] = {
@@ -91,7 +92,7 @@ def test_shipped_moe_dimensions_as_written() -> None:
 
 def test_what_cannot_differ_on_a_target_is_left_out() -> None:
     dists = resolve(shipped_space("moe"), **MOE_SHAPE)
-    on_cuda = for_target(dists, has_gpu=True, pinned_host=True)
+    on_cuda = for_target(dists, has_gpu=True, pinned_host=True, tensor_split=True)
     assert on_cuda == dists
     # an RPC device has no pinned host buffer type: -lm none would read the weights into the same memory
     on_rpc = for_target(dists, has_gpu=True, pinned_host=False)
@@ -100,6 +101,21 @@ def test_what_cannot_differ_on_a_target_is_left_out() -> None:
     assert cpu_only["kv-offload"] == CategoricalDistribution((True,))
     assert params_to_flags({"load-mode": "none", "kv-offload": False}) == ["-lm", "none", "-nkvo"]
     assert params_to_flags({"kv-offload": True}) == ["-kvo"]
+
+
+def test_split_mode_is_searched_only_where_tensor_mode_can_run() -> None:
+    dists = resolve(shipped_space("moe"), **MOE_SHAPE)
+    assert for_target(dists, has_gpu=True, pinned_host=True, tensor_split=True) == dists
+    # one GPU, an architecture llama.cpp does not split, -fa off: layer alone, llama.cpp's default, is not searched
+    assert "split-mode" not in for_target(dists, has_gpu=True, pinned_host=True)
+    off = {**dists, "flash-attn": CategoricalDistribution(("off",))}
+    assert "split-mode" not in for_target(off, has_gpu=True, pinned_host=True, tensor_split=True)
+    layer = {**dists, "split-mode": CategoricalDistribution(("layer",))}
+    assert "split-mode" not in for_target(layer, has_gpu=True, pinned_host=True, tensor_split=True)
+    # a trial of tensor mode without flash attention is llama.cpp's refusal, skipped
+    assert is_valid_combination({"split-mode": "tensor", "flash-attn": "off"}) == \
+        "split-mode=tensor needs flash-attn on/auto"
+    assert is_valid_combination({"split-mode": "tensor", "flash-attn": "auto"}) is None
 
 
 def test_shipped_file_is_the_repository_file() -> None:

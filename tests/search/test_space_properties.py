@@ -95,6 +95,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "flash-attn": st.lists(st.sampled_from(FLASH_ATTN_VALUES), min_size=1, max_size=3, unique=True),
     "load-mode": st.lists(st.sampled_from(LOAD_MODES), min_size=1, max_size=3, unique=True),
     "kv-offload": st.lists(st.booleans(), min_size=1, max_size=2, unique=True),
+    "split-mode": st.lists(st.sampled_from(["layer", "tensor"]), min_size=1, max_size=2, unique=True),
     "threads": THREADS | RANGE,
     "threads-batch": THREADS | RANGE,
 }

@@ -208,3 +208,74 @@ def test_on_one_gpu_the_neighbours_flip_the_expert_order_at_the_same_count() -> 
     assert all(p.get("expert-order") in ("last", "first") for p in neighbours(req, screener, last))
     assert {p.get("expert-order") for p in neighbours(req, screener, last)
             if p.get("ubatch-size") != last.get("ubatch-size")} == {"last"}
+
+
+# -- -sm tensor: the GPUs as one device -------------------------------------------------------------------------
+
+
+def test_the_spaces_split_mode_puts_tensor_beside_layer_and_none() -> None:
+    modes = CategoricalDistribution(("layer", "tensor"))
+    moe = split.split_dims({"n-cpu-moe": IntDistribution(0, 24), "split-mode": modes}, 2, 24)
+    assert list(moe) == ["tensor-split[0]", "n-cpu-moe[0]", "n-cpu-moe[1]", "expert-order", "split-mode", "main-gpu"]
+    assert moe["split-mode"] == CategoricalDistribution(("layer", "none", "tensor"))
+    # a dense model: the mode is searched only where it can be tensor (layer alone is llama.cpp's default)
+    dense = {"n-gpu-layers": IntDistribution(0, 41), "split-mode": modes}
+    assert split.split_dims(dense, 2, 40) == dense
+    assert split.split_dims({**dense, "split-mode": CategoricalDistribution(("layer",))}, 2, 40) == \
+        {"n-gpu-layers": IntDistribution(0, 41)}
+    tensor = split.read_split({"split-mode": "tensor", "n-cpu-moe[0]": 3, "n-cpu-moe[1]": 9, "expert-order": "first",
+                               "tensor-split[0]": 5}, 2, 24)
+    assert tensor == split.Split(None, (3,), "first", tensor=True)
+    assert tensor.params() == {"split-mode": "tensor", "n-cpu-moe[0]": 3, "expert-order": "first"}
+
+
+def test_a_tensor_parallel_candidate_sends_the_models_last_expert_layers_to_the_cpu() -> None:
+    req = request("gpu-2x3090")
+    assert req.distributions["split-mode"] == CategoricalDistribution(("layer", "none", "tensor"))
+    cand = candidate(req, {"split-mode": "tensor", "n-cpu-moe[0]": 3, "n-cpu-moe[1]": 7, "expert-order": "last",
+                           "tensor-split[0]": 4, "main-gpu": 1})
+    assert cand.flags == ("-fa", "on", "-ngl", "all", "-ot", rf"blk\.(21|22|23){EXPS}=CPU", "-sm", "tensor", "-t", "8",
+                          "-tb", "8")
+    plan = Screener(req)(cand).plan
+    assert plan is not None
+    on_cpu = {p.tensor.layer for p in plan.placements if p.tensor.role is Role.EXPERT and p.buft == CPU}
+    assert on_cpu == {21, 22, 23} and set(plan.layer_devices) == {"Meta()"}
+    totals = device_totals(plan)
+    assert totals["CUDA0"] > 0 and totals["CUDA1"] > 0
+
+
+def test_the_tensor_placement_is_the_fewest_expert_layers_on_the_cpu_that_fit() -> None:
+    shape = load_model_spec(str(model_file("gpt-oss-120b", sparse=True)))  # ~60 GiB: more than two 3090s hold
+    base = sim_request(load_machine("gpu-2x3090"), shape, shape.path)
+    req = replace(base, distributions=split.split_dims(base.distributions, 2, shape.n_layer))
+    screener = Screener(req)
+    combo = {**combos(req)[0], "threads": 8}
+    placed = screener.placement({**combo, "split-mode": "tensor"})
+    assert placed is not None and placed["split-mode"] == "tensor" and placed["expert-order"] == "last"
+    n = placed["n-cpu-moe[0]"]
+    assert 0 < n < shape.n_layer and screener(candidate(req, placed)).feasible
+    assert not screener(candidate(req, {**placed, "n-cpu-moe[0]": n - 1})).feasible
+    # and a neighbour of the layer split's placement, which in turn has the layer split among its own
+    layered = screener.placement(combo)
+    assert layered is not None and layered["split-mode"] == "layer"
+    assert placed in list(neighbours(req, screener, layered))
+    back = list(neighbours(req, screener, placed))
+    assert layered in back and {**placed, "expert-order": "first"} in back
+
+
+def test_a_dense_model_searches_the_mode_and_its_own_layers_in_each() -> None:
+    qwen = load_model_spec(str(model_file("qwen3-14b", sparse=True)))
+    base = sim_request(load_machine("gpu-2x3090"), qwen, qwen.path)
+    assert base.distributions["split-mode"] == CategoricalDistribution(("layer", "tensor"))
+    req = replace(base, distributions=split.split_dims(base.distributions, 2, qwen.n_layer))
+    screener = Screener(req)
+    combo = {**combos(req)[0], "threads": 8}
+    layered = screener.placement(combo)
+    assert layered == {**combo, "n-gpu-layers": qwen.n_layer + 1}  # llama.cpp's own split: no -sm written
+    tensor = {**combo, "split-mode": "tensor", "n-gpu-layers": qwen.n_layer + 1}
+    assert tensor in list(neighbours(req, screener, layered))
+    assert "-sm" in candidate(req, tensor).flags and "-sm" not in candidate(req, layered).flags
+    # an architecture llama.cpp does not split, or one GPU: the key is not searched
+    deepseek = load_model_spec(str(model_file("deepseek2-tiny", sparse=True)))
+    assert "split-mode" not in sim_request(load_machine("gpu-2x3090"), deepseek, deepseek.path).distributions
+    assert "split-mode" not in sim_request(load_machine("gpu-16gb"), qwen, qwen.path).distributions

@@ -84,6 +84,7 @@ def _request(spec: Any, n_trials: int = 12, objectives: tuple[str, ...] = ("tg",
              threads: tuple[str, ...] = ("performance-cores",)) -> TuneRequest:
     space = shipped_space("moe")
     dists = resolve(space, n_layer=spec.n_layer, physical_cores=4, performance_cores=4)
+    dists.pop("split-mode")  # one GPU: plan_request leaves -sm to llama.cpp (fitter.tune.targets)
     return TuneRequest(model="m.gguf", spec=spec, base=parse_launch_flags(["-c", "4096", "-np", "1"]),
                        distributions=dists,
                        devices=(DEVICE,), budgets=Budgets({DEVICE.name: 40 * MIB}, 64 * 1024 * MIB, {}),

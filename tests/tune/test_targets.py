@@ -98,3 +98,34 @@ def test_several_emulated_gpus_are_planned_one_per_cap_with_their_own_placeholde
     assert target.machine_dir.startswith("emulated-96+48MiB-")
     assert target.physical_cores == 6  # a core for each emulated GPU's server
     assert "2 cores left to the 2 emulated GPUs' servers: trials use up to 6 threads" in target.notes
+
+
+@pytest.mark.parametrize(("machine", "flags", "searched"), [
+    ("gpu-2x3090", [], ("layer", "tensor")),
+    ("gpu-2x3090", ["-sm", "layer"], None),  # the user's -sm
+    ("gpu-2x3090", ["-ts", "1,1"], None),  # a placement the user fixed
+    ("gpu-2x3090", ["-fa", "off"], None),  # llama.cpp refuses tensor mode without flash attention
+    ("gpu-16gb", [], None),  # one GPU
+])
+def test_split_mode_is_searched_where_tensor_mode_runs_and_the_flags_leave_it(
+        machine: str, flags: list[str], searched: tuple[str, ...] | None) -> None:
+    from optuna.distributions import CategoricalDistribution
+
+    from fitter.gguf.model_spec import load_model_spec
+    from fitter.tune.targets import plan_request, sim_target
+    from tests.models import model_file
+    from tests.tune.options import tune_options
+
+    spec = load_model_spec(str(model_file("qwen3-14b", sparse=True)))
+    o = tune_options(model=spec.path, spec=spec, base=parse_launch_flags(["-c", "4096", *flags]), backend="sim",
+                     machine=machine)
+    target = sim_target(machine, None, spec, 0)
+    req = plan_request(o, target, target.planned_devices, ())
+    assert req.distributions.get("split-mode") == (CategoricalDistribution(searched) if searched else None)
+    # a MoE model on llama.cpp's deny-list: its placement's own modes, layer or one GPU, without tensor
+    deepseek = load_model_spec(str(model_file("deepseek2-tiny", sparse=True)))
+    o = tune_options(model=deepseek.path, spec=deepseek, base=parse_launch_flags(["-c", "4096", *flags]),
+                     backend="sim", machine=machine)
+    modes = plan_request(o, target, target.planned_devices, ()).distributions.get("split-mode")
+    spread = machine == "gpu-2x3090" and not {"-sm", "-ts"} & set(flags)  # per-device placement searched
+    assert modes == (CategoricalDistribution(("layer", "none")) if spread else None)

@@ -11,6 +11,12 @@ up to the model's training context.
 
 llama.cpp's own `--fit` (common/fit.cpp) only ever moves the experts of the highest-numbered layers and whole layers;
 placements differ in their compute buffers (the graph splits differently), so fitter judges both orders.
+
+On two or more GPUs with no split given (-sm, -ts, -mg), fit also places the model under `-sm tensor` where llama.cpp
+runs it (the GPUs as one Meta device, placed as one GPU) and keeps that placement only where it holds the whole model
+and the layer split's best does not (a Meta device offloads no op: with weights left on the CPU, tensor mode's
+prefill computes them there instead of copying them to a GPU, a trade of speed); llama.cpp's own `--fit` refuses
+`-sm tensor`.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.backends.devices import CPU_AVX2, CpuProfile, Device
 from fitter.memory.fit.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.fit.fit_devices import DeviceSearch, better, expert_layers
-from fitter.memory.plan.estimator import MemoryPlan, complete, estimate, place
+from fitter.memory.plan.estimator import MemoryPlan, complete, estimate, model_devices, place
 from fitter.memory.plan.projected import Projects, guessed_kinds, with_projection
+from fitter.memory.plan.tensor_split import meta_buft_name, tensor_mode_runs
 from fitter.units import MIB
 
 
@@ -123,14 +130,51 @@ class _Search:
 
 def _expert_layers_on_device(plan: MemoryPlan) -> int:
     """Layers with at least one expert tensor on a device."""
-    names = {d.name for d in plan.devices}
+    names = {d.name for d in plan.devices} | {meta_buft_name(plan.devices)}  # -sm tensor: the Meta() buffer type
     return len({p.tensor.layer for p in plan.placements if p.tensor.role is Role.EXPERT and p.buft in names})
 
 
 def _place(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:
     if len(s.devices) > 1 and base.split_mode == "layer":
-        return _place_across(s, base)
+        across = _place_across(s, base)
+        if not _tensor_too(s, base):
+            return across
+        # -sm tensor: the GPUs as one Meta device, placed as one GPU is; kept only where it holds the whole model
+        # and the layer split cannot. Where the CPU keeps weights, the Meta device offloads no op
+        # (ggml-backend-meta.cpp: offload_op = nullptr): the CPU computes its weights' prompt itself where the layer
+        # split's op offload copies them to a GPU, a trade of speed bytes cannot judge, as is the GPUs' link where
+        # both hold the model (fitter tune measures both). llama.cpp's own --fit refuses -sm tensor.
+        tensor = (_place_moe if s.spec.n_expert else _place_layers)(s, replace(base, split_mode="tensor"))
+        if tensor is not None and _all_on_devices(tensor[1]) and (across is None or _cpu_weight_bytes(across[1])
+                                                                   > _cpu_weight_bytes(tensor[1])):
+            return tensor
+        return across
     return (_place_moe if s.spec.n_expert else _place_layers)(s, base)
+
+
+def _tensor_too(s: _Search, base: LaunchConfig) -> bool:
+    """Whether fit also tries -sm tensor: the flags leave the split mode and the layer split to it, llama.cpp splits
+    the architecture over these devices with flash attention (fitter.memory.plan.tensor_split.check_tensor_mode),
+    and no build's projection is asked (llama-fit-params, which projects, refuses -sm tensor)."""
+    if {"split_mode", "tensor_split", "main_gpu"} & base.given or s.projects is not None:
+        return False
+    try:
+        n = len(model_devices(replace(base, split_mode="tensor"), s.devices))
+    except FitterError:  # -dev or -ts llama.cpp refuses: the layer split's estimate says so
+        return False
+    return tensor_mode_runs(s.spec, base, n)
+
+
+def _all_on_devices(plan: MemoryPlan) -> bool:
+    """Every weight the graph computes with on a device: the host keeps only the token embedding (a row lookup)."""
+    on_devices = {d.name for d in plan.devices} | {meta_buft_name(plan.devices)}
+    return all(p.buft in on_devices or p.tensor.role is Role.EMBEDDING for p in plan.placements)
+
+
+def _cpu_weight_bytes(plan: MemoryPlan) -> int:
+    """Weight bytes left in host memory: the tensors on no device (nor the Meta device of -sm tensor)."""
+    on_devices = {d.name for d in plan.devices} | {meta_buft_name(plan.devices)}
+    return sum(p.tensor.n_bytes for p in plan.placements if p.buft not in on_devices)
 
 
 def _place_across(s: _Search, base: LaunchConfig) -> tuple[LaunchConfig, MemoryPlan] | None:

@@ -38,11 +38,20 @@ def default_devices(devices: tuple[Device, ...]) -> tuple[Device, ...]:
     return rpc + gpus + (igpus if not gpus else ())
 
 
+def tensor_devices(devices: tuple[Device, ...]) -> tuple[Device, ...]:
+    """The devices -sm tensor gives the Meta device unasked (src/llama.cpp `llama_prepare_model_devices`): every
+    registered device whose buffer type is not the CPU's, in registry order, integrated GPUs included and nothing
+    deduplicated; RPC servers register after the local backends (common/arg.cpp --rpc), so they come last."""
+    return (tuple(d for d in devices if d.profile.kind != "rpc")
+            + tuple(d for d in devices if d.profile.kind == "rpc"))
+
+
 def model_devices(config: LaunchConfig, devices: tuple[Device, ...]) -> tuple[Device, ...]:
     """The devices the model uses: those -dev names, in its order (`none`: none), else llama.cpp's default choice
-    (`default_devices`); of them all with -sm layer, with -sm none only -mg's ("if using single GPU mode, remove all
-    except the main GPU"; a negative -mg removes them all). -ts and -mg are checked against the devices here:
-    llama.cpp reads only the first n_devices values of -ts and silently drops the rest."""
+    (`default_devices`; `tensor_devices` with -sm tensor); of them all with -sm layer and tensor, with -sm none
+    only -mg's ("if using single GPU mode, remove all except the main GPU"; a negative -mg removes them all). -ts
+    and -mg are checked against the devices here: llama.cpp reads only the first n_devices values of -ts and
+    silently drops the rest."""
     if config.device_names == ("none",):
         devices = ()
     elif config.device_names:
@@ -54,6 +63,8 @@ def model_devices(config: LaunchConfig, devices: tuple[Device, ...]) -> tuple[De
                                         f"here (invalid device); the devices are {_device_list(devices)}")
             chosen.append(dev)
         devices = tuple(chosen)
+    elif config.split_mode == "tensor":
+        devices = tensor_devices(devices)
     else:
         devices = default_devices(devices)
     if not devices:
@@ -62,11 +73,11 @@ def model_devices(config: LaunchConfig, devices: tuple[Device, ...]) -> tuple[De
         raise LaunchConfigError(
             f"-ts {','.join(f'{x:g}' for x in config.tensor_split)}: {len(config.tensor_split)} values for "
             f"{len(devices)} device(s) ({_device_list(devices)}); give one value per device")
-    if config.split_mode in ("row", "tensor"):
-        # row: CUDA's split buffer type (ggml_backend_split_buffer_type, RPC has none); tensor: experimental
+    if config.split_mode == "row":
+        # CUDA's split buffer type (ggml_backend_split_buffer_type, RPC has none), which llama.cpp 0c1e570 still has
         raise LaunchConfigError(
-            f"-sm {config.split_mode}: fitter's estimator models -sm layer and -sm none only (llama.cpp's "
-            f"{config.split_mode} split spreads each weight over the GPUs); use -sm layer or none")
+            "-sm row: fitter's estimator models -sm layer, tensor and none only (llama.cpp's row split spreads "
+            "each matrix over CUDA's split buffer type); use -sm layer or tensor")
     if config.split_mode != "none":
         return devices
     if config.main_gpu < 0:

@@ -25,6 +25,7 @@ from fitter.memory.plan.device_choice import layer_devices, model_devices, pipel
 from fitter.memory.plan.kv_cache import check_cache_types, kv_buffers, kv_cache_sizes
 from fitter.memory.plan.mmproj import projector_buffers
 from fitter.memory.plan.projected import guess_warning
+from fitter.memory.plan.tensor_split import check_tensor_mode, meta_device, tensor_kv_buffers, tensor_model_buffers
 
 __all__ = ["CPU", "KINDS", "Buffer", "DeviceTotals", "MemoryPlan", "Placement", "alloc_size", "complete", "estimate",
            "first_failure", "kv_cache_sizes", "layer_devices", "model_devices", "pipeline_parallel", "place",
@@ -293,6 +294,7 @@ class Placed:
     placements: tuple[Placement, ...]
     buffers: tuple[Buffer, ...]  # model, then KV
     cpu: CpuProfile = CPU_AVX2  # a draft model is placed with it too
+    meta: Device | None = None  # -sm tensor: the one device the model sees (fitter.memory.plan.tensor_split)
 
     def device_bytes(self) -> dict[str, int]:
         """Bytes per device so far: a lower bound of the plan's device totals (compute buffers only add)."""
@@ -324,9 +326,15 @@ def place(
             f"-b {ctx.n_batch} with {ctx.n_seq_max} sequences (-np): llama.cpp aborts making the context, its logits "
             "reserved for fewer outputs than sequences (src/llama-context.cpp output_reserve); give -b >= -np")
     warnings = list(ctx.warnings)
-    if devices and config.n_gpu_layers == -1 and config.fit:
+    if devices and config.n_gpu_layers == -1 and config.fit and config.split_mode == "tensor":
+        # common/fit.cpp common_params_fit_impl throws for TENSOR; common_fit_params logs it and the load goes on
+        warnings.append("--fit: llama.cpp does not fit -sm tensor (llama_params_fit is not implemented for "
+                        "SPLIT_MODE_TENSOR) and loads every layer as given; this estimate offloads all")
+    elif devices and config.n_gpu_layers == -1 and config.fit:
         warnings.append("-ngl auto: llama-server's --fit may keep layers on the CPU; this estimate offloads all")
     devices = model_devices(config, devices)
+    if config.split_mode == "tensor":
+        return _place_tensor(spec, config, ctx, warnings, devices, cpu)
     unmapped = [d.name for d in devices if not d.profile.mmap]
     if config.load_mode == "auto" and unmapped:
         # src/llama-model.cpp: in load mode auto, a model device that cannot map the file (caps.mmap_support false:
@@ -338,6 +346,39 @@ def place(
     placements = place_tensors(spec, config, devices, layer_dev, cpu)
     buffers = model_buffers(placements, config, devices) + kv_buffers(spec, config, ctx, layer_dev)
     return Placed(ctx, tuple(warnings), devices, layer_dev, tuple(placements), tuple(buffers), cpu)
+
+
+def _place_tensor(spec: ModelSpec, config: LaunchConfig, ctx: ContextParams, warnings: list[str],
+                  devices: tuple[Device, ...], cpu: CpuProfile) -> Placed:
+    """`place` under -sm tensor: the layers go to the one Meta device as to a single GPU (src/llama-model.cpp
+    `load_tensors`: splits = {1.0}), flash attention is on (src/llama-context.cpp `llama_init_from_model`), and the
+    Meta device's weights and KV cache are split per device (fitter.memory.plan.tensor_split). The Meta device maps
+    nothing from the file (buffer_from_host_ptr false), so load mode auto stays as it is."""
+    check_tensor_mode(spec, config, len(devices))
+    if config.flash_attn == "auto":
+        warnings.append("-sm tensor: llama.cpp turns flash attention on, which the tensor split requires")
+    if len(devices) > 1:  # ggml-backend-meta.cpp graph_compute: the reduction scratch, made at the first compute
+        steps = (len(devices) - 1).bit_length()  # ceil(log2(n_devs))
+        partial = 4 * spec.n_embd * ctx.n_ubatch * (spec.n_expert_used if spec.n_expert else 1)
+        warnings.append(f"-sm tensor: each device also takes {steps} x {partial / 2**20:.2f} MiB of all-reduce "
+                        "scratch at the first compute (the largest row-parallel output, f32), plus NCCL's own "
+                        "memory on CUDA: outside llama.cpp's logged buffers, not in this estimate")
+    if len(devices) == 1:  # src/llama-context.cpp llama_init_from_model
+        warnings.append(f"-sm tensor on one device ({devices[0].name}): llama.cpp warns it is not recommended")
+    ctx = replace(ctx, flash_attn=True, auto_fa=False, v_trans=False)
+    check_cache_types(spec, config, ctx)
+    meta = meta_device(devices)
+    layer_dev = layer_devices(spec, replace(config, tensor_split=()), (meta,))
+    placements = place_tensors(spec, config, (meta,), layer_dev, cpu)
+    on_meta = [p.tensor for p in placements if p.buft == meta.name]
+    buffers = tensor_model_buffers(spec, on_meta, devices, config.tensor_split)
+    buffers += model_buffers([p for p in placements if p.buft != meta.name], config, devices)
+    offloaded = tuple(d is not None and not config.no_kv_offload for d in layer_dev[:spec.n_layer])
+    kv = tensor_kv_buffers(spec, config, ctx, kv_cache_sizes(spec, ctx), devices, offloaded)
+    if not all(offloaded):  # the cache of layers on the CPU (or all of it under -nkvo) is the CPU's as ever
+        host_layers = tuple(None if off else d for d, off in zip(layer_dev, offloaded, strict=False))
+        kv += [b for b in kv_buffers(spec, config, ctx, (*host_layers, layer_dev[-1])) if b.device == CPU]
+    return Placed(ctx, tuple(warnings), devices, layer_dev, tuple(placements), tuple(buffers + kv), cpu, meta)
 
 
 def _short_of_pipeline(placed: Placed, devices: tuple[Device, ...], compute: list[Buffer]) -> str | None:
@@ -362,14 +403,15 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
     (the `-fa auto` probe, still scheduled for its check), which is the larger on the host, rarely on a device. The
     fit judges devices with it and estimates what it returns in full (fitter.memory.fit.fit)."""
     ctx, layer_dev, placements = placed.ctx, placed.layer_dev, placed.placements
-    used = placed.devices
+    used = placed.devices if placed.meta is None else (placed.meta,)  # -sm tensor: the scheduler sees one device
     warnings = list(placed.warnings)
     guess = guess_warning(spec, devices)
     if guess is not None:
         warnings.append(guess)
     cache_types = (config.cache_type_k, config.cache_type_v)
+    # the Meta device has no offload_op (ggml-backend-meta.cpp), and the scheduler pipelines only with -sm layer
     backends = backend_map(used, layer_dev, {p.tensor.name: p.buft for p in placements}, config.no_kv_offload,
-                           not config.no_op_offload, pipeline_parallel(spec, config, used))
+                           not config.no_op_offload and placed.meta is None, pipeline_parallel(spec, config, used))
     replayed = Replayed()  # this estimate's graphs only
     bad_layer = auto_flash_attn_mismatch(spec, ctx, backends, kv_cache_sizes(spec, ctx), cache_types, used,
                                          None if prompt_only else replayed)
@@ -389,6 +431,12 @@ def complete(spec: ModelSpec, config: LaunchConfig, devices: tuple[Device, ...],
         compute = compute_buffers(spec, ctx, layer_dev, used, backends, cache_types, None, prompt_only)
         warnings.append(f"{short}: pipeline parallelism's compute buffers do not fit its free memory, so llama.cpp "
                         "retries without it (one copy of the scheduler's inputs)")
+    if placed.meta is not None:
+        # ggml-backend-meta.cpp `ggml_backend_meta_buffer_type_alloc_buffer`: the graph is planned at full size and
+        # that size is allocated on every device
+        meta = placed.meta.name
+        compute = [c for b in compute for c in ([replace(b, device=d.name) for d in placed.devices]
+                                                 if b.device == meta else [b])]
     buffers += compute
     buffers.append(output_buffer(spec, ctx, layer_dev))
     draft = _draft_plan(spec, config, devices, ctx, buffers, placed.cpu, prompt_only)

@@ -191,3 +191,21 @@ def test_what_fit_returns_is_estimated_in_full() -> None:
     host = [b.bytes for b in judged.buffers if b.kind == "compute" and b.device == "CPU"]
     assert host < [b.bytes for b in full.buffers if b.kind == "compute" and b.device == "CPU"]
     assert result.fits and result.plan.buffers == full.buffers and result.plan.warnings == full.warnings
+
+
+@pytest.mark.parametrize(("mib", "mode", "ngl"), [
+    (8800, "layer", 39),  # neither holds the model: the layer split, whose op offload runs the CPU's prompt on a GPU
+    (8900, "tensor", 41),  # the two halves of every layer hold it all where whole layers leave two on the CPU
+    (9000, "layer", -2),  # both hold it: llama.cpp's default (which is faster is the link's to say: fitter tune)
+])
+def test_on_two_gpus_fit_answers_with_tensor_mode_where_only_it_holds_the_model(mib: int, mode: str,
+                                                                                  ngl: int) -> None:
+    spec = load_model_spec(str(model_file("qwen3-14b", sparse=True)))  # 40 layers
+    devices = (_device(mib), _device(mib, name="CUDA1"))
+    result = fit(spec, parse_launch_flags(["-c", "8192", "-fa", "on"]), devices)
+    assert result.fits and (result.config.split_mode, result.config.n_gpu_layers) == (mode, ngl)
+    assert all(_used(result.plan, d.name) <= result.budgets[d.name] for d in devices)
+    # -sm given, or -fa off (llama.cpp refuses tensor mode without flash attention): the layer split only
+    for flags in (["-sm", "layer"], ["-fa", "off"]):
+        kept = fit(spec, parse_launch_flags(["-c", "8192", *flags]), devices)
+        assert kept.config.split_mode == "layer"

@@ -171,8 +171,11 @@ def test_sm_none_puts_everything_on_the_main_gpu() -> None:
     (["-ts", "1,1,1"], "-ts 1,1,1: 3 values for 2 device(s) (CUDA0, CUDA1); give one value per device"),
     (["-sm", "none", "-mg", "2"],
      "-mg 2: invalid value for main_gpu with -sm none: 2 device(s) (CUDA0, CUDA1), numbered from 0"),
-    (["-sm", "row"], "-sm row: fitter's estimator models -sm layer and -sm none only (llama.cpp's row split "
-                     "spreads each weight over the GPUs); use -sm layer or none"),
+    (["-sm", "row"], "-sm row: fitter's estimator models -sm layer, tensor and none only (llama.cpp's row split "
+                     "spreads each matrix over CUDA's split buffer type); use -sm layer or tensor"),
+    (["-sm", "tensor", "-fa", "off"],
+     "-fa off: llama.cpp's -sm tensor requires flash attention (SPLIT_MODE_TENSOR requires flash_attn to be enabled, "
+     "the context is not made); use -fa on or auto"),
     (["-ot", r"blk\.0\.=CUDA2"], "-ot blk\\.0\\.=CUDA2: unknown buffer type 'CUDA2'; available: CPU, CUDA0, CUDA1"),
 ])
 def test_placement_flags_that_name_missing_devices_are_one_line_errors(flags: list[str], message: str) -> None:
