@@ -56,6 +56,8 @@ PAIRS = {  # id -> (model, projector)
     "llama+gemma3-d48": ("llama-tiny", "gemma3-d48"),
     "llama+qwen2vl": ("llama-tiny", "qwen2vl-l2"),
     "llama+qwen25vl": ("llama-tiny", "qwen25vl-l2"),
+    "llama+qwen3vl": ("llama-tiny", "qwen3vl-l2"),
+    "llama+pixtral": ("llama-tiny", "pixtral-l2"),
     "demo+gemma3-448": ("demo", "gemma3-l4-448"),
 }
 C1K = ["-c", "1024"]
