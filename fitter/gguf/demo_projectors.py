@@ -53,6 +53,7 @@ PROJECTORS: dict[str, ProjectorShape] = {
                        n_deepstack=1),
         # Mistral Small 3.x's: the 2×2 patch merger
         ProjectorShape("pixtral-l2", "pixtral", n_head=2, patch_size=8, n_merge=2),
+        ProjectorShape("llama4-l2", "llama4", n_head=2, n_merge=2),
     )
 }
 
@@ -85,13 +86,16 @@ def write_projector(shape: ProjectorShape, text_n_embd: int, path: Path, seed: i
     w.add_vision_image_std([0.5, 0.5, 0.5])
     if shape.projector_type not in ("qwen2.5vl_merger", "pixtral"):  # theirs are SiLU-gated (use_silu below)
         w.add_vision_use_gelu(True)
-    if shape.projector_type == "gemma3":
+    if shape.projector_type in ("gemma3", "llama4"):
         w.add_vision_projector_scale_factor(shape.n_merge)
     if shape.projector_type == "qwen3vl_merger":
         _qwen3vl(w, shape, text_n_embd, mat, vec)
         return _close(w, path)
     if shape.projector_type == "pixtral":
         _pixtral(w, shape, text_n_embd, mat, vec)
+        return _close(w, path)
+    if shape.projector_type == "llama4":
+        _llama4(w, shape, text_n_embd, mat, vec)
         return _close(w, path)
     if shape.projector_type.startswith("qwen"):
         _qwen(w, shape, text_n_embd, mat, vec)
@@ -227,3 +231,33 @@ def _pixtral(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: A
     w.add_tensor("mm.2.weight", mat(text_n_embd, text_n_embd))
     w.add_tensor("mm.2.bias", vec(text_n_embd))
     w.add_tensor("v.token_embd.img_break", vec(text_n_embd))
+
+
+def _llama4(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: Any, vec: Any) -> None:
+    """Llama 4's vision encoder (conversion/llama.py Llama4VisionModel, clip.cpp load_tensors): the patch
+    convolution as a [3·p², n_embd] matrix, the [CLS] row and a learned position per patch and for it, LayerNorms
+    and projections with biases, a GELU FFN, the adapter MLP mm.model.mlp.1 / .2 and the projection mm.model.fc
+    (no biases)."""
+    e, f, p, m = shape.n_embd, shape.n_ff, shape.patch_size, shape.n_merge
+    n_pos = (shape.image_size // p) ** 2 + 1
+    w.add_tensor("v.patch_embd.weight", mat(e, 3 * p * p))
+    w.add_tensor("v.class_embd", vec(e))
+    w.add_tensor("v.position_embd.weight", vec(n_pos * e).reshape(n_pos, e))
+    for i in range(shape.n_layer):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(e, e))
+            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
+            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
+        w.add_tensor(f"v.blk.{i}.ffn_up.weight", mat(f, e))
+        w.add_tensor(f"v.blk.{i}.ffn_up.bias", vec(f))
+        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
+        w.add_tensor(f"v.blk.{i}.ffn_down.bias", vec(e))
+    for name in ("pre_ln", "post_ln"):
+        w.add_tensor(f"v.{name}.weight", vec(e, ones=True))
+        w.add_tensor(f"v.{name}.bias", vec(e))
+    hidden = 2 * e
+    w.add_tensor("mm.model.mlp.1.weight", mat(hidden, e * m * m))
+    w.add_tensor("mm.model.mlp.2.weight", mat(hidden, hidden))
+    w.add_tensor("mm.model.fc.weight", mat(text_n_embd, hidden))

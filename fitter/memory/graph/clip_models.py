@@ -1,6 +1,7 @@
 """More projector types' warm-up graphs (tools/mtmd/models/*.cpp), built from fitter.memory.graph.clip_builder's
 blocks node for node: the Qwen3-VL merger (models/qwen3vl.cpp), Pixtral and Mistral Small 3.x's patch merger
-(models/pixtral.cpp).
+(models/pixtral.cpp), Llama 4's
+(models/llama4.cpp).
 """
 
 from __future__ import annotations
@@ -117,3 +118,41 @@ def pixtral(c: ClipBuilder) -> Tensor:
     tok = g.dup_op("SCALE", g.new(cur.type, width, 1, side))  # ggml_new_tensor_3d, cleared by a scale of 0
     tmp = _concat1(g.reshape(cur, width, side, side), g.dup_op("ADD", tok, brk))
     return g.view(tmp, (width, side * side + side - 1), (tmp.nb[1],))
+
+
+def llama4(c: ClipBuilder) -> Tensor:
+    """models/llama4.cpp: the patches unfolded by an IM2COL (the patch matrix reshaped as its kernel) and one
+    matmul, the [CLS] row concatenated, build_vit with the learned positions added and a 2D RoPE (by column, then
+    by row), the [CLS] row viewed away, the pixel shuffle (n_merge² patches a row: a permute made contiguous twice),
+    the adapter MLP (two matmuls, each followed by GELU) and the projection."""
+    p = c.p
+    n, n_patches = c.n_patches_x, c.n_patches
+    n_pos = n_patches + 1
+    pos_h = g.input_tensor("I32", n_pos, name="pos_h")
+    pos_w = g.input_tensor("I32", n_pos, name="pos_w")
+
+    def rope_2d(t: Tensor) -> Tensor:
+        return g.dup_op("ROPE", g.dup_op("ROPE", t, pos_w), pos_h)
+
+    raw = c.raw()
+    patch, cls, pos = c.w("v.patch_embd.weight"), c.w("v.class_embd"), c.w("v.position_embd.weight")
+    assert patch is not None and cls is not None and pos is not None
+    kernel = g.reshape(patch, p.patch_size, p.patch_size, 3, p.n_embd)
+    cur = g.new("F32", 3 * p.patch_size ** 2, n, n, 1, op="IM2COL", src=(kernel, raw))
+    cur = g.reshape(g.mul_mat(patch, cur), p.n_embd, n_patches)
+    cur = _concat1(cur, cls)
+    cur = g.reshape(g.dup_op("ADD", cur, pos), p.n_embd, n_pos)  # build_vit: learned positions, batch flattened
+    if c.w("v.pre_ln.weight") is not None:
+        cur = c.norm(cur, "v.pre_ln")
+    for il in range(p.n_layer):
+        cur = c.layer(cur, il, n_pos, add_pos=rope_2d)
+    if c.w("v.post_ln.weight") is not None:
+        cur = c.norm(cur, "v.post_ln")
+    cur = g.reshape(cur, p.n_embd, n_pos, 1)
+    cur = g.view(cur, (p.n_embd, n_patches), (cur.nb[1],))
+    m = p.n_merge
+    cur = g.permute(g.reshape(cur, p.n_embd * m, n // m, n, 1), 0, 2, 1, 3)
+    cur = g.cont(g.cont(cur, p.n_embd * m * m, n // m, n // m, 1), p.n_embd * m * m, n_patches // (m * m))
+    for name in ("mm.model.mlp.1.weight", "mm.model.mlp.2.weight"):
+        cur = g.dup_op("UNARY", g.mul_mat(c.weights[name], cur))
+    return g.mul_mat(c.weights["mm.model.fc.weight"], cur)
