@@ -59,6 +59,7 @@ PAIRS = {  # id -> (model, projector)
     "llama+qwen3vl": ("llama-tiny", "qwen3vl-l2"),
     "llama+pixtral": ("llama-tiny", "pixtral-l2"),
     "llama+llama4": ("llama-tiny", "llama4-l2"),
+    "llama+glm4v": ("llama-tiny", "glm4v-l2"),
     "demo+gemma3-448": ("demo", "gemma3-l4-448"),
 }
 C1K = ["-c", "1024"]

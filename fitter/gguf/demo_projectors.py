@@ -54,6 +54,7 @@ PROJECTORS: dict[str, ProjectorShape] = {
         # Mistral Small 3.x's: the 2×2 patch merger
         ProjectorShape("pixtral-l2", "pixtral", n_head=2, patch_size=8, n_merge=2),
         ProjectorShape("llama4-l2", "llama4", n_head=2, n_merge=2),
+        ProjectorShape("glm4v-l2", "glm4v", n_embd=64, n_ff=160, n_head=1, patch_size=8, n_merge=2),
     )
 }
 
@@ -84,7 +85,7 @@ def write_projector(shape: ProjectorShape, text_n_embd: int, path: Path, seed: i
     w.add_vision_patch_size(p)
     w.add_vision_image_mean([0.5, 0.5, 0.5])
     w.add_vision_image_std([0.5, 0.5, 0.5])
-    if shape.projector_type not in ("qwen2.5vl_merger", "pixtral"):  # theirs are SiLU-gated (use_silu below)
+    if shape.projector_type not in ("qwen2.5vl_merger", "pixtral", "glm4v"):  # theirs are SiLU-gated (use_silu below)
         w.add_vision_use_gelu(True)
     if shape.projector_type in ("gemma3", "llama4"):
         w.add_vision_projector_scale_factor(shape.n_merge)
@@ -96,6 +97,9 @@ def write_projector(shape: ProjectorShape, text_n_embd: int, path: Path, seed: i
         return _close(w, path)
     if shape.projector_type == "llama4":
         _llama4(w, shape, text_n_embd, mat, vec)
+        return _close(w, path)
+    if shape.projector_type == "glm4v":
+        _glm4v(w, shape, text_n_embd, mat, vec)
         return _close(w, path)
     if shape.projector_type.startswith("qwen"):
         _qwen(w, shape, text_n_embd, mat, vec)
@@ -261,3 +265,35 @@ def _llama4(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: An
     w.add_tensor("mm.model.mlp.1.weight", mat(hidden, e * m * m))
     w.add_tensor("mm.model.mlp.2.weight", mat(hidden, hidden))
     w.add_tensor("mm.model.fc.weight", mat(text_n_embd, hidden))
+
+
+def _glm4v(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: Any, vec: Any) -> None:
+    """GLM-4.5V / 4.6V's encoder (conversion/qwen3vl.py Glm4VVisionModel, clip.cpp load_tensors and
+    models/glm4v.cpp's asserts): two patch kernels and the patch bias, the post-conv RMS norm, a learned position
+    table, a fused QKV and RMS norms without biases, a SiLU-gated FFN, the merger's convolution (n_merge² patches to
+    the text width) with its bias, the FC projector mm.model.fc with its LayerNorm mm.post_norm and the gated FFN
+    projector mm.gate / mm.up / mm.down."""
+    e, f, p, m, t = shape.n_embd, shape.n_ff, shape.patch_size, shape.n_merge, text_n_embd
+    w.add_vision_use_silu(True)
+    w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
+    w.add_tensor("v.patch_embd.weight.1", mat(e, 3, p, p))
+    w.add_tensor("v.patch_embd.bias", vec(e))
+    w.add_tensor("v.norm_embd.weight", vec(e, ones=True))
+    w.add_tensor("v.position_embd.weight", vec((shape.image_size // p) ** 2 * e).reshape(-1, e))
+    for i in range(shape.n_layer):
+        w.add_tensor(f"v.blk.{i}.attn_qkv.weight", mat(3 * e, e))
+        w.add_tensor(f"v.blk.{i}.attn_out.weight", mat(e, e))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
+        for name in ("ffn_gate", "ffn_up"):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(f, e))
+        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
+    w.add_tensor("v.post_ln.weight", vec(e, ones=True))
+    w.add_tensor("mm.patch_merger.weight", mat(t, e, m, m))
+    w.add_tensor("mm.patch_merger.bias", vec(t))
+    w.add_tensor("mm.model.fc.weight", mat(t, t))
+    w.add_tensor("mm.post_norm.weight", vec(t, ones=True))
+    w.add_tensor("mm.post_norm.bias", vec(t))
+    for name in ("mm.gate", "mm.up"):
+        w.add_tensor(f"{name}.weight", mat(2 * t, t))
+    w.add_tensor("mm.down.weight", mat(t, 2 * t))

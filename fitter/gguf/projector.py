@@ -71,7 +71,7 @@ class ProjectorSpec:
         side = self.warmup_image_size // self.patch_size
         if self.projector_type in ("gemma3", "idefics3", "llama4"):
             return (side // self.n_merge) ** 2
-        if self.projector_type in QWEN_MERGERS:
+        if self.projector_type in (*QWEN_MERGERS, "glm4v"):  # two convolutions: a token per 2×2 patches
             return (side // 2) ** 2
         if self.projector_type == "pixtral":  # one [IMG_BREAK] per row but the last (it requires the token)
             rows = side // self.n_merge
@@ -99,7 +99,8 @@ def _key(meta: Any, path: str, name: str, default: Any = None) -> Any:
 def _n_mmproj_embd(ptype: str, tensors: dict[str, ProjectorTensor], projection_dim: int, n_layer: int) -> int:
     """clip.cpp `clip_n_mmproj_embd`, for the projector types whose output width a tensor gives; Qwen3-VL's is the
     merger's times 1 + its deepstack layers (load_tensors counts the layers below n_layer with a deepstack fc1)."""
-    by = {"gemma3": ("mm.input_projection.weight", 0), "mlp": ("mm.2.weight", 1), "pixtral": ("mm.2.weight", 1),
+    by = {"gemma3": ("mm.input_projection.weight", 0), "mlp": ("mm.2.weight", 1),
+          "pixtral": ("mm.2.weight", 1), "glm4v": ("mm.down.weight", 1),
           "idefics3": ("mm.model.fc.weight", 1), "llama4": ("mm.model.fc.weight", 1),
           **{t: ("mm.2.bias", 0) for t in QWEN_MERGERS}}
     if ptype in by:

@@ -88,24 +88,38 @@ class ClipBuilder:
             cur = g.cont(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
         return self.linear(cur, f"v.blk.{il}.attn_out")
 
-    def ffn(self, x: Tensor, prefix: str, up: str = "ffn_up", down: str = "ffn_down") -> Tensor:
+    def ffn(self, x: Tensor, prefix: str, up: str = "ffn_up", down: str = "ffn_down", gate: str = "ffn_gate") -> Tensor:
         """clip_graph::build_ffn: up (+ bias), the gate (+ bias) where there is one, the activation (a GLU of the
         two), down (+ bias)."""
         tmp = self.linear(x, f"{prefix}.{up}")
-        if self.w(f"{prefix}.ffn_gate.weight") is not None:
-            cur = g.glu("GLU", self.linear(x, f"{prefix}.ffn_gate"), tmp)
+        if self.w(f"{prefix}.{gate}.weight") is not None:
+            cur = g.glu("GLU", self.linear(x, f"{prefix}.{gate}"), tmp)
         else:
             cur = g.dup_op("UNARY", tmp)
         return self.linear(cur, f"{prefix}.{down}")
 
+    def qkv_views(self, qkv: Tensor, n_pos: int, width: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K and V as views into a fused QKV's F32 rows, [d_head, n_head, n_pos] at offsets 0, `width` and twice
+        that (build_vit: n_head·d_head; qwen3vl.cpp: n_embd)."""
+        p, row = self.p, 4
+        width = width or p.n_head * p.d_head
+        q, k, v = (g.view(qkv, (p.d_head, p.n_head, n_pos), (row * p.d_head, qkv.nb[1]), row * width * i)
+                   for i in range(3))
+        return q, k, v
+
     def layer(self, inp_l: Tensor, il: int, n_pos: int, rms: bool = False,
               add_pos: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        """One encoder layer of clip_graph::build_vit (llava.cpp's is the same for these tensors): separate Q, K
-        and V, build_vit's add_pos (a RoPE) on Q and K where the model has one."""
+        """One encoder layer of clip_graph::build_vit (llava.cpp's is the same for these tensors): a fused QKV
+        (three views into one matmul) or separate Q, K and V, build_vit's add_pos (a RoPE) on Q and K where the
+        model has one."""
         p, pre = self.p, f"v.blk.{il}"
         cur = self.norm(inp_l, f"{pre}.ln1", rms)
-        q, k, v = (g.reshape(self.linear(cur, f"{pre}.{name}"), p.d_head, n_head, n_pos, 1)
-                   for name, n_head in (("attn_q", p.n_head), ("attn_k", p.n_head_kv), ("attn_v", p.n_head_kv)))
+        if self.w(f"{pre}.attn_qkv.weight") is not None:
+            q, k, v = self.qkv_views(self.linear(cur, f"{pre}.attn_qkv"), n_pos)
+        else:
+            q, k, v = (g.reshape(self.linear(cur, f"{pre}.{name}"), p.d_head, n_head, n_pos, 1)
+                       for name, n_head in (("attn_q", p.n_head), ("attn_k", p.n_head_kv),
+                                            ("attn_v", p.n_head_kv)))
         if add_pos is not None:
             q, k = add_pos(q), add_pos(k)
         cur = g.dup_op("ADD", self.attn(q, k, v, il), inp_l)

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from fitter.gguf.projector import ProjectorSpec
 from fitter.memory.graph import ggml_graph as g
 from fitter.memory.graph.clip_builder import ClipBuilder, cast
-from fitter.memory.graph.clip_models import llama4, pixtral, qwen3vl
+from fitter.memory.graph.clip_models import glm4v, llama4, pixtral, qwen3vl
 from fitter.memory.graph.ggml_graph import Graph, Tensor
 
-CLIP_ARCHS = ("gemma3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "pixtral", "llama4")
+CLIP_ARCHS = ("gemma3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "pixtral", "llama4",
+              "glm4v")
 
 
 def _qwen2vl(c: ClipBuilder) -> Tensor:
@@ -123,7 +124,7 @@ def _mlp(c: ClipBuilder) -> Tensor:
 
 _BUILDERS: dict[str, Callable[[ClipBuilder], Tensor]] = {"gemma3": _gemma3, "mlp": _mlp, "qwen2vl_merger": _qwen2vl,
                                                    "qwen2.5vl_merger": _qwen2vl, "qwen3vl_merger": qwen3vl,
-                                                   "pixtral": pixtral, "llama4": llama4}
+                                                   "pixtral": pixtral, "llama4": llama4, "glm4v": glm4v}
 
 
 def clip_graph(p: ProjectorSpec, flash_attn: bool, weight_backend: int = 0) -> Graph:

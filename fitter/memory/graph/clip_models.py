@@ -1,7 +1,7 @@
 """More projector types' warm-up graphs (tools/mtmd/models/*.cpp), built from fitter.memory.graph.clip_builder's
 blocks node for node: the Qwen3-VL merger (models/qwen3vl.cpp), Pixtral and Mistral Small 3.x's patch merger
 (models/pixtral.cpp), Llama 4's
-(models/llama4.cpp).
+(models/llama4.cpp) and GLM-4.5V / 4.6V's (models/glm4v.cpp).
 """
 
 from __future__ import annotations
@@ -17,6 +17,16 @@ def _merge_rows(t: Tensor, n_embd: int, nx: int) -> Tensor:
     t = g.cont(t, n_embd * 2, nx // 2, nx, 1)
     t = g.permute(g.reshape(t, n_embd * 2, nx // 2, 2, nx // 2), 0, 2, 1, 3)
     return g.cont(t, n_embd, nx * nx, 1)
+
+
+def _conv_patches(kernel: Tensor, x: Tensor) -> Tensor:
+    """ggml_conv_2d with the kernel's size as its stride and no padding (ggml.c: an IM2COL to F16, F32 for a BF16
+    kernel, a matmul, a permute made contiguous): [OW, OH, OC, N]."""
+    ow, oh, n = x.ne[0] // kernel.ne[0], x.ne[1] // kernel.ne[1], x.ne[3]
+    k = kernel.ne[0] * kernel.ne[1] * kernel.ne[2]
+    col = g.new("F32" if kernel.type == "BF16" else "F16", k, ow, oh, n, op="IM2COL", src=(kernel, x))
+    mm = g.mul_mat(g.reshape(col, k, n * oh * ow), g.reshape(kernel, k, kernel.ne[3]))
+    return g.cont(g.permute(g.reshape(mm, ow, oh, n, kernel.ne[3]), 0, 1, 3, 2))
 
 
 def resized_positions(c: ClipBuilder) -> Tensor:
@@ -56,10 +66,7 @@ def qwen3vl(c: ClipBuilder) -> Tensor:
     for il in range(p.n_layer):
         pre = f"v.blk.{il}"
         inp_l = cur
-        qkv = c.linear(c.norm(cur, f"{pre}.ln1"), f"{pre}.attn_qkv")
-        row = 4  # F32
-        q, k, v = (g.view(qkv, (p.d_head, p.n_head, n_pos), (row * p.d_head, qkv.nb[1]), row * p.n_embd * i)
-                   for i in range(3))
+        q, k, v = c.qkv_views(c.linear(c.norm(cur, f"{pre}.ln1"), f"{pre}.attn_qkv"), n_pos, p.n_embd)
         q, k = g.dup_op("ROPE", q, positions), g.dup_op("ROPE", k, positions)  # ggml_rope_multi
         cur = g.dup_op("ADD", c.attn(q, k, v, il), inp_l)
         inp_l = cur
@@ -156,3 +163,44 @@ def llama4(c: ClipBuilder) -> Tensor:
     for name in ("mm.model.mlp.1.weight", "mm.model.mlp.2.weight"):
         cur = g.dup_op("UNARY", g.mul_mat(c.weights[name], cur))
     return g.mul_mat(c.weights["mm.model.fc.weight"], cur)
+
+
+def glm4v(c: ClipBuilder) -> Tensor:
+    """models/glm4v.cpp: two patch kernels summed and their 2×2 blocks made adjacent, the patch bias, the post-conv
+    RMS norm where the file has one, the learned position table (interpolated to the grid) reordered the same way,
+    build_vit with RMS norms and M-RoPE on Q and K, the patch merger (each n_merge × n_merge block through a
+    convolution of its own size, plus its bias), the FC projector (a matmul, a LayerNorm, GELU) and the gated FFN
+    projector."""
+    p = c.p
+    raw = c.raw()
+    k0, k1 = c.w("v.patch_embd.weight"), c.w("v.patch_embd.weight.1")
+    assert k0 is not None and k1 is not None
+    nx, n_pos = c.n_patches_x, c.n_patches
+    positions = g.input_tensor("I32", n_pos * 4, name="positions")
+    cur = g.dup_op("ADD", c.conv(k0, raw), c.conv(k1, raw))
+    cur = _merge_rows(g.permute(cur, 1, 2, 0, 3), p.n_embd, nx)
+    cur = g.dup_op("ADD", cur, c.w("v.patch_embd.bias"))
+    if c.w("v.norm_embd.weight") is not None:
+        cur = c.norm(cur, "v.norm_embd", rms=True)
+    if c.w("v.position_embd.weight") is not None:  # build_vit adds it
+        cur = g.dup_op("ADD", cur, _merge_rows(resized_positions(c), p.n_embd, nx))
+    cur = g.reshape(cur, p.n_embd, n_pos)
+
+    def rope(t: Tensor) -> Tensor:
+        return g.dup_op("ROPE", t, positions)  # ggml_rope_multi
+
+    if c.w("v.pre_ln.weight") is not None:
+        cur = c.norm(cur, "v.pre_ln", rms=True)
+    for il in range(p.n_layer):
+        cur = c.layer(cur, il, n_pos, rms=True, add_pos=rope)
+    if c.w("v.post_ln.weight") is not None:
+        cur = c.norm(cur, "v.post_ln", rms=True)
+    m = p.n_merge
+    n_out = n_pos // (m * m)
+    cur = g.cont(g.permute(g.reshape(g.reshape(cur, p.n_embd, n_pos, 1), p.n_embd, m, m, n_out), 2, 0, 1, 3))
+    merger = c.w("mm.patch_merger.weight")
+    assert merger is not None
+    cur = _conv_patches(merger, cur)
+    cur = g.dup_op("ADD", g.reshape(cur, cur.ne[2], n_out), c.w("mm.patch_merger.bias"))
+    cur = g.dup_op("UNARY", c.norm(c.linear(cur, "mm.model.fc"), "mm.post_norm"))  # ggml_gelu_erf
+    return c.ffn(cur, "mm", up="up", down="down", gate="gate")
