@@ -6,7 +6,8 @@ loads and encodes with (tools/mtmd/clip.cpp), written with the gguf package as l
 Projector types: `gemma3` (a SigLIP encoder, its patches average-pooled n_merge × n_merge, an RMS norm and an
 input projection: Gemma 3's), `mlp` (a CLIP encoder whose second-to-last layer feeds a two-layer MLP: LLaVA's) and
 the Qwen2-VL and Qwen2.5-VL mergers (two patch kernels, M-RoPE, 2.5's RMS norms, gated SiLU FFN and window
-attention, a 2×2 merger MLP: conversion/qwen.py's layout).
+attention, a 2×2 merger MLP: conversion/qwen.py's layout), the Qwen3-VL merger (a fused QKV, a learned position
+table, a deepstack layer), Pixtral with Mistral Small 3.x's patch merger, Llama 4's encoder and GLM-4.5V's.
 Each projects to the text model's n_embd, so it belongs to that model; heads of 64 keep CUDA's flash attention on
 (one shape has heads of 48, which CUDA's flash attention lacks).
 """
@@ -26,7 +27,7 @@ _STD = 0.02
 @dataclass(frozen=True)
 class ProjectorShape:
     name: str
-    projector_type: str  # gemma3 | mlp
+    projector_type: str  # clip.projector_type: gemma3 | mlp | qwen2vl_merger | … | glm4v
     n_embd: int = 128
     n_ff: int = 320  # != n_embd: clip.cpp swaps ffn up/down when ffn_down's rows equal n_embd
     n_layer: int = 2

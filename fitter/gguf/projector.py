@@ -2,10 +2,11 @@
 from a projector GGUF (tools/mtmd/clip.cpp `clip_model_loader`, `load_hparams`, `load_tensors`), from its header.
 
 Keys are clip's (`clip.vision.*`, tools/mtmd/clip-impl.h); defaults follow `load_hparams`: head_count_kv defaults
-to head_count, head_dim to n_embd / n_head, the merge factor to 4 for gemma3 (1 for idefics3 and llama4, 2 for the
-Qwen-VL mergers), the feed-forward op to gelu_quick unless `clip.use_gelu` / `clip.use_silu` say otherwise. The
-vision encoder's tensors are the `v.*` and `mm.*` ones (an audio encoder's `a.*` and `mm.a.*` live in a clip
-context of their own, which fitter does not estimate: said in the spec's warnings).
+to head_count, head_dim to n_embd / n_head, the merge factor to 4 for gemma3 (1 for idefics3, llama4 and pixtral,
+2 for the Qwen-VL mergers and glm4v; pixtral, glm4v and the Qwen-VL mergers read clip.vision.spatial_merge_size,
+the others clip.vision.projector.scale_factor), the feed-forward op to gelu_quick unless `clip.use_gelu` /
+`clip.use_silu` say otherwise. The vision encoder's tensors are the `v.*` and `mm.*` ones (an audio encoder's `a.*`
+and `mm.a.*` live in a clip context of their own, which fitter does not estimate: said in the spec's warnings).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ parallel copies, op offload on) and allocated as ggml-alloc does.
 Graphs rebuilt: `gemma3` (models/siglip.cpp: build_inp's patch convolution, clip_graph::build_vit, the average
 pool, RMS norm and input projection), `mlp` (models/llava.cpp: the encoder up to its second-to-last layer and the
 two-layer MLP) and the Qwen2-VL and Qwen2.5-VL mergers (models/qwen2vl.cpp: two patch kernels, M-RoPE, 2.5's
-window attention, the 2×2 merger MLP). Attention is clip_graph::build_attn's, with flash attention (K and V cast
-to F16) or without.
+window attention, the 2×2 merger MLP) here; Qwen3-VL, Pixtral, Llama 4 and GLM-4V in
+fitter.memory.graph.clip_models. The blocks (build_inp, build_norm, build_attn with flash attention, K and V cast
+to F16, or without, build_ffn, build_vit's layer) are fitter.memory.graph.clip_builder's.
 """
 
 from __future__ import annotations
