@@ -54,6 +54,7 @@ PROJECTORS: dict[str, ProjectorShape] = {
                        n_deepstack=1),
         # Mistral Small 3.x's: the 2×2 patch merger
         ProjectorShape("pixtral-l2", "pixtral", n_head=2, patch_size=8, n_merge=2),
+        ProjectorShape("pixtral12b-l2", "pixtral", n_head=2, patch_size=8, n_merge=1),  # Pixtral 12B: no merger
         ProjectorShape("llama4-l2", "llama4", n_head=2, n_merge=2),
         ProjectorShape("glm4v-l2", "glm4v", n_embd=64, n_ff=160, n_head=1, patch_size=8, n_merge=2),
     )
@@ -217,7 +218,8 @@ def _pixtral(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: A
     the encoder, RMS norms, a SiLU-gated FFN, the merger's input norm and matrix, the LLaVA MLP mm.1 / mm.2 and the
     [IMG_BREAK] token's embedding."""
     e, f, p, m = shape.n_embd, shape.n_ff, shape.patch_size, shape.n_merge
-    w.add_vision_spatial_merge_size(m)
+    if m > 1:  # Pixtral 12B's file has no merge size (clip.cpp's default: 1) and no merger
+        w.add_vision_spatial_merge_size(m)
     w.add_vision_use_silu(True)
     w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
     w.add_tensor("v.pre_ln.weight", vec(e, ones=True))
@@ -229,8 +231,9 @@ def _pixtral(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: A
         for name in ("ffn_gate", "ffn_up"):
             w.add_tensor(f"v.blk.{i}.{name}.weight", mat(f, e))
         w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
-    w.add_tensor("mm.input_norm.weight", vec(e, ones=True))
-    w.add_tensor("mm.patch_merger.weight", mat(e, e * m * m))
+    if m > 1:
+        w.add_tensor("mm.input_norm.weight", vec(e, ones=True))
+        w.add_tensor("mm.patch_merger.weight", mat(e, e * m * m))
     w.add_tensor("mm.1.weight", mat(text_n_embd, e))
     w.add_tensor("mm.1.bias", vec(text_n_embd))
     w.add_tensor("mm.2.weight", mat(text_n_embd, text_n_embd))

@@ -16,6 +16,7 @@ EXPECTED = {
     "qwen2vl-l2": (736, 2116, 128),  # set_warmup_n_tokens(46*46): 46·8·2; 46²
     "qwen3vl-l2": (736, 2116, 128),  # mm.2's 64 × (1 + one deepstack layer)
     "pixtral-l2": (256, 271, 128),  # set_warmup_n_tokens(256): 16·8·2; 16² + 15 [IMG_BREAK] rows
+    "pixtral12b-l2": (128, 271, 128),  # no merge size: 16·8·1; 16² + 15
     "llama4-l2": (224, 64, 128),  # image_size; (224/14/2)²
     "glm4v-l2": (736, 2116, 128),  # set_warmup_n_tokens(46*46); mm.down's rows
 }
