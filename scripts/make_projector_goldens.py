@@ -56,6 +56,11 @@ PAIRS = {  # id -> (model, projector)
     "llama+gemma3-d48": ("llama-tiny", "gemma3-d48"),
     "llama+qwen2vl": ("llama-tiny", "qwen2vl-l2"),
     "llama+qwen25vl": ("llama-tiny", "qwen25vl-l2"),
+    "llama+qwen3vl": ("llama-tiny", "qwen3vl-l2"),
+    "llama+pixtral": ("llama-tiny", "pixtral-l2"),
+    "llama+pixtral12b": ("llama-tiny", "pixtral12b-l2"),
+    "llama+llama4": ("llama-tiny", "llama4-l2"),
+    "llama+glm4v": ("llama-tiny", "glm4v-l2"),
     "demo+gemma3-448": ("demo", "gemma3-l4-448"),
 }
 C1K = ["-c", "1024"]
@@ -157,6 +162,12 @@ class _RpcPeaks:
         self.gpu = gpu
 
     def reset(self) -> None:
+        """Restart the peak once the previous server's buffers are gone (as fitter.measure.emulator.emulated_gpu
+        EmulatedGpus.wait_until_empty: ggml-rpc's frees reach the server after the client has exited, and a reset
+        met before them counts the previous case's buffers in this one's peak)."""
+        deadline = time.monotonic() + 10.0
+        while self.gpu.stats().used_bytes and time.monotonic() < deadline:
+            time.sleep(0.005)
         self.gpu.reset_peak()
 
     def read(self) -> dict[str, int]:

@@ -17,6 +17,7 @@ import pytest
 from fitter.flags import parse_launch_flags
 from fitter.gguf.model_spec import ModelSpec, load_model_spec
 from fitter.memory.backends.devices import CPU_AVX2
+from fitter.memory.graph.clip_graph import clip_graph
 from fitter.memory.plan.estimator import MemoryPlan, estimate
 from fitter.memory.plan.mmproj import MODEL
 from tests.memory.plan.test_golden import MIB, _by_kind, assert_all_but_compute_exact, device_target
@@ -88,3 +89,12 @@ def test_projector_weights_and_compute_per_device_match_libmtmds_probe(golden: s
 def test_the_emulated_gpus_peak_is_the_plans_device_total_to_the_byte(golden: str, case: dict[str, Any]) -> None:
     totals = _plan(golden, case["id"]).totals()
     assert {name: totals[name].total for name in case["peaks"]} == case["peaks"]
+
+
+@pytest.mark.parametrize("case", GOLDENS["mmproj-cpu"]["cases"], ids=[c["id"] for c in GOLDENS["mmproj-cpu"]["cases"]])
+def test_the_warm_up_graph_has_the_logged_node_count(case: dict[str, Any]) -> None:
+    """On the CPU the scheduler runs the graph in one split, so its logged node count is the replay's own (clip.cpp
+    reserve_compute_meta: "graph splits = 1, nodes = N")."""
+    spec = _spec(case["model"], case["projector"]).projector
+    assert spec is not None
+    assert len(clip_graph(spec, case["mmproj_flash_attn"]).nodes) == case["mmproj_nodes"]
