@@ -109,17 +109,7 @@ def write_projector(shape: ProjectorShape, text_n_embd: int, path: Path, seed: i
     w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
     w.add_tensor("v.patch_embd.bias", vec(e))
     w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_patches, e)) * _STD).astype(np.float32))
-    for i in range(shape.n_layer):
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(e, e))
-            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
-            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
-        w.add_tensor(f"v.blk.{i}.ffn_up.weight", mat(f, e))
-        w.add_tensor(f"v.blk.{i}.ffn_up.bias", vec(f))
-        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
-        w.add_tensor(f"v.blk.{i}.ffn_down.bias", vec(e))
+    _encoder_layers(w, shape, mat, vec)
     if shape.projector_type == "gemma3":
         w.add_tensor("v.post_ln.weight", vec(e, ones=True))
         w.add_tensor("v.post_ln.bias", vec(e))
@@ -133,6 +123,31 @@ def write_projector(shape: ProjectorShape, text_n_embd: int, path: Path, seed: i
     return _close(w, path)
 
 
+def _encoder_layers(w: gguf.GGUFWriter, shape: ProjectorShape, mat: Any, vec: Any, *, fused: bool = False,
+                    biases: bool = True, norm_bias: bool = True, ffn: tuple[str, ...] = ("ffn_up",)) -> None:
+    """Every encoder layer's tensors as clip.cpp load_tensors names them, in the order each writer drew them:
+    q/k/v/out (or a fused qkv and out), ln1/ln2, the FFN's up (and gate) in `ffn`'s order, then down."""
+    e, f = shape.n_embd, shape.n_ff
+    for i in range(shape.n_layer):
+        attn = (("attn_qkv", 3 * e), ("attn_out", e)) if fused else tuple((n, e) for n in ("attn_q", "attn_k",
+                                                                                             "attn_v", "attn_out"))
+        for name, rows in attn:
+            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(rows, e))
+            if biases:
+                w.add_tensor(f"v.blk.{i}.{name}.bias", vec(rows))
+        for name in ("ln1", "ln2"):
+            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
+            if norm_bias:
+                w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
+        for name in ffn:
+            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(f, e))
+            if biases:
+                w.add_tensor(f"v.blk.{i}.{name}.bias", vec(f))
+        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
+        if biases:
+            w.add_tensor(f"v.blk.{i}.ffn_down.bias", vec(e))
+
+
 def _close(w: gguf.GGUFWriter, path: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -144,7 +159,7 @@ def _close(w: gguf.GGUFWriter, path: Path) -> Path:
 def _qwen(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: Any, vec: Any) -> None:
     """A Qwen-VL merger's keys and tensors (clip.cpp load_tensors: the second patch kernel, q/k/v biases, no patch
     bias or position embedding; 2.5: RMS norms without bias, a gated FFN, n_wa_pattern)."""
-    e, f, p = shape.n_embd, shape.n_ff, shape.patch_size
+    e, p = shape.n_embd, shape.patch_size
     v25 = shape.projector_type == "qwen2.5vl_merger"
     w.add_vision_spatial_merge_size(shape.n_merge)
     if v25:
@@ -152,19 +167,7 @@ def _qwen(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: Any,
         w.add_vision_use_silu(True)
     w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
     w.add_tensor("v.patch_embd.weight.1", mat(e, 3, p, p))
-    for i in range(shape.n_layer):
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(e, e))
-            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
-            if not v25:
-                w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
-        for name in ("ffn_up", "ffn_gate") if v25 else ("ffn_up",):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(f, e))
-            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(f))
-        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
-        w.add_tensor(f"v.blk.{i}.ffn_down.bias", vec(e))
+    _encoder_layers(w, shape, mat, vec, norm_bias=not v25, ffn=("ffn_up", "ffn_gate") if v25 else ("ffn_up",))
     w.add_tensor("v.post_ln.weight", vec(e, ones=True))
     if not v25:
         w.add_tensor("v.post_ln.bias", vec(e))
@@ -180,25 +183,14 @@ def _qwen3vl(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: A
     asserts): two patch kernels and the patch bias, a learned position table, a fused QKV, LayerNorms with bias,
     a GELU FFN, the merger MLP and deepstack mergers whose outputs are concatenated: each hands
     text_n_embd / (1 + n_deepstack) (clip.cpp clip_n_mmproj_embd)."""
-    e, f, p = shape.n_embd, shape.n_ff, shape.patch_size
+    e, p = shape.n_embd, shape.patch_size
     out = text_n_embd // (1 + shape.n_deepstack)
     w.add_vision_spatial_merge_size(shape.n_merge)
     w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
     w.add_tensor("v.patch_embd.weight.1", mat(e, 3, p, p))
     w.add_tensor("v.patch_embd.bias", vec(e))
     w.add_tensor("v.position_embd.weight", vec((shape.image_size // p) ** 2 * e).reshape(-1, e))
-    for i in range(shape.n_layer):
-        w.add_tensor(f"v.blk.{i}.attn_qkv.weight", mat(3 * e, e))
-        w.add_tensor(f"v.blk.{i}.attn_qkv.bias", vec(3 * e))
-        w.add_tensor(f"v.blk.{i}.attn_out.weight", mat(e, e))
-        w.add_tensor(f"v.blk.{i}.attn_out.bias", vec(e))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
-            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
-        w.add_tensor(f"v.blk.{i}.ffn_up.weight", mat(f, e))
-        w.add_tensor(f"v.blk.{i}.ffn_up.bias", vec(f))
-        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
-        w.add_tensor(f"v.blk.{i}.ffn_down.bias", vec(e))
+    _encoder_layers(w, shape, mat, vec, fused=True)
     w.add_tensor("v.post_ln.weight", vec(e, ones=True))
     w.add_tensor("v.post_ln.bias", vec(e))
     merged = shape.n_merge ** 2 * e
@@ -217,20 +209,13 @@ def _pixtral(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: A
     """Pixtral with Mistral Small 3.x's patch merger (conversion/mistral.py, clip.cpp load_tensors): no biases in
     the encoder, RMS norms, a SiLU-gated FFN, the merger's input norm and matrix, the LLaVA MLP mm.1 / mm.2 and the
     [IMG_BREAK] token's embedding."""
-    e, f, p, m = shape.n_embd, shape.n_ff, shape.patch_size, shape.n_merge
+    e, p, m = shape.n_embd, shape.patch_size, shape.n_merge
     if m > 1:  # Pixtral 12B's file has no merge size (clip.cpp's default: 1) and no merger
         w.add_vision_spatial_merge_size(m)
     w.add_vision_use_silu(True)
     w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
     w.add_tensor("v.pre_ln.weight", vec(e, ones=True))
-    for i in range(shape.n_layer):
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(e, e))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
-        for name in ("ffn_gate", "ffn_up"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(f, e))
-        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
+    _encoder_layers(w, shape, mat, vec, biases=False, norm_bias=False, ffn=("ffn_gate", "ffn_up"))
     if m > 1:
         w.add_tensor("mm.input_norm.weight", vec(e, ones=True))
         w.add_tensor("mm.patch_merger.weight", mat(e, e * m * m))
@@ -246,22 +231,12 @@ def _llama4(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: An
     convolution as a [3·p², n_embd] matrix, the [CLS] row and a learned position per patch and for it, LayerNorms
     and projections with biases, a GELU FFN, the adapter MLP mm.model.mlp.1 / .2 and the projection mm.model.fc
     (no biases)."""
-    e, f, p, m = shape.n_embd, shape.n_ff, shape.patch_size, shape.n_merge
+    e, p, m = shape.n_embd, shape.patch_size, shape.n_merge
     n_pos = (shape.image_size // p) ** 2 + 1
     w.add_tensor("v.patch_embd.weight", mat(e, 3 * p * p))
     w.add_tensor("v.class_embd", vec(e))
     w.add_tensor("v.position_embd.weight", vec(n_pos * e).reshape(n_pos, e))
-    for i in range(shape.n_layer):
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(e, e))
-            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
-            w.add_tensor(f"v.blk.{i}.{name}.bias", vec(e))
-        w.add_tensor(f"v.blk.{i}.ffn_up.weight", mat(f, e))
-        w.add_tensor(f"v.blk.{i}.ffn_up.bias", vec(f))
-        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
-        w.add_tensor(f"v.blk.{i}.ffn_down.bias", vec(e))
+    _encoder_layers(w, shape, mat, vec)
     for name in ("pre_ln", "post_ln"):
         w.add_tensor(f"v.{name}.weight", vec(e, ones=True))
         w.add_tensor(f"v.{name}.bias", vec(e))
@@ -277,21 +252,14 @@ def _glm4v(w: gguf.GGUFWriter, shape: ProjectorShape, text_n_embd: int, mat: Any
     table, a fused QKV and RMS norms without biases, a SiLU-gated FFN, the merger's convolution (n_merge² patches to
     the text width) with its bias, the FC projector mm.model.fc with its LayerNorm mm.post_norm and the gated FFN
     projector mm.gate / mm.up / mm.down."""
-    e, f, p, m, t = shape.n_embd, shape.n_ff, shape.patch_size, shape.n_merge, text_n_embd
+    e, p, m, t = shape.n_embd, shape.patch_size, shape.n_merge, text_n_embd
     w.add_vision_use_silu(True)
     w.add_tensor("v.patch_embd.weight", mat(e, 3, p, p))
     w.add_tensor("v.patch_embd.weight.1", mat(e, 3, p, p))
     w.add_tensor("v.patch_embd.bias", vec(e))
     w.add_tensor("v.norm_embd.weight", vec(e, ones=True))
     w.add_tensor("v.position_embd.weight", vec((shape.image_size // p) ** 2 * e).reshape(-1, e))
-    for i in range(shape.n_layer):
-        w.add_tensor(f"v.blk.{i}.attn_qkv.weight", mat(3 * e, e))
-        w.add_tensor(f"v.blk.{i}.attn_out.weight", mat(e, e))
-        for name in ("ln1", "ln2"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", vec(e, ones=True))
-        for name in ("ffn_gate", "ffn_up"):
-            w.add_tensor(f"v.blk.{i}.{name}.weight", mat(f, e))
-        w.add_tensor(f"v.blk.{i}.ffn_down.weight", mat(e, f))
+    _encoder_layers(w, shape, mat, vec, fused=True, biases=False, norm_bias=False, ffn=("ffn_gate", "ffn_up"))
     w.add_tensor("v.post_ln.weight", vec(e, ones=True))
     w.add_tensor("mm.patch_merger.weight", mat(t, e, m, m))
     w.add_tensor("mm.patch_merger.bias", vec(t))
