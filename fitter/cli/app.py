@@ -20,7 +20,8 @@ from fitter.flags.vocabulary import speculative_flag, unmodelled_speculation
 # The modules that register the commands, and the commands each registers: a command line naming one of them builds
 # only that module's parsers, so `fitter estimate` does not import what `fitter tune` needs.
 COMMANDS = {"estimate": ("estimate",), "fit": ("fit",), "bench": ("bench",), "tune": ("tune",), "grid": ("grid",),
-            "results": ("export", "report"), "check": ("check",), "misc": ("machines", "demo-model", "probe")}
+            "results": ("export", "report"), "check": ("check",), "quality": ("quality",),
+            "misc": ("machines", "demo-model", "probe")}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -23,7 +23,7 @@ from fitter.memory.backends.devices import Device
 from fitter.memory.backends.registry import EXACT, backend_of, device_profile
 from fitter.units import MIB
 
-BINARIES = ("llama-server", "llama-fit-params", "llama-bench")
+BINARIES = ("llama-server", "llama-fit-params", "llama-bench", "llama-perplexity", "llama-quantize")
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,25 @@ class LlamaCppBuild:
     llama_server: Path
     llama_fit_params: Path | None
     llama_bench: Path | None
+    llama_perplexity: Path | None = None  # output quality (fitter.measure.llamacpp.perplexity)
+    llama_quantize: Path | None = None
 
     def build(self) -> dict[str, Any]:
         """The commit and version the build reports, where they were read (`llama-server --version`), its
         backends and its llama-server (`binary_build`)."""
         return binary_build(str(self.llama_server))
 
+    def perplexity_tool(self) -> Path:
+        """The build's llama-perplexity, which measures quality; refused in one line when the build lacks it."""
+        if self.llama_perplexity is None:
+            raise FitterError(f"--llama-cpp {self.folder}: no llama-perplexity in it, which measures quality; build it "
+                              "there (cmake --build build --target llama-perplexity)")
+        return self.llama_perplexity
+
 
 def find_build(folder: str | Path) -> LlamaCppBuild:
-    """The binaries of a llama.cpp build's `bin/` folder; llama-server is required, the others optional."""
+    """The binaries of a llama.cpp build's `bin/` folder; llama-server is required, the others optional (a command
+    that needs one refuses the build without it)."""
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise FitterError(f"--llama-cpp {folder}: not a folder; give a llama.cpp build's bin/ folder")
@@ -56,7 +66,8 @@ def find_build(folder: str | Path) -> LlamaCppBuild:
     if "llama-server" not in found:
         raise FitterError(f"--llama-cpp {folder}: no llama-server in it; give the bin/ folder of a llama.cpp build "
                           "(cmake --build build --target llama-server llama-fit-params)")
-    return LlamaCppBuild(root, found["llama-server"], found.get("llama-fit-params"), found.get("llama-bench"))
+    return LlamaCppBuild(root, found["llama-server"], found.get("llama-fit-params"), found.get("llama-bench"),
+                         found.get("llama-perplexity"), found.get("llama-quantize"))
 
 
 def parse_list_devices(text: str) -> tuple[ListedDevice, ...]:

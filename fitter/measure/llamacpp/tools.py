@@ -1,5 +1,5 @@
-"""llama.cpp's own programs (llama-server, llama-bench, llama-fit-params) and its libraries, built once from the
-source fitter pins.
+"""llama.cpp's own programs (llama-server, llama-bench, llama-fit-params, llama-perplexity, llama-quantize) and its
+libraries, built once from the source fitter pins.
 
 To compare fitter with llama.cpp's tools, or to measure the binary users deploy, the tools are built once from the
 llama.cpp vendored in the pinned llama-cpp-python sdist (fetched once with `pip download` and kept in fitter's
@@ -43,7 +43,9 @@ from fitter.paths import fitter_home
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release fitter pins
 LLAMA_CPP_COMMIT = "0c1e570"  # the llama.cpp it vendors (the sdist's submodule HEAD; checked when building)
-TOOLS = {"llama-server": "tools/server", "llama-bench": "tools/llama-bench", "llama-fit-params": "tools/fit-params"}
+TOOLS = {"llama-server": "tools/server", "llama-bench": "tools/llama-bench", "llama-fit-params": "tools/fit-params",
+         # output quality (fitter.measure.llamacpp.perplexity): KL divergence from a reference, and the files to compare
+         "llama-perplexity": "tools/perplexity", "llama-quantize": "tools/quantize"}
 CMAKE_ARGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_RPC=ON",
@@ -71,6 +73,11 @@ SUBMODULE_HEAD = ".git/modules/vendor/llama.cpp/HEAD"  # in the sdist: the vendo
 # headers through fitter's compatibility header (compat/vulkan/vulkan.hpp), put first on the include path; the web UI
 # is not fetched (LLAMA_USE_PREBUILT_UI).
 VARIANTS: dict[str, list[str]] = {"cpu": [], "vulkan": ["-DGGML_VULKAN=ON", "-DLLAMA_USE_PREBUILT_UI=OFF"]}
+# The tools each variant is built with and counted built by: the Vulkan build serves the emulated Vulkan GPU
+# (llama-server, and llama-fit-params / llama-bench beside it); quality is measured with the CPU build's
+# llama-perplexity, so a Vulkan build made before those tools were added stays a finished build.
+VARIANT_TOOLS: dict[str, tuple[str, ...]] = {"cpu": tuple(TOOLS),
+                                             "vulkan": ("llama-server", "llama-bench", "llama-fit-params")}
 COMPAT = Path(__file__).resolve().parent / "compat"  # the Vulkan build's compatibility headers
 VULKAN_PACKAGES = "mesa-vulkan-drivers libvulkan-dev glslc glslang-tools spirv-headers"  # Debian's, for --vulkan
 
@@ -99,9 +106,11 @@ def tools_dir(variant: str = "cpu") -> Path:
 
 
 def built_tools(variant: str = "cpu") -> Path | None:
-    """The folder of a finished build of `variant` (its build.json written last), or None."""
+    """The folder of a finished build of `variant` (its build.json written last, every tool of VARIANT_TOOLS there),
+    or None."""
     home = tools_dir(variant)
-    return home if (home / "build.json").is_file() and all((home / n).is_file() for n in TOOLS) else None
+    return home if (home / "build.json").is_file() and all((home / n).is_file() for n in VARIANT_TOOLS[variant]) \
+        else None
 
 
 def vulkan_build_problem() -> str | None:
@@ -243,7 +252,8 @@ def copy_entry(src: Path, folder: Path) -> None:
 
 def ensure_tools(names: list[str], llama_src: Path | None = None, rebuild: bool = False,
                  variant: str = "cpu") -> dict[str, Path]:
-    """The cached tools, building them all (one tree: the libraries they share) first when one is missing."""
+    """The cached tools, building them all (one tree: the libraries they share) first when one is missing: the
+    variant's tools (VARIANT_TOOLS) and any other one asked for."""
     unknown = [n for n in names if n not in TOOLS]
     if unknown:
         raise FitterError(f"unknown llama.cpp tool(s) {unknown}; known: {', '.join(TOOLS)}")
@@ -251,7 +261,8 @@ def ensure_tools(names: list[str], llama_src: Path | None = None, rebuild: bool 
     paths = {n: home / n for n in names}
     if rebuild or not (home / "build.json").is_file() or not all(p.is_file() for p in paths.values()):
         # every tool: one built later in another tree would come with other copies of the libraries
-        build_llama_cpp(home, list(TOOLS), llama_src, variant=variant)
+        targets = [*VARIANT_TOOLS[variant], *(n for n in names if n not in VARIANT_TOOLS[variant])]
+        build_llama_cpp(home, targets, llama_src, variant=variant)
     return paths
 
 
@@ -309,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m fitter.measure.llamacpp.tools",
                                  description="Build llama.cpp's tools and libraries once from the pinned source.")
-    ap.add_argument("tools", nargs="*", default=list(TOOLS), help=f"default: {' '.join(TOOLS)}")
+    ap.add_argument("tools", nargs="*", help=f"default: {' '.join(TOOLS)} (the Vulkan build: "
+                    f"{' '.join(VARIANT_TOOLS['vulkan'])})")
     ap.add_argument("--llama-src", type=Path, help="a llama.cpp git checkout instead of the pinned sdist")
     ap.add_argument("--rebuild", action="store_true")
     ap.add_argument("--llama-cpp-python", action="store_true",
@@ -319,10 +331,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"needs {VULKAN_PACKAGES})")
     ns = ap.parse_args(argv)
     try:
-        for tool, path in ensure_tools(ns.tools, ns.llama_src, ns.rebuild).items():
+        for tool, path in ensure_tools(ns.tools or list(VARIANT_TOOLS["cpu"]), ns.llama_src, ns.rebuild).items():
             print(f"{tool}: {path}")
         if ns.vulkan:
-            for tool, path in ensure_tools(ns.tools, ns.llama_src, ns.rebuild, variant="vulkan").items():
+            for tool, path in ensure_tools(ns.tools or list(VARIANT_TOOLS["vulkan"]), ns.llama_src, ns.rebuild,
+                                           variant="vulkan").items():
                 print(f"{tool} (Vulkan): {path}")
         if ns.llama_cpp_python:
             from fitter.measure.llamacpp.bindings import install_llama_cpp_python

@@ -96,6 +96,21 @@ def test_a_folder_without_llama_server_is_named(tmp_path: Path) -> None:
         find_build(tmp_path)
 
 
+def test_a_build_without_llama_perplexity_is_refused_for_quality(tmp_path: Path) -> None:
+    (tmp_path / "llama-server").write_bytes(b"")
+    build = find_build(tmp_path)  # llama-perplexity and llama-quantize are optional, as llama-bench is
+    assert (build.llama_perplexity, build.llama_quantize, build.llama_bench) == (None, None, None)
+    with pytest.raises(FitterError) as e:
+        build.perplexity_tool()
+    assert str(e.value) == (f"--llama-cpp {tmp_path}: no llama-perplexity in it, which measures quality; build it "
+                            "there (cmake --build build --target llama-perplexity)")
+    for name in ("llama-perplexity", "llama-quantize"):
+        (tmp_path / name).write_bytes(b"")
+    build = find_build(tmp_path)
+    assert (build.perplexity_tool(), build.llama_quantize) == (tmp_path / "llama-perplexity",
+                                                               tmp_path / "llama-quantize")
+
+
 @pytest.mark.tools("llama-server")
 def test_the_build_reports_its_commit_and_sees_an_rpc_device(llama_tools: dict[str, Path]) -> None:
     from fitter.measure.emulator.emulated_gpu import EmulatedGpu

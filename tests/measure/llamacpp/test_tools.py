@@ -105,3 +105,30 @@ def test_the_extracted_source_is_its_commit_to_git_not_dirty(tmp_path: Path) -> 
     assert subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--", "."], cwd=src).returncode == 0  # clean
     (src / "CMakeLists.txt").write_text("changed\n")
     assert subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--", "."], cwd=src).returncode == 1  # still told
+
+
+def test_each_variant_counts_as_built_with_its_own_tools(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Vulkan build serves the emulated Vulkan GPU: one made before llama-perplexity and llama-quantize joined the
+    # CPU build's tools is still a finished build, and is not rebuilt for them
+    three = ("llama-server", "llama-bench", "llama-fit-params")
+    assert tools.VARIANT_TOOLS == {"cpu": (*three, "llama-perplexity", "llama-quantize"), "vulkan": three}
+    for variant in ("cpu", "vulkan"):
+        home = tools.tools_dir(variant)
+        home.mkdir(parents=True)
+        (home / "build.json").write_text("{}\n")
+        for name in three:
+            (home / name).write_bytes(b"")
+    assert tools.built_tools("vulkan") == tools.tools_dir("vulkan")
+    assert tools.built_tools("cpu") is None
+    built: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(tools, "build_llama_cpp", lambda home, targets, src=None, variant="cpu":
+                        built.append((variant, targets)) or {})
+    tools.ensure_tools(list(three), variant="vulkan")
+    assert built == []
+    tools.ensure_tools(["llama-perplexity"], variant="vulkan")  # asked for by name: built, beside the variant's own
+    tools.ensure_tools(["llama-server"])  # there: nothing to build
+    tools.ensure_tools(["llama-quantize"])  # missing: every tool of the CPU build, one tree
+    assert built == [("vulkan", [*three, "llama-perplexity"]), ("cpu", list(tools.TOOLS))]
+    for name in ("llama-perplexity", "llama-quantize"):
+        (tools.tools_dir() / name).write_bytes(b"")
+    assert tools.built_tools("cpu") == tools.tools_dir()
