@@ -22,8 +22,8 @@ from fitter.measure.llamacpp.perplexity import (
     check_kv,
     check_scored,
     check_text_length,
-    measure,
-    reference,
+    measure_quality,
+    reference_logits,
 )
 
 __all__ = ["SHIPPED_TEXT", "ModelFile", "QualityTable", "kv_pairs", "model_file", "quality_table", "reference_file",
@@ -124,15 +124,15 @@ def quality_table(tool: str | Path, files: Sequence[ModelFile], text: str | Path
     for k, v in pairs:
         check_kv(tool, k, v, flash_attn)
     say = progress or (lambda _: None)
-    ref = reference(tool, ref_file.path, text, n_ctx, reference_flags, chunks, tool_build(tool), ref_file.identity,
-                    timeout)
+    ref = reference_logits(tool, ref_file.path, text, n_ctx, reference_flags, chunks, tool_build(tool),
+                           ref_file.identity, timeout)
     check_scored(ref)
     say(f"reference: {ref_file.path}, f16 K and V, -c {ref.n_ctx}: {ref.n_chunk} chunks, {ref.tokens} tokens scored; "
         + ("cached" if ref.cached else f"{ref.seconds:.1f} s"))
     rows = []
     for f in files:
         for k, v in pairs:
-            row = measure(tool, f.path, ref, k, v, flash_attn, flags, f.n_vocab, timeout)
+            row = measure_quality(tool, f.path, ref, k, v, flash_attn, flags, f.n_vocab, timeout)
             say(f"{Path(f.path).name} -ctk {k} -ctv {v}: KLD {row.kld_mean:.6f}, {row.seconds:.1f} s")
             rows.append(row)
     return QualityTable(ref, ref_file, flash_attn, tuple(rows))

@@ -7,10 +7,10 @@ Two runs, as tools/perplexity/README.md documents them:
   tokens' log-probabilities (perplexity.cpp `perplexity`: "_logits_", n_ctx, n_vocab, n_chunk, the chunks' tokens,
   then per chunk N - 1 - N/2 rows of nv = 2*((n_vocab+1)/2) + 4 uint16: a scale and a minimum as two floats and the
   quantized log-probabilities). Made once per model file, text, -c, --chunks, build and flags, kept in fitter's home
-  (`quality/`), written under a temporary name and renamed once whole (`reference`);
+  (`quality/`), written under a temporary name and renamed once whole (`reference_logits`);
 - a config, `llama-perplexity -m MODEL --kl-divergence-base BASE.kld --kl-divergence -ctk K -ctv V -c N` with the
   config's own flags: it reads the reference's tokens from the file (not the text) and prints its statistics
-  (perplexity.cpp `kl_divergence`), parsed into a QualityMeasure (`measure`).
+  (perplexity.cpp `kl_divergence`), parsed into a QualityMeasure (`measure_quality`).
 
 llama.cpp's ± are standard errors: `mean_and_uncertainty` in kl_divergence gives sqrt((E[x²] - E[x]²) / (n - 1))
 (0 with 10 tokens or fewer), "Same top p" gives the binomial sqrt(p(1 - p) / (n - 1)), and PPL's is propagated from
@@ -57,12 +57,12 @@ __all__ = [
     "check_text_length",
     "config_argv",
     "kv_types_of",
-    "measure",
+    "measure_quality",
     "parse_kv_types",
     "parse_quality",
     "read_kld_header",
-    "reference",
     "reference_argv",
+    "reference_logits",
     "scored_tokens",
 ]
 
@@ -70,7 +70,7 @@ TOOL = "llama-perplexity"
 REFERENCE_KV = ("f16", "f16")  # llama.cpp's default K and V cache types (common/common.h cache_type_k/v)
 MIN_SCORED_TOKENS = 100  # perplexity.cpp kl_divergence: `if (kld.count < 100) return;` prints no statistics below
 Z95 = NormalDist().inv_cdf(0.975)  # 1.959964: a 95 % interval is mean ± Z95 standard errors
-ATTEMPTS = 3  # runs of a config whose log lost its statistics (see `measure`) before it counts as failed
+ATTEMPTS = 3  # runs of a config whose log lost its statistics (see `measure_quality`) before it counts as failed
 LOG_TAIL_LINES = 15  # the tool's last lines quoted in a QualityError
 # the tool's log without prefixes, timestamps or colours (common/arg.cpp), so each statistic is a line of its own
 LOG_FLAGS = ("--no-log-prefix", "--no-log-timestamps", "--log-colors", "off")
@@ -311,7 +311,7 @@ def _key(model: Path, text: Path, n_ctx: int, chunks: int | None, build: dict[st
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def reference(tool: str | Path, model: str | Path, text: str | Path, n_ctx: int, flags: Sequence[str] = (),
+def reference_logits(tool: str | Path, model: str | Path, text: str | Path, n_ctx: int, flags: Sequence[str] = (),
               chunks: int | None = None, build: dict[str, Any] | None = None, identity: str = "",
               timeout: float | None = None) -> Reference:
     """The reference logits of `model` over `text` at -c `n_ctx` (f16 K and V), made once and kept in fitter's home.
@@ -339,7 +339,7 @@ def reference(tool: str | Path, model: str | Path, text: str | Path, n_ctx: int,
         os.replace(part, path)
     finally:
         part.unlink(missing_ok=True)
-    final = _FINAL.search(log)  # llama-perplexity's log can lose its last lines (see `measure`): then no PPL
+    final = _FINAL.search(log)  # llama-perplexity's log can lose its last lines (see `measure_quality`): then no PPL
     ref = Reference(path=path, model=str(model), text=str(text), n_ctx=head.n_ctx, n_vocab=head.n_vocab,
                     n_chunk=head.n_chunk, tokens=scored_tokens(head.n_ctx, head.n_chunk),
                     ppl=float(final.group(1)) if final else None, ppl_sem=float(final.group(2)) if final else None,
@@ -397,7 +397,7 @@ def check_kv(tool: str | Path, cache_type_k: str, cache_type_v: str, flash_attn:
                            "refuses it: src/llama-context.cpp llama_init_from_model); give -fa on or auto")
 
 
-def measure(tool: str | Path, model: str | Path, ref: Reference, cache_type_k: str, cache_type_v: str,
+def measure_quality(tool: str | Path, model: str | Path, ref: Reference, cache_type_k: str, cache_type_v: str,
             flash_attn: str | None = None, flags: Sequence[str] = (), n_vocab: int | None = None,
             timeout: float | None = None) -> QualityMeasure:
     """`model`'s quality with a K and V cache of these types, flash attention `flash_attn` (None: the tool's

@@ -3,8 +3,7 @@
 The logs in perplexity_logs/ are the pinned build's own output (llama.cpp 0c1e570, fitter's CPU tools) on the demo
 model with fitter's shipped text: kld-q4_0-c128.log is `-ctk q4_0 -ctv q4_0 -c 128` against a reference of 4 chunks
 (`--chunks 4`); kld-q8_0-lost-lines.log a q8_0 run of that reference whose log lost its last lines (the tool exited
-0: common/log.cpp's worker had not written them when llama-perplexity returned); help.txt its `--help`;
-reference-c128.log the reference run itself.
+0: common/log.cpp's worker had not written them when llama-perplexity returned); help.txt its `--help`.
 """
 
 from __future__ import annotations
@@ -21,12 +20,12 @@ from fitter.measure.llamacpp.perplexity import (
     QualityError,
     check_kv,
     config_argv,
-    measure,
+    measure_quality,
     parse_kv_types,
     parse_quality,
     read_kld_header,
-    reference,
     reference_argv,
+    reference_logits,
 )
 from fitter.measure.quality import SHIPPED_TEXT
 from tests.conftest import BUILT_TOOLS
@@ -87,7 +86,7 @@ def test_a_text_too_short_for_any_tokenizer_is_refused_before_a_run(tmp_path: Pa
     text = tmp_path / "short.txt"
     text.write_text("x" * 1021)
     with pytest.raises(QualityError) as e:  # 1021 bytes + BOS + a space prefix < 2 × 512 tokens
-        reference("/nonexistent/llama-perplexity", "/nonexistent/m.gguf", text, 512)
+        reference_logits("/nonexistent/llama-perplexity", "/nonexistent/m.gguf", text, 512)
     assert str(e.value) == (f"{text}: 1021 bytes cannot make the 1024 tokens llama-perplexity needs at -c 512 (two "
                             "chunks of -c tokens; a token holds at least one byte); give a longer text or a smaller -c")
 
@@ -117,18 +116,18 @@ def test_the_reference_is_made_once_and_kept_whole(tmp_path: Path, _fitter_home:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     tool = _fake_tool(tmp_path, _whole_file())
-    first = reference(tool, model, text, 8)
+    first = reference_logits(tool, model, text, 8)
     assert (first.n_ctx, first.n_vocab, first.n_chunk, first.tokens, first.ppl, first.ppl_sem, first.cached) == (
         8, 2, 2, 6, 1.5, 0.01, False)
     assert first.path.parent == _fitter_home / "quality" and first.path.stat().st_size == 156
     assert read_kld_header(first.path).size == 156
     mtime = first.path.stat().st_mtime_ns
-    again = reference(tool, model, text, 8)
+    again = reference_logits(tool, model, text, 8)
     assert again.cached and again.path == first.path and again.ppl == 1.5
     assert first.path.stat().st_mtime_ns == mtime and (tmp_path / "runs").read_text() == "run\n"  # not run again
     assert str(first.path) in again.argv  # the run that made it, under its final name
     # another -c, another text or other flags: another reference
-    assert reference(tool, model, text, 8, ["-t", "1"]).path != first.path
+    assert reference_logits(tool, model, text, 8, ["-t", "1"]).path != first.path
     assert (tmp_path / "runs").read_text() == "run\nrun\n"
 
 
@@ -140,11 +139,11 @@ def test_an_interrupted_or_broken_reference_run_leaves_no_file(tmp_path: Path, _
     half = _fake_tool(tmp_path, "printf '_logits_\\010\\000\\000\\000\\002\\000\\000\\000\\002\\000\\000\\000' > "
                                 "\"$base\"\nhead -c 10 /dev/zero >> \"$base\"")
     with pytest.raises(QualityError, match=r"wrote 30 bytes, not the 156 its head implies; its log ends:\n$"):
-        reference(half, model, text, 8)
+        reference_logits(half, model, text, 8)
     assert os.listdir(_fitter_home / "quality") == []
     hung = _fake_tool(tmp_path, "printf '_logits_' > \"$base\"\nsleep 30")
     with pytest.raises(QualityError, match=r"ran past 0.5 s; its log ends:"):
-        reference(hung, model, text, 8, timeout=0.5)
+        reference_logits(hung, model, text, 8, timeout=0.5)
     assert os.listdir(_fitter_home / "quality") == []
 
 
@@ -157,7 +156,7 @@ def test_a_text_the_tool_finds_too_short_is_told_even_when_its_log_lost_the_line
     model.write_bytes(b"GGUF")
     tool = _fake_tool(tmp_path, "printf '_logits_\\010\\000\\000\\000' > \"$base\"")
     with pytest.raises(QualityError) as e:
-        reference(tool, model, text, 8)
+        reference_logits(tool, model, text, 8)
     assert str(e.value) == (f"{text}: it tokenizes to fewer than the 16 tokens -c 8 needs with {model} "
                             "(llama-perplexity scores chunks of -c tokens and needs two: "
                             "tools/perplexity/perplexity.cpp); give a longer text or a smaller -c")
@@ -177,14 +176,14 @@ def demo_ref(tmp_path_factory: pytest.TempPathFactory) -> perplexity.Reference:
     model = demo_model_path(home / "demo.gguf")
     with pytest.MonkeyPatch.context() as mp:  # the reference's cache, kept for the module's tests
         mp.setenv("FITTER_HOME", str(home))
-        return reference(TOOL, model, SHIPPED_TEXT, 128, chunks=4)
+        return reference_logits(TOOL, model, SHIPPED_TEXT, 128, chunks=4)
 
 
 @needs_tool
 def test_the_kv_types_order_on_the_demo_model(demo_ref: perplexity.Reference) -> None:
     assert (demo_ref.n_ctx, demo_ref.n_vocab, demo_ref.n_chunk, demo_ref.tokens) == (128, 2048, 4, 252)
     assert demo_ref.path.stat().st_size == read_kld_header(demo_ref.path).size
-    rows = {t: measure(TOOL, demo_ref.model, demo_ref, t, t, n_vocab=2048) for t in ("f16", "q8_0", "q4_0")}
+    rows = {t: measure_quality(TOOL, demo_ref.model, demo_ref, t, t, n_vocab=2048) for t in ("f16", "q8_0", "q4_0")}
     for r in rows.values():
         assert (r.chunks, r.n_ctx, r.tokens, r.reference_model) == (4, 128, 252, demo_ref.model)
         # the reference's PPL over the same tokens, from the file's 16-bit log-probabilities (2322.221737) where the
@@ -205,16 +204,16 @@ def test_bad_kv_types_and_vocabularies_are_refused_in_one_line(demo_ref: perplex
     assert str(e.value) == (f"-ctk q6_k: not a KV cache type of the build of {TOOL}; it takes f32, f16, bf16, q8_0, "
                             "q4_0, q4_1, iq4_nl, q5_0, q5_1")
     with pytest.raises(QualityError) as e:
-        measure(TOOL, demo_ref.model, demo_ref, "q8_0", "q8_0", "off")
+        measure_quality(TOOL, demo_ref.model, demo_ref, "q8_0", "q8_0", "off")
     assert str(e.value) == ("-ctv q8_0 with -fa off: a quantized V cache needs flash attention (llama.cpp refuses "
                             "it: src/llama-context.cpp llama_init_from_model); give -fa on or auto")
     tiny = model_file("gpt-oss-tiny")  # 512 tokens
     with pytest.raises(QualityError) as e:  # from the header, before a run
-        measure(TOOL, tiny, demo_ref, "f16", "f16", n_vocab=512)
+        measure_quality(TOOL, tiny, demo_ref, "f16", "f16", n_vocab=512)
     assert str(e.value) == (f"{tiny}: its vocabulary has 512 tokens, the reference's ({demo_ref.model}) 2048: KL "
                             "divergence compares the same tokens' probabilities; give files of one model")
     with pytest.raises(QualityError) as e:  # llama-perplexity's own check, translated
-        measure(TOOL, tiny, demo_ref, "f16", "f16")
+        measure_quality(TOOL, tiny, demo_ref, "f16", "f16")
     assert str(e.value) == (f"{tiny}: its vocabulary has 512 tokens, the reference's ({demo_ref.model}) 2048 "
                             "(llama-perplexity: inconsistent vocabulary); give files of one model")
 
@@ -225,7 +224,7 @@ def test_a_text_the_tokenizer_makes_too_short_is_the_tools_count(tmp_path: Path,
     text = tmp_path / "short.txt"
     text.write_bytes(SHIPPED_TEXT.read_bytes()[:200])  # 200 bytes: byte-level BPE merges some of them
     with pytest.raises(QualityError) as e:
-        reference(TOOL, demo_ref.model, text, 100)
+        reference_logits(TOOL, demo_ref.model, text, 100)
     assert str(e.value) == (f"{text}: tokenizes to 172 tokens with {demo_ref.model}; -c 100 needs at least 200 "
                             "(llama-perplexity scores chunks of -c tokens and needs two: "
                             "tools/perplexity/perplexity.cpp); give a longer text or a smaller -c")
@@ -243,12 +242,12 @@ def test_a_run_whose_log_lost_its_statistics_is_run_again(tmp_path: Path) -> Non
     tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
     ref = perplexity.Reference(path=tmp_path / "r.kld", model="/m/demo.gguf", text="t", n_ctx=128, n_vocab=2048,
                                n_chunk=4, tokens=252, ppl=None, ppl_sem=None, argv=(), seconds=0.0, cached=True)
-    q = measure(tool, "/m/demo.gguf", ref, "q4_0", "q4_0")
+    q = measure_quality(tool, "/m/demo.gguf", ref, "q4_0", "q4_0")
     assert (q.kld_mean, runs.read_text()) == (0.003274, "run\nrun\n")
     lost = tmp_path / "lost"  # every run loses them: an error after ATTEMPTS runs, with the log's tail
     lost.write_text(f"#!/bin/sh\nif [ \"$1\" = --help ]; then cat {LOGS / 'help.txt'}; exit 0; fi\n"
                     f"echo run >> {tmp_path / 'lost-runs'}\ncat {LOGS / 'kld-q8_0-lost-lines.log'}\n")
     lost.chmod(lost.stat().st_mode | stat.S_IXUSR)
     with pytest.raises(QualityError, match=r"^llama-perplexity printed no 'Mean PPL\(Q\)' line for /m/demo.gguf"):
-        measure(lost, "/m/demo.gguf", ref, "q8_0", "q8_0")
+        measure_quality(lost, "/m/demo.gguf", ref, "q8_0", "q8_0")
     assert (tmp_path / "lost-runs").read_text() == "run\n" * perplexity.ATTEMPTS

@@ -111,7 +111,7 @@ def test_each_variant_counts_as_built_with_its_own_tools(monkeypatch: pytest.Mon
     # the Vulkan build serves the emulated Vulkan GPU: one made before llama-perplexity and llama-quantize joined the
     # CPU build's tools is still a finished build, and is not rebuilt for them
     three = ("llama-server", "llama-bench", "llama-fit-params")
-    assert tools.VARIANT_TOOLS == {"cpu": (*three, "llama-perplexity", "llama-quantize"), "vulkan": three}
+    assert {"cpu": (*three, "llama-perplexity", "llama-quantize"), "vulkan": three} == tools.VARIANT_TOOLS
     for variant in ("cpu", "vulkan"):
         home = tools.tools_dir(variant)
         home.mkdir(parents=True)
