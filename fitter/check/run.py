@@ -32,6 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fitter.check.quality_recheck import recheck_quality
 from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import ProcessFlags, parse_launch_flags, split_process_flags
 from fitter.flags.consumers import retarget
@@ -278,7 +279,8 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
               model: str | None = None, timeout: float | None = None, cpu: CpuProfile = CPU_AVX2,
               machine_devices: Callable[[], tuple[Device, ...]] = tuple,
               consumer: str | None = None,
-              machine_gpus: Callable[[], list[dict[str, Any]]] | None = None) -> CheckVerdict:
+              machine_gpus: Callable[[], list[dict[str, Any]]] | None = None,
+              perplexity: Path | None = None) -> CheckVerdict:
     """Re-measure the `policy` pick of a tuning result and compare it with its recorded confirm run.
 
     `runner_factory(emulated_gpu_mib=…, cpus=…)` returns a runner (WorkerRunner, a simulated machine's runner, a
@@ -287,7 +289,8 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
     `model` replaces the recorded GGUF path (the same file elsewhere; its header identity must match). `consumer`
     checks the pick as another program would run it (`--for`; default: the program it was tuned for).
     `machine_gpus()`: this machine's `machine.gpu_map` now; a result tuned on other GPUs is refused (`gpu_change`),
-    unless it was measured on the emulated GPU."""
+    unless it was measured on the emulated GPU. `perplexity`: the build's llama-perplexity, which measures the pick's
+    quality again when the result has it and the build changed (fitter.check.quality_recheck)."""
     doc = load_result(result_dir)
     path = doc.source
     entry = doc.entry(policy, "check")
@@ -359,11 +362,12 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
         new = measurement_json(result, runner.backend, plan, runner.emulated)
     speed = compare_speeds(old, new, tolerance)
     fit_text, fit_failures, fit_details = fits
-    lines = (*header, *speed.lines, *fit_text, *_vram_lines(entry, new))
-    failures = (*speed.failures, *fit_failures)
+    q_lines, q_failures, q_details = recheck_quality(doc, entry, model_path, perplexity)
+    lines = (*header, *speed.lines, *fit_text, *_vram_lines(entry, new), *q_lines)
+    failures = (*speed.failures, *fit_failures, *q_failures)
     details = {"for": config.consumer, "result": str(path), "policy": policy, "trial": entry.trial,
                "tolerance": tolerance,
-               "flags": list(flags), **speed.details, "fit": fit_details}
+               "flags": list(flags), **speed.details, "fit": fit_details, **q_details}
     return CheckVerdict(not failures, lines, new, failures, details, model_spec.warnings)
 
 

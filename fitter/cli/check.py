@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fitter.cli.common import log, warn
+from fitter.errors import FitterError
 from fitter.flags.consumers import CONSUMER_NAMES
 from fitter.results.pareto import POLICIES
 
@@ -33,7 +34,7 @@ def cmd_check(ns: argparse.Namespace, runner_factory: RunnerFactory | None = Non
                         machine_devices=lambda: built if built is not None else (
                             (gpus_now(snapshot) or snapshot.devices()) if snapshot.gpus else ()),
                         consumer=getattr(ns, "consumer", None),
-                        machine_gpus=lambda: snapshot.record()["gpu_map"])
+                        machine_gpus=lambda: snapshot.record()["gpu_map"], perplexity=_perplexity(Path(ns.result)))
     for w in verdict.warnings:
         warn(w)
     print(json.dumps(verdict_json(verdict), indent=1) if ns.json else verdict_text(verdict))
@@ -104,3 +105,15 @@ def register(sub: Any) -> None:
                        + " (default: the program it was tuned for)")
     check.add_argument("--json", action="store_true", help="the verdict, each check and the new measurement as JSON")
     check.set_defaults(func=cmd_check)
+
+
+def _perplexity(result: Path) -> Path | None:
+    """The build's llama-perplexity for a result that recorded quality (fitter.check.quality_recheck), else None."""
+    from fitter.check.quality_recheck import perplexity_for
+    from fitter.results.pareto import load_result
+
+    try:
+        doc = load_result(result)
+    except FitterError:
+        return None  # run_check reports the unreadable result
+    return perplexity_for(doc) if any(e.quality is not None for e in doc.pareto) else None

@@ -88,12 +88,7 @@ def _stopping(stop: threading.Event, out: Stderr) -> None:
 def cmd_tune(ns: argparse.Namespace) -> int:
     """The first Ctrl-C lets the running trial end (it is kept), stops the search and exits 130 saying how to
     resume (the same command); a second one stops at once."""
-    from fitter.export.launchers import render
-    from fitter.machine.snapshot import take_snapshot
-    from fitter.process import first_interrupt_deferred
-    from fitter.results.table import pareto_table
     from fitter.tune.options import MeasureOptions, SearchOptions, StorageOptions, TuneOptions, parse_objectives
-    from fitter.tune.session import run_tune
 
     if ns.trials < 1:
         raise FitterError(f"--trials {ns.trials}: give at least 1")
@@ -101,19 +96,49 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         raise FitterError(f"--confirm-rounds {ns.confirm_rounds}: give at least 1 (2 or more for intervals and ties)")
     config, process = launch_args(ns)  # bad flags stop here, before anything starts
     workload, config = workload_from_args(ns, config, tune=True)
-    model = model_path(ns.model)
-    spec = load_model(model, config)
-    options = TuneOptions(
-        model=model, spec=spec, base=config, process=process, workload=workload, demo=ns.model is None,
-        search=SearchOptions(objectives=parse_objectives(ns.objectives), space=ns.space,
-                             fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None,
-                             trials=ns.trials, timeout_s=ns.timeout, seed=ns.seed),
-        measure=MeasureOptions(backend=ns.backend, machine=ns.machine, landscape=ns.landscape,
-                               emulated_gpu_mib=ns.emulated_gpu, emulated_kind=ns.emulated_kind,
-                               llama_cpp=ns.llama_cpp, llama_fit_params=ns.llama_fit_params, projection=ns.projection,
-                               repetitions=ns.repetitions, confirm_rounds=ns.confirm_rounds,
-                               trial_timeout_s=ns.trial_timeout),
-        storage=StorageOptions(storage=ns.storage, study_name=ns.study_name, results=Path(ns.results)))
+    models = [model_path(m) for m in ns.model] or [model_path(None)]
+    specs = [load_model(m, config) for m in models]
+    objectives = parse_objectives(ns.objectives)
+    reference = None
+    if len(models) > 1:  # several files of one model: one front, quality against the highest-precision file
+        from fitter.measure.quality import model_file, reference_file
+        from fitter.tune.files import check_files
+
+        files = [model_file(m) for m in models]
+        check_files(files)
+        reference = reference_file(files).path
+        objectives = objectives if "quality" in objectives else (*objectives, "quality")
+
+    def options_for(model: str, spec: Any) -> TuneOptions:
+        return TuneOptions(
+            model=model, spec=spec, base=config, process=process, workload=workload, demo=not ns.model,
+            search=SearchOptions(objectives=objectives, space=ns.space,
+                                 fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None,
+                                 trials=ns.trials, timeout_s=ns.timeout, seed=ns.seed,
+                                 quality_text=ns.quality_text, quality_ctx=ns.quality_ctx,
+                                 quality_reference=reference),
+            measure=MeasureOptions(backend=ns.backend, machine=ns.machine, landscape=ns.landscape,
+                                   emulated_gpu_mib=ns.emulated_gpu, emulated_kind=ns.emulated_kind,
+                                   llama_cpp=ns.llama_cpp, llama_fit_params=ns.llama_fit_params,
+                                   projection=ns.projection, repetitions=ns.repetitions,
+                                   confirm_rounds=ns.confirm_rounds, trial_timeout_s=ns.trial_timeout),
+            storage=StorageOptions(storage=ns.storage, study_name=ns.study_name, results=Path(ns.results)))
+
+    if len(models) > 1:
+        return _tune_files(ns, [options_for(m, s) for m, s in zip(models, specs, strict=True)])
+    code, _ = _run_one(ns, options_for(models[0], specs[0]))
+    return code
+
+
+def _run_one(ns: argparse.Namespace, options: Any) -> tuple[int, Any]:
+    """One model's tune, its result printed: (exit status, the outcome when it wrote a result)."""
+    from fitter.export.launchers import render
+    from fitter.machine.snapshot import take_snapshot
+    from fitter.process import first_interrupt_deferred
+    from fitter.results.table import pareto_table
+    from fitter.tune.session import run_tune
+
+    config = options.base
     snapshot = take_snapshot() if ns.backend not in ("sim", "replay") else None
     stop, out = threading.Event(), Stderr()
     try:
@@ -128,21 +153,21 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # the second Ctrl-C: the running trial is left for the next run to fail and go on
         out.log("fitter: interrupted: the running trial is left unfinished; the same command resumes the tune (it "
                 "fails that trial and keeps every finished one)")
-        return 130
+        return 130, None
     except FitterError:
         out.end()  # the one-line error on a line of its own
         raise
     if outcome.stopped is not None:
         out.log(f"fitter: stopped: {outcome.stopped}")
-        return 130
+        return 130, None
     if outcome.dry_run is not None:
         print(outcome.dry_run)
-        return 0
+        return 0, None
     result = outcome.result
     if outcome.confirmed_by is not None:  # a worker of a fleet: another one confirms and writes pareto.json
         if result is None:
             print(f"fitter: this worker's trials are in the study; worker {outcome.confirmed_by} writes its results")
-            return 0
+            return 0, None
         print(f"fitter: the study was confirmed by worker {outcome.confirmed_by}; its result:", file=sys.stderr)
     assert result is not None and outcome.folder is not None
     if ns.json:
@@ -154,7 +179,30 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         fmt = {"llama-server": "server", "llama-cli": "server", "llama-cpp-python": "python"}.get(config.consumer)
         if result.picks and fmt:
             print(render(result, "balanced", fmt))
-    return 0 if result.pareto else 1
+    return (0 if result.pareto else 1), outcome
+
+
+def _tune_files(ns: argparse.Namespace, options: list[Any]) -> int:
+    """Several files of one model: each tuned in turn (its own study and result), then one front over them all."""
+    from fitter.measure.quality import model_file, reference_file
+    from fitter.tune.files import combined, combined_lines, write_combined
+
+    files = [model_file(o.model) for o in options]
+    done = []
+    for o, f in zip(options, files, strict=True):
+        print(f"\n== {f.path} ({f.bits_per_weight:.2f} bits per weight)", file=sys.stderr)
+        code, outcome = _run_one(ns, o)
+        if outcome is None or outcome.result is None or outcome.folder is None:
+            return code
+        done.append((f, outcome.result, outcome.folder))
+    doc = combined(done, reference_file(files))
+    path = write_combined(Path(ns.results), doc)
+    if ns.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print("\n".join(combined_lines(doc)))
+        print(f"\nall files: {path}")
+    return 0 if doc["pareto"] else 1
 
 
 def register(sub: Any) -> None:
@@ -172,12 +220,21 @@ def register(sub: Any) -> None:
         "fixed; a searched flag you give (e.g. -ub 512) is removed from the search.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    tune.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
+    tune.add_argument("model", nargs="*", help="GGUF file or any shard (default: the demo model); several files of "
+                      "one model (its quantizations) are tuned each and put on one front with their quality, measured "
+                      "against the highest-precision file")
     tune.add_argument("--space", metavar="FILE", help="search space TOML (default: shipped moe, dense or cpu)")
     tune.add_argument("--objectives", default="tg,pp,vram", metavar="LIST",
                       help="any of tg (decode t/s), pp (prefill t/s), vram (peak VRAM); with --concurrency "
                       "tg-stream (one stream's decode t/s) and ttft (time to first token); with --min-ctx, ctx is "
-                      "added (default: tg,pp,vram)")
+                      "added; quality: the KL divergence of each KV cache type from f16, measured with llama.cpp's "
+                      "llama-perplexity (the KV types searched widen to every type llama.cpp takes) "
+                      "(default: tg,pp,vram)")
+    tune.add_argument("--quality-text", metavar="FILE", help="with --objectives ...,quality: the text quality is "
+                      "measured on (default: the --prompts file, else the public-domain text fitter ships)")
+    tune.add_argument("--quality-ctx", type=int, default=512, metavar="N",
+                      help="llama-perplexity's -c for quality: the text is scored in chunks of N tokens, the second "
+                      "half of each (default 512; the text needs 2N tokens or more)")
     tune.add_argument("--fit-target", default=None, metavar="MiB[,MiB...]",
                       help="memory to leave free per device (default 1024, as llama.cpp's --fit-target)")
     tune.add_argument("--trials", type=int, default=12, metavar="N",

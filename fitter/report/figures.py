@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 FEW_TRIALS = 20  # importances over fewer distinct complete trials than this are noise
-OBJECTIVE_LABELS = {"tg": "decode t/s", "pp": "prefill t/s", "vram": "peak VRAM MiB"}
+OBJECTIVE_LABELS = {"tg": "decode t/s", "pp": "prefill t/s", "vram": "peak VRAM MiB", "quality": "KLD from f16 KV"}
 PNG_DPI = 100
 
 

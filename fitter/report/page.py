@@ -28,6 +28,7 @@ from optuna.trial import TrialState
 from fitter.paths import write_atomic
 from fitter.report.figures import Figures, decode_vs_vram, history, importances, memory
 from fitter.report.load import ReportError, StudyResult
+from fitter.report.quality_figure import decode_vs_quality
 from fitter.report.tables import front, pareto_frame
 from fitter.results.table import Front
 from fitter.results.trials import trials_frame
@@ -63,7 +64,7 @@ def write_report(result: StudyResult, out: Path) -> Report:
     trials_csv, pareto_csv = out / "trials.csv", out / "pareto.csv"
     write_atomic(trials_csv, trials.to_csv(index=False))
     write_atomic(pareto_csv, pareto_frame(f).to_csv(index=False))
-    for build in (decode_vs_vram, history, importances, memory):
+    for build in (decode_vs_vram, decode_vs_quality, history, importances, memory):
         build(result, figs)
     notes += figs.notes
     page = out / "report.html"

@@ -14,6 +14,7 @@ from fitter.errors import FitterError
 from fitter.noise import tied
 from fitter.paths import write_atomic
 from fitter.results.measurement import MeasurementRecord, ResultError, finite, shown, speed
+from fitter.results.quality_record import QUALITY, record_problem
 
 POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram", "max-context")
 RESULT_FILE = "pareto.json"
@@ -35,6 +36,10 @@ class Entry:
     ties: tuple[int, ...] = ()  # the entries it cannot be told apart from within noise
     defaults_distance: int = 0  # searched flags off llama-server's defaults (-1: llama.cpp's own choice)
     n_ctx: int | None = None  # the context its cache holds (llama.cpp's n_ctx; results before it: None)
+    # its KV class's measured quality (fitter.results.quality_record; None: not measured) and the KV cache's bytes
+    # with its types and with f16 ones ({"this": …, "f16": …}; results before them: None)
+    quality: dict[str, Any] | None = None
+    kv_bytes: dict[str, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -74,11 +79,18 @@ class Entry:
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise ResultError(source, f"trial {trial}: \"n_ctx\" must be a context of 1 or more cells, got "
                               f"{shown(n_ctx)}")
+        quality = data.get(QUALITY)
+        if quality is not None and (problem := record_problem(quality)) is not None:
+            raise ResultError(source, f"trial {trial}: \"{QUALITY}\" {problem}")
+        kv = data.get("kv_bytes")
+        if kv is not None and (not isinstance(kv, dict) or set(kv) != {"this", "f16"} or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in kv.values())):
+            raise ResultError(source, f"trial {trial}: \"kv_bytes\" must map this and f16 to bytes, got {kv!r}")
         return Entry(trial if isinstance(trial, int) else None, tuple(flags) if flags is not None else None,
                      measurement, data.get("phase"),
                      int(vram) if vram is not None else None, dict(ratios), data,
                      {k: (float(v[0]), float(v[1])) for k, v in intervals.items()}, tuple(ties),
-                     int(distance) if isinstance(distance, int) else 0, n_ctx)
+                     int(distance) if isinstance(distance, int) else 0, n_ctx, quality, kv)
 
 
 @dataclass(frozen=True)

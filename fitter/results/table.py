@@ -12,11 +12,12 @@ from typing import Any
 from fitter.flags.vocabulary import SEARCHED, SEARCHED_SWITCHES
 from fitter.noise import ratio_interval
 from fitter.results.pareto import Entry, ParetoDoc, fastest
+from fitter.results.quality_record import QUALITY, kv_note, kv_of_flags
 from fitter.units import MIB
 
 BASE = "base"  # the baseline's row label (llama.cpp's own --fit choice)
 PARETO_COLUMNS = ("trial", "phase", "picks", "pp_ts", "tg_ts", "vram_mib", "pp_ratio", "tg_ratio", "pp_ci_low",
-                  "pp_ci_high", "tg_ci_low", "tg_ci_high", "ties", "flags")
+                  "pp_ci_high", "tg_ci_low", "tg_ci_high", "ties", "flags", "kv", "kld", "kld_ci_low", "kld_ci_high")
 
 
 @dataclass(frozen=True)
@@ -34,17 +35,20 @@ class FrontRow:
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
     ties: tuple[int, ...] = ()
     flags: tuple[str, ...] = ()
+    quality: dict[str, Any] | None = None  # its KV class's measured quality (fitter.results.quality_record)
 
     def record(self) -> dict[str, Any]:
         """The row as pareto.csv and `fitter report --json` write it (PARETO_COLUMNS)."""
-        iv = self.intervals
+        iv, q = self.intervals, self.quality
         return {"trial": self.trial, "phase": self.phase, "picks": ",".join(self.picks), "pp_ts": self.pp_ts,
                 "tg_ts": self.tg_ts, "vram_mib": round(self.vram_mib, 2) if self.vram_mib is not None else None,
                 "pp_ratio": self.ratios.get("pp"),
                 "tg_ratio": self.ratios.get("tg"), "pp_ci_low": iv["pp"][0] if "pp" in iv else None,
                 "pp_ci_high": iv["pp"][1] if "pp" in iv else None, "tg_ci_low": iv["tg"][0] if "tg" in iv else None,
                 "tg_ci_high": iv["tg"][1] if "tg" in iv else None, "ties": " ".join(map(str, self.ties)),
-                "flags": " ".join(self.flags)}
+                "flags": " ".join(self.flags), "kv": kv_of_flags(self.flags) if self.flags else None,
+                "kld": q["kld"] if q else None, "kld_ci_low": q["kld_interval"][0] if q else None,
+                "kld_ci_high": q["kld_interval"][1] if q else None}
 
 
 @dataclass(frozen=True)
@@ -77,25 +81,27 @@ def front_of_entries(baseline: Entry | None, entries: Sequence[Entry], picks: di
     m = baseline.measurement if baseline is not None else None
     if baseline is not None and m is not None and m.ok and m.speed("tg") is not None:
         rows.append(FrontRow(BASE, "baseline", (), m.speed("pp"), m.speed("tg"), _mib(m.vram_bytes), baseline.n_ctx,
-                             {"pp": 1.0, "tg": 1.0}, flags=tuple(baseline.flags or ())))
+                             {"pp": 1.0, "tg": 1.0}, flags=tuple(baseline.flags or ()), quality=baseline.quality))
     elif baseline is not None and (baseline.flags or baseline.data.get("reason") or (m is not None and m.data)):
         note = str((m.outcome if m is not None else None) or baseline.data.get("reason"))
     for e in entries:
         rows.append(FrontRow(e.trial if e.trial is not None else "?", e.phase, tuple(by_trial.get(e.trial or -1, [])),
                              e.speed("pp"), e.speed("tg"), _mib(e.vram_bytes), e.n_ctx, dict(e.ratios),
-                             dict(e.intervals), e.ties, tuple(e.flags or ())))
+                             dict(e.intervals), e.ties, tuple(e.flags or ()), e.quality))
     return Front(rows, source, list(dropped), baseline.trial if baseline is not None else None, note)
 
 
-def front_lines(front: Front, ctx: bool = False) -> list[str]:
+def front_lines(front: Front, ctx: bool = False, quality: bool = False) -> list[str]:
     """The table: a header, the baseline's row (all its flags: llama.cpp's fit chose them), each configuration's
-    (its searched flags), what the confirm runs dropped. `ctx`: the context searched, a column of its own."""
+    (its searched flags), what the confirm runs dropped. `ctx`: the context searched, a column of its own; `quality`:
+    measured, the KV class's mean KL divergence from f16 (fitter.results.quality_record) is one too."""
     lines = [f"{'trial':>5}  {'pp t/s':>9} {'tg t/s':>8} {'VRAM MiB':>9}" + (f" {'ctx':>7}" if ctx else "")
+             + (f" {'KLD':>9}" if quality else "")
              + f"  {'pp× [95 % CI]':<20} {'tg× [95 % CI]':<20} picks / flags"]
     if front.baseline_note is not None:
         lines.append(f"{BASE:>5}  llama.cpp --fit: {front.baseline_note}")
     for r in front.rows:
-        ctx_cell = f" {r.n_ctx or '-':>7}" if ctx else ""
+        ctx_cell = (f" {r.n_ctx or '-':>7}" if ctx else "") + (f" {_kld(r):>9}" if quality else "")
         if r.trial == BASE:  # the ratios' unit
             lines.append(f"{BASE:>5}  {_num(r.pp_ts, 9)} {_num(r.tg_ts, 8)} {_num(r.vram_mib, 9)}{ctx_cell}  "
                          f"{'1':<20} {'1':<20} llama.cpp --fit: " + " ".join(r.flags))
@@ -121,7 +127,7 @@ def pareto_table(result: ParetoDoc) -> str:
     counts, and what each pick gains over llama.cpp's own choice (with the drift monitor's note)."""
     doc = result.data
     ctx = "ctx" in result.objectives  # the context searched (--min-ctx): a column of its own
-    lines = front_lines(front_of(result), ctx)
+    lines = front_lines(front_of(result), ctx, QUALITY in result.objectives)
     lines += workload_lines(result)
     if ctx:
         lines += context_lines(result)
@@ -240,10 +246,33 @@ def verdict_lines(result: ParetoDoc) -> list[str]:
             line += (f" — within noise of trial {top.trial}, the fastest estimate (decode {_gain(top, 'tg')}, "
                      f"prefill {_gain(top, 'pp')}); the tie went to {why}")
         out.append(line)
+    out += kv_lines(result)
     note = (result.data.get("drift") or {}).get("note")
     if note:
         out.append(f"drift: {note}")
     return out
+
+
+def kv_lines(result: ParetoDoc) -> list[str]:
+    """What each pick's KV cache types cost in quality (measured with --objectives ...,quality, else said not to be)
+    and save in memory; nothing for picks with llama.cpp's default f16 cache."""
+    by_trial = {e.trial: e for e in result.pareto}
+    names: dict[int, list[str]] = {}
+    for policy, trial in result.picks.items():
+        names.setdefault(trial, []).append(policy)
+    out = []
+    for trial, policies in names.items():
+        e = by_trial.get(trial)
+        if e is None or not e.flags:
+            continue
+        note = kv_note(kv_of_flags(e.flags), e.quality, e.kv_bytes)
+        if note is not None:
+            out.append(f"{', '.join(policies)} (trial {trial}): {note}")
+    return out
+
+
+def _kld(r: FrontRow) -> str:
+    return f"{r.quality['kld']:.4g}" if r.quality else "-"
 
 
 def _ratio(r: FrontRow, key: str) -> str:

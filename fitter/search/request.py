@@ -23,7 +23,7 @@ from fitter.search.split import ORDER, apply_split, is_split_key, last_experts_r
 from fitter.workload import Workload
 
 OBJECTIVES: dict[str, str] = {"tg": "maximize", "pp": "maximize", "vram": "minimize", "ctx": "maximize",
-                              "tg-stream": "maximize", "ttft": "minimize"}
+                              "tg-stream": "maximize", "ttft": "minimize", "quality": "minimize"}
 # the objectives of several streams served at once: one stream's decode and the time to its first token
 STREAM_OBJECTIVES: dict[str, str] = {"tg-stream": "tg_stream", "ttft": "ttft"}  # → the measurement's key
 CTX_KEY = "ctx-size"  # searched only under a workload's min_ctx (--min-ctx): the context as a trade

@@ -26,9 +26,11 @@ from fitter.memory.plan.estimator import MemoryPlan
 from fitter.noise import SPEEDS, better_beyond_noise, ratio_interval, relative_spread, tied
 from fitter.results.measurement import measurement_json, round_avgs, vram_bytes
 from fitter.results.pareto import Entry, ParetoDoc, picks, ratios
+from fitter.results.quality_record import QUALITY, quality_beyond_noise
 from fitter.search.request import Candidate, TuneRequest, _default_distance, candidate
 from fitter.tune.baseline import Baseline
 from fitter.tune.options import DEFAULT_ROUNDS
+from fitter.tune.quality_objective import kv_bytes
 from fitter.tune.study import Tuner
 
 
@@ -153,6 +155,10 @@ def confirm(req: TuneRequest, tuner: Tuner, runner: TrialRunner, baseline: Basel
     run_rounds(req, runner, pool, rounds, log, tuner.stop.is_set)
     dropped = [c.failed for c in pool if c.failed is not None]
     entries = [_entry(c, req.bench.repetitions, req.spec.n_ctx_train) for c in pool if c.failed is None and c.runs]
+    for c, e in zip((c for c in pool if c.failed is None and c.runs), entries, strict=True):
+        e["kv_bytes"] = kv_bytes(req.spec, c.cand.config)  # what its KV types save against f16 (the picks say)
+        if tuner.quality is not None:  # its KV class's quality, as measured (the baseline's too)
+            e[QUALITY] = tuner.quality.of(c.cand.config)
     base = next((e for e in entries if e["phase"] == "baseline"), None)
     if base is not None:
         data = baseline.data
@@ -171,6 +177,11 @@ def _dominates(o: dict[str, Any], e: dict[str, Any], objectives: tuple[str, ...]
     ro, re = round_avgs(om), round_avgs(em)
     strictly = False
     for obj in objectives:
+        if obj == QUALITY:  # the KV class's KL divergence: lower, and beyond the text's noise to count as better
+            if float(o[QUALITY]["kld"]) > float(e[QUALITY]["kld"]):
+                return False
+            strictly |= quality_beyond_noise(o[QUALITY], e[QUALITY])
+            continue
         if obj in ("vram", "ctx"):  # a count, not a noisy rate: less VRAM, a larger context
             mine, theirs = (o["vram_bytes"], e["vram_bytes"]) if obj == "vram" else (-o["n_ctx"], -e["n_ctx"])
             if mine > theirs:
@@ -281,6 +292,8 @@ def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str],
     base_data = dict(baseline.data)
     if baseline.candidate is not None:
         base_data["n_ctx"] = resolve_context(baseline.candidate.config, req.spec.n_ctx_train).n_ctx
+        if tuner.quality is not None:
+            base_data[QUALITY] = tuner.quality.of(baseline.candidate.config)
     if base_m and base_m.get("outcome") == "ok":
         base_data["intervals"] = {k: [1.0, 1.0] for k in SPEEDS if k in base_m}
         # ties are symmetric, and annotate names the baseline among each entry's ties, on the front or off it
@@ -305,6 +318,7 @@ def result_doc(req: TuneRequest, machine: dict[str, Any], build: dict[str, str],
         "confirm": {"rounds": rounds, "repetitions": req.bench.repetitions, "interleaved": True,
                     "interval": "95 % Student t over the rounds' paired log ratios"},
         "drift": drift,
+        **({QUALITY: tuner.quality.section()} if tuner.quality is not None else {}),
         "study": {"storage": url, "trials": len(trials),
                   "launched": sum(1 for t in trials if t.user_attrs.get("launched")),
                   "screened_out": sum(1 for t in trials if t.state == TrialState.PRUNED

@@ -27,6 +27,10 @@ class SearchOptions:
     trials: int = 12  # launched trials, the baseline included
     timeout_s: float | None = None  # stop launching after this long
     seed: int = 0
+    quality_text: str | None = None  # the text quality is measured on (--quality-text, else --prompts, else shipped)
+    quality_ctx: int = 512  # llama-perplexity's -c for the quality measurement (its chunks)
+    # the model file whose f16 run is quality's reference (several files of one model: the highest-precision one)
+    quality_reference: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,8 @@ def parse_objectives(text: str) -> tuple[str, ...]:
         raise FitterError(f"--objectives {text!r}: give a comma list of distinct objectives from "
                           f"{', '.join(OBJECTIVES)} (tg: decode t/s, pp: prefill t/s, vram: peak VRAM, ctx: the "
                           "context, with --min-ctx; tg-stream: one stream's decode t/s, ttft: time to first token, "
-                          "with --concurrency)")
+                          "with --concurrency; quality: the KL divergence from an f16 KV cache, measured with "
+                          "llama-perplexity)")
     return names
 
 
@@ -105,6 +110,10 @@ def check_workload(o: TuneOptions) -> None:
     if streamed and w.concurrency < 2:
         raise FitterError(f"--objectives {','.join(streamed)}: measured with several streams served at once: give "
                           "--concurrency N (N >= 2) or a workload with concurrency")
+    if "quality" in o.search.objectives and backend in ("sim", "replay"):
+        raise FitterError(f"--objectives quality: measured with llama.cpp's llama-perplexity on the model's output; "
+                          f"--backend {backend} runs no model (a simulated machine or a replayed landscape cannot "
+                          "measure quality): tune on this machine's llama.cpp")
     if "ctx" in o.search.objectives and not w.min_ctx:
         raise FitterError("--objectives ctx: the context is an objective where it is searched: give --min-ctx N")
     if w.min_ctx:

@@ -59,6 +59,7 @@ from fitter.tune.baseline import Baseline, recorded_baseline, run_baseline, sim_
 from fitter.tune.confirm import confirm, result_doc
 from fitter.tune.guards import check_something_fits, drift_guard, projected_before_start
 from fitter.tune.options import TuneOptions, bench_settings, check_workload
+from fitter.tune.quality_objective import QUALITY, check_quality, quality_book
 from fitter.tune.study import StudyCallback, Tuner
 from fitter.tune.targets import Target, fit_targets, plan_request, tune_target
 from fitter.workload import measure_problem
@@ -153,6 +154,7 @@ def prepare(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str
         fit_params = str(vulkan_build() / "llama-fit-params")  # the emulated Vulkan GPU's fit is its build's
     tool = find_llama_fit_params(fit_params)
     check_workload(o)
+    check_quality(o, users)
     target = make_target(o) if make_target is not None else tune_target(o, snapshot)
     if target.fixed_options is not None:
         o, note = target.fixed_options(o)
@@ -228,8 +230,9 @@ def search(ready: Ready, opened: Opened, runner: WorkloadRunner, baseline_unavai
                                                      req.devices))
     elif ready.users is not None:
         req = replace(req, projector=drift_guard(o, ready.users, opened.build["commit"], runner.rpc, log))
+    book = quality_book(o, ready.users, opened.study, log) if QUALITY in req.objectives else None
     tuner = Tuner(req, opened.study, runner, on_event=progress(req) if progress else None, heartbeat_s=5,
-                  claims=opened.claims, worker=opened.worker, log=log)
+                  claims=opened.claims, worker=opened.worker, log=log, quality=book)
     tuner.stop = stop or tuner.stop
     if target.recorded_baseline is not None:
         baseline = recorded_baseline(req, tuner, target.recorded_baseline, log)

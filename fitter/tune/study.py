@@ -39,6 +39,7 @@ from fitter.measure.runners import TrialRunner
 from fitter.measure.types import TrialResult
 from fitter.memory.backends.devices import Device
 from fitter.results.measurement import measurement_json, vram_bytes
+from fitter.results.quality_record import QUALITY, quality_value
 from fitter.search.plan import Screener, neighbours, structured_start
 from fitter.search.pooling import SamplePool
 from fitter.search.request import STREAM_OBJECTIVES, Candidate, TuneRequest, _choices, candidate
@@ -55,6 +56,7 @@ from fitter.storage.fleet import (
     wait_for_others,
 )
 from fitter.storage.optuna_api import frozen, record_heartbeat, set_params, study_storage, trial_id
+from fitter.tune.quality_objective import QualityBook
 from fitter.units import MIB
 
 
@@ -80,8 +82,9 @@ class Tuner:
     def __init__(self, req: TuneRequest, study: optuna.Study, runner: TrialRunner,
                  on_event: StudyCallback | None = None, heartbeat_s: float | None = None,
                  claims: Claims | None = None, worker: Worker | None = None,
-                 log: Callable[[str], None] = lambda _: None) -> None:
+                 log: Callable[[str], None] = lambda _: None, quality: QualityBook | None = None) -> None:
         self.req = req
+        self.quality = quality  # --objectives …,quality: each KV class's measured quality (tune.quality_objective)
         self.study = study
         self.runner = runner
         self.screener = Screener(req)
@@ -269,7 +272,10 @@ class Tuner:
                 trial.set_constraint(name, value)
             n_ctx = resolve_context(cand.config, self.req.spec.n_ctx_train).n_ctx
             trial.set_user_attr("n_ctx", n_ctx)
-            values = [objective_value(measurement, o, vram, n_ctx) for o in self.req.objectives]
+            quality = self.quality.of(cand.config) if self.quality is not None else None
+            if quality is not None:
+                trial.set_user_attr(QUALITY, quality)
+            values = [objective_value(measurement, o, vram, n_ctx, quality) for o in self.req.objectives]
             self.study.tell(trial, values)
         elif m.outcome == "oom":
             self._learn_from_oom(trial, m, s)
@@ -476,15 +482,22 @@ class Tuner:
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
             if not t.params or any(v > 0 for v in t.constraints.values()):
                 continue
-            value = objective_value(t.user_attrs["measurement"], objective, t.user_attrs.get("vram_bytes", 0))
-            score = -value if objective == "vram" else value
+            value = objective_value(t.user_attrs["measurement"], objective, t.user_attrs.get("vram_bytes", 0),
+                                    quality=t.user_attrs.get(QUALITY))
+            score = -value if objective in ("vram", QUALITY) else value
             if best is None or score > best[0]:
                 best = (score, t)
         return best[1] if best else None
 
 
-def objective_value(measurement: dict[str, Any], objective: str, vram: int, n_ctx: int = 0) -> float:
-    """A trial's value of one objective: t/s measured, VRAM in MiB measured, or the context its cache holds."""
+def objective_value(measurement: dict[str, Any], objective: str, vram: int, n_ctx: int = 0,
+                    quality: dict[str, Any] | None = None) -> float:
+    """A trial's value of one objective: t/s measured, VRAM in MiB measured, the context its cache holds, or its KV
+    class's measured KL divergence."""
+    if objective == QUALITY:
+        if quality is None:
+            raise ValueError("the quality objective needs the trial's measured quality")
+        return quality_value(quality)
     if objective == "vram":
         return round(vram / MIB, 3)
     if objective == "ctx":

@@ -19,7 +19,7 @@ from typing import Any
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 
 from fitter.errors import FitterError
-from fitter.flags import LaunchConfig, ProcessFlags
+from fitter.flags import KV_CACHE_TYPES, LaunchConfig, ProcessFlags
 from fitter.flags.parse import fixed_space_keys
 from fitter.gguf.model_spec import ModelSpec
 from fitter.machine.gpu_order import GpuOrderError
@@ -32,6 +32,7 @@ from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets
 from fitter.memory.fit.fit_devices import expert_layers
 from fitter.memory.plan.device_choice import default_devices, model_devices
 from fitter.memory.plan.tensor_split import tensor_mode_runs
+from fitter.results.quality_record import QUALITY
 from fitter.search import split
 from fitter.search.request import CTX_KEY, TuneRequest
 from fitter.search.screen import Budgets
@@ -39,6 +40,7 @@ from fitter.search.space import default_space_name, for_target, load_space, reso
 from fitter.search.split import TENSOR
 from fitter.storage.studies import machine_dir_name
 from fitter.tune.options import TuneOptions
+from fitter.tune.quality_objective import widened_kv_types
 from fitter.units import GIB, MIB
 from fitter.workload import context_choices
 
@@ -249,6 +251,8 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
         objectives = tuple(x for x in objectives if x != "vram")
         log("fitter: no GPU: the vram objective is dropped")
     distributions, source = _space(o, target)
+    if QUALITY in objectives and target.distributions is None:  # what each KV type costs is measured: all of them
+        distributions = widened_kv_types(distributions, tuple(KV_CACHE_TYPES))
     if o.workload.min_ctx and target.distributions is None:  # the context as a trade: searched, a Pareto axis
         contexts = context_choices(o.workload.min_ctx, o.spec.n_ctx_train)
         distributions = {CTX_KEY: CategoricalDistribution(contexts), **distributions}

@@ -385,4 +385,4 @@ def test_a_study_whose_objectives_are_not_fitters_is_refused(tmp_path: Path) -> 
     with pytest.raises(FitterError) as e:
         load_study_result(tmp_path)
     assert str(e.value) == (f"{tmp_path / 'study.db'}: the study records objectives ['../../../escape']; fitter's "
-                            "are tg, pp, vram, ctx, tg-stream, ttft")
+                            "are tg, pp, vram, ctx, tg-stream, ttft, quality")
