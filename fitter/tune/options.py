@@ -31,6 +31,7 @@ class SearchOptions:
     quality_ctx: int = 512  # llama-perplexity's -c for the quality measurement (its chunks)
     # the model file whose f16 run is quality's reference (several files of one model: the highest-precision one)
     quality_reference: str | None = None
+    quality_kv_types: tuple[str, ...] = ()  # the KV types the build's llama-perplexity takes (its --help), once read
 
 
 @dataclass(frozen=True)

@@ -124,17 +124,19 @@ def perplexity_tool(users: LlamaCppBuild | None) -> Path:
     return home / "llama-perplexity"
 
 
-def check_quality(o: TuneOptions, users: LlamaCppBuild | None) -> None:
-    """Before anything starts: the tool is there, the text exists and is long enough for -c (two windows)."""
+def check_quality(o: TuneOptions, users: LlamaCppBuild | None) -> TuneOptions:
+    """Before anything starts: the tool is there, the text exists and is long enough for -c (two windows); the
+    options with the KV types the build takes (what the search widens to)."""
     if QUALITY not in o.search.objectives:
-        return
-    from fitter.measure.llamacpp.perplexity import check_text_length
+        return o
+    from fitter.measure.llamacpp.perplexity import check_text_length, kv_types_of
 
-    perplexity_tool(users)
+    tool = perplexity_tool(users)
     text = quality_text(o)
     if not text.is_file():
         raise FitterError(f"--quality-text {text}: no such file")
     check_text_length(text, o.search.quality_ctx)
+    return replace(o, search=replace(o.search, quality_kv_types=kv_types_of(str(tool))))
 
 
 def quality_book(o: TuneOptions, users: LlamaCppBuild | None, study: optuna.Study,

@@ -154,7 +154,7 @@ def prepare(o: TuneOptions, snapshot: MachineSnapshot | None, log: Callable[[str
         fit_params = str(vulkan_build() / "llama-fit-params")  # the emulated Vulkan GPU's fit is its build's
     tool = find_llama_fit_params(fit_params)
     check_workload(o)
-    check_quality(o, users)
+    o = check_quality(o, users)
     target = make_target(o) if make_target is not None else tune_target(o, snapshot)
     if target.fixed_options is not None:
         o, note = target.fixed_options(o)

@@ -34,12 +34,13 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from fitter.errors import FitterError
 from fitter.flags import resolve_context
 from fitter.measure.runners import TrialRunner
 from fitter.measure.types import TrialResult
 from fitter.memory.backends.devices import Device
 from fitter.results.measurement import measurement_json, vram_bytes
-from fitter.results.quality_record import QUALITY, quality_value
+from fitter.results.quality_record import QUALITY
 from fitter.search.plan import Screener, neighbours, structured_start
 from fitter.search.pooling import SamplePool
 from fitter.search.request import STREAM_OBJECTIVES, Candidate, TuneRequest, _choices, candidate
@@ -56,6 +57,7 @@ from fitter.storage.fleet import (
     wait_for_others,
 )
 from fitter.storage.optuna_api import frozen, record_heartbeat, set_params, study_storage, trial_id
+from fitter.tune.objectives import objective_value
 from fitter.tune.quality_objective import QualityBook
 from fitter.units import MIB
 
@@ -272,7 +274,13 @@ class Tuner:
                 trial.set_constraint(name, value)
             n_ctx = resolve_context(cand.config, self.req.spec.n_ctx_train).n_ctx
             trial.set_user_attr("n_ctx", n_ctx)
-            quality = self.quality.of(cand.config) if self.quality is not None else None
+            try:
+                quality = self.quality.of(cand.config) if self.quality is not None else None
+            except FitterError as e:  # its quality could not be measured: a failed trial that says why
+                trial.set_user_attr("reason", f"quality: {e}")
+                self.study.tell(trial, state=TrialState.FAIL)
+                self.progress.failed += 1
+                return
             if quality is not None:
                 trial.set_user_attr(QUALITY, quality)
             values = [objective_value(measurement, o, vram, n_ctx, quality) for o in self.req.objectives]
@@ -488,25 +496,6 @@ class Tuner:
             if best is None or score > best[0]:
                 best = (score, t)
         return best[1] if best else None
-
-
-def objective_value(measurement: dict[str, Any], objective: str, vram: int, n_ctx: int = 0,
-                    quality: dict[str, Any] | None = None) -> float:
-    """A trial's value of one objective: t/s measured, VRAM in MiB measured, the context its cache holds, or its KV
-    class's measured KL divergence."""
-    if objective == QUALITY:
-        if quality is None:
-            raise ValueError("the quality objective needs the trial's measured quality")
-        return quality_value(quality)
-    if objective == "vram":
-        return round(vram / MIB, 3)
-    if objective == "ctx":
-        return float(n_ctx)
-    if objective == "ttft":
-        return float(measurement["ttft"]["avg_ms"])
-    if objective == "tg-stream":
-        return float(measurement["tg_stream"]["avg_ts"])
-    return float(measurement[objective]["avg_ts"])
 
 
 def _oom_device(buft: str | None, devices: tuple[Device, ...]) -> str | None:

@@ -252,7 +252,7 @@ def plan_request(o: TuneOptions, target: Target, devices: tuple[Device, ...], rp
         log("fitter: no GPU: the vram objective is dropped")
     distributions, source = _space(o, target)
     if QUALITY in objectives and target.distributions is None:  # what each KV type costs is measured: all of them
-        distributions = widened_kv_types(distributions, tuple(KV_CACHE_TYPES))
+        distributions = widened_kv_types(distributions, o.search.quality_kv_types or tuple(KV_CACHE_TYPES))
     if o.workload.min_ctx and target.distributions is None:  # the context as a trade: searched, a Pareto axis
         contexts = context_choices(o.workload.min_ctx, o.spec.n_ctx_train)
         distributions = {CTX_KEY: CategoricalDistribution(contexts), **distributions}

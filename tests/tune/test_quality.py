@@ -122,3 +122,23 @@ def test_quality_on_a_simulated_machine_is_refused(demo_spec: Any) -> None:
                        r"model's output; --backend sim runs no model \(a simulated machine or a replayed landscape "
                        r"cannot measure quality\): tune on this machine's llama.cpp$"):
         check_workload(o)
+
+
+def test_a_class_whose_quality_cannot_be_measured_fails_its_trials_and_the_study_goes_on(tmp_path: Path,
+                                                                                         demo_spec: Any) -> None:
+    objectives = ("tg", "pp", "vram", "quality")
+    req = _request(demo_spec, n_trials=6, objectives=objectives)
+
+    def meter(ctk: str, ctv: str) -> dict[str, Any]:
+        if "q8_0" in (ctk, ctv):
+            raise FitterError("-ctk q8_0: not a KV cache type of the build of /b/llama-perplexity; it takes f16")
+        return fake_record(ctk, ctv)
+
+    study = _study(tmp_path, objectives)
+    Tuner(req, study, FakeRunner(demo_spec), quality=QualityBook(study, meter, {})).run()
+    failed = [t for t in study.trials if t.state == TrialState.FAIL]
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert failed and done
+    assert {t.user_attrs["reason"] for t in failed} == {
+        "quality: -ctk q8_0: not a KV cache type of the build of /b/llama-perplexity; it takes f16"}
+    assert all("q8_0" not in kv_class(candidate(req, dict(t.params)).config) for t in done)
