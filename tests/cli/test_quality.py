@@ -59,6 +59,7 @@ def test_files_of_one_model_against_the_most_precise(pinned_tools: Path, tmp_pat
     assert main(["quality", str(q4), str(demo), "-c", "128", "--chunks", "4", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["reference"]["model"] == str(demo)  # 4.66 bits per weight against Q4_0's 4.59
+    assert [(f["path"], round(f["bits_per_weight"], 2)) for f in doc["files"]] == [(str(q4), 4.59), (str(demo), 4.66)]
     assert [(Path(r["model"]).name, r["cache_type_k"]) for r in doc["rows"]] == [("demo-Q4_0.gguf", "f16"),
                                                                                (demo.name, "f16")]
     q4_row, demo_row = doc["rows"]
