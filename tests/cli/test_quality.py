@@ -99,3 +99,13 @@ def test_files_of_two_models_are_refused(pinned_tools: Path, capsys: pytest.Capt
     assert main(["quality", str(demo), str(tiny)]) == 2
     assert capsys.readouterr().err == (f"fitter: error: {tiny}: its vocabulary has 512 tokens, {demo}'s 2048: "
                                        "quality compares files of one model\n")
+
+
+@needs_tools
+def test_a_users_build_measures_with_its_own_llama_perplexity(capsys: pytest.CaptureFixture[str]) -> None:
+    # --llama-cpp DIR: that build's llama-perplexity (here the pinned build's folder, as a user's would be given)
+    assert main(["quality", "--llama-cpp", str(BUILT_TOOLS), "-c", "128", "--chunks", "4", "-ctk", "q8_0", "-ctv",
+                 "q8_0", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["reference"]["argv"][0] == str(BUILT_TOOLS / "llama-perplexity")
+    assert [(r["cache_type_k"], r["kld_mean"] > 0) for r in doc["rows"]] == [("q8_0", True)]
