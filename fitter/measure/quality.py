@@ -27,7 +27,7 @@ from fitter.measure.llamacpp.perplexity import (
 )
 
 __all__ = ["SHIPPED_TEXT", "ModelFile", "QualityTable", "kv_pairs", "model_file", "quality_table", "reference_file",
-           "render_quality", "tool_build"]
+           "render_quality"]
 
 # the public-domain text fitter ships (its provenance: texts/README.md beside it)
 SHIPPED_TEXT = Path(__file__).resolve().parent / "llamacpp" / "texts" / "founding-texts.txt"
@@ -87,16 +87,6 @@ def kv_pairs(spec: str, supported: Sequence[str], flash_attn: str | None = None)
     return pairs
 
 
-def tool_build(tool: str | Path) -> dict[str, Any]:
-    """What keys a reference to the build that made it: the commit the tool reports (`--version`) and the backends
-    beside it (fitter.measure.llamacpp.builds)."""
-    from fitter.measure.llamacpp.builds import library_backends, server_build
-
-    path = Path(tool).resolve()
-    return {"commit": server_build(str(path)).get("commit", "unknown"),
-            "backends": sorted(library_backends(path.parent)), "folder": str(path.parent)}
-
-
 @dataclass(frozen=True)
 class QualityTable:
     reference: Reference
@@ -127,8 +117,7 @@ def quality_table(tool: str | Path, files: Sequence[ModelFile], text: str | Path
     for k, v in pairs:
         check_kv(tool, k, v, flash_attn)
     say = progress or (lambda _: None)
-    ref = reference_logits(tool, ref_file.path, text, n_ctx, reference_flags, chunks, tool_build(tool),
-                           ref_file.identity, timeout)
+    ref = reference_logits(tool, ref_file.path, text, n_ctx, reference_flags, chunks, ref_file.identity, timeout)
     check_scored(ref)
     say(f"reference: {ref_file.path}, f16 K and V, -c {ref.n_ctx}: {ref.n_chunk} chunks, {ref.tokens} tokens scored; "
         + ("cached" if ref.cached else f"{ref.seconds:.1f} s"))
