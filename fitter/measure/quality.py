@@ -27,7 +27,7 @@ from fitter.measure.llamacpp.perplexity import (
 )
 
 __all__ = ["SHIPPED_TEXT", "ModelFile", "QualityTable", "kv_pairs", "model_file", "quality_table", "reference_file",
-           "render_quality", "tool_build"]
+           "render_quality"]
 
 # the public-domain text fitter ships (its provenance: texts/README.md beside it)
 SHIPPED_TEXT = Path(__file__).resolve().parent / "llamacpp" / "texts" / "founding-texts.txt"
@@ -87,29 +87,22 @@ def kv_pairs(spec: str, supported: Sequence[str], flash_attn: str | None = None)
     return pairs
 
 
-def tool_build(tool: str | Path) -> dict[str, Any]:
-    """What keys a reference to the build that made it: the commit the tool reports (`--version`) and the backends
-    beside it (fitter.measure.llamacpp.builds)."""
-    from fitter.measure.llamacpp.builds import library_backends, server_build
-
-    path = Path(tool).resolve()
-    return {"commit": server_build(str(path)).get("commit", "unknown"),
-            "backends": sorted(library_backends(path.parent)), "folder": str(path.parent)}
-
-
 @dataclass(frozen=True)
 class QualityTable:
     reference: Reference
     reference_file: ModelFile
     flash_attn: str | None  # the configs' -fa (None: llama.cpp's auto); the reference runs at auto
     rows: tuple[QualityMeasure, ...]
+    files: tuple[ModelFile, ...] = ()  # the files measured, in the order given
 
     def to_json(self) -> dict[str, Any]:
         ref = {**{k: getattr(self.reference, k) for k in ("model", "text", "n_ctx", "n_vocab", "n_chunk", "tokens",
                                                           "ppl", "ppl_sem", "seconds", "cached")},
                "cache_type_k": "f16", "cache_type_v": "f16", "logits": str(self.reference.path),
                "bits_per_weight": self.reference_file.bits_per_weight, "argv": list(self.reference.argv)}
-        return {"reference": ref, "rows": [r.to_json() for r in self.rows]}
+        files = [{"path": f.path, "arch": f.arch, "n_vocab": f.n_vocab, "bits_per_weight": f.bits_per_weight}
+                 for f in self.files]
+        return {"reference": ref, "files": files, "rows": [r.to_json() for r in self.rows]}
 
 
 def quality_table(tool: str | Path, files: Sequence[ModelFile], text: str | Path, n_ctx: int,
@@ -124,8 +117,7 @@ def quality_table(tool: str | Path, files: Sequence[ModelFile], text: str | Path
     for k, v in pairs:
         check_kv(tool, k, v, flash_attn)
     say = progress or (lambda _: None)
-    ref = reference_logits(tool, ref_file.path, text, n_ctx, reference_flags, chunks, tool_build(tool),
-                           ref_file.identity, timeout)
+    ref = reference_logits(tool, ref_file.path, text, n_ctx, reference_flags, chunks, ref_file.identity, timeout)
     check_scored(ref)
     say(f"reference: {ref_file.path}, f16 K and V, -c {ref.n_ctx}: {ref.n_chunk} chunks, {ref.tokens} tokens scored; "
         + ("cached" if ref.cached else f"{ref.seconds:.1f} s"))
@@ -135,7 +127,7 @@ def quality_table(tool: str | Path, files: Sequence[ModelFile], text: str | Path
             row = measure_quality(tool, f.path, ref, k, v, flash_attn, flags, f.n_vocab, timeout)
             say(f"{Path(f.path).name} -ctk {k} -ctv {v}: KLD {row.kld_mean:.6f}, {row.seconds:.1f} s")
             rows.append(row)
-    return QualityTable(ref, ref_file, flash_attn, tuple(rows))
+    return QualityTable(ref, ref_file, flash_attn, tuple(rows), tuple(files))
 
 
 def _kld(x: float) -> str:
@@ -152,19 +144,21 @@ def render_quality(table: QualityTable) -> str:
              f"{made}",
              f"text: {ref.text}, -c {ref.n_ctx}: {ref.n_chunk} chunks, {ref.tokens} tokens scored{ppl}",
              f"flash attention: {table.flash_attn or 'auto'}", ""]
-    head = [*(["model"] if several else []), "K/V", "mean KLD [95 % interval]", "99 % KLD", "same top token %",
-            "PPL", "seconds"]
+    bits = {f.path: f"{f.bits_per_weight:.2f}" for f in table.files}
+    head = [*(["model", "bits/weight"] if several else []), "K/V", "mean KLD [95 % interval]", "99 % KLD",
+            "same top token %", "PPL", "seconds"]
     body = []
     for r in table.rows:
         lo, hi = r.kld_interval95
-        body.append([*([Path(r.model).name] if several else []), f"{r.cache_type_k}/{r.cache_type_v}",
+        body.append([*([Path(r.model).name, bits.get(r.model, "?")] if several else []),
+                     f"{r.cache_type_k}/{r.cache_type_v}",
                      f"{_kld(r.kld_mean)} [{_kld(lo)}, {_kld(hi)}]", _kld(r.kld_p99),
                      f"{r.same_top_pct:.3f} ± {r.same_top_sem_pct:.3f}", f"{r.ppl:.4f} ± {r.ppl_sem:.4f}",
                      f"{r.seconds:.1f}"])
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    n_left = 2 if several else 1  # the names left, the figures right
+    left = {0, 2} if several else {0}  # the names left, the figures right
     for row in [head, *body]:
-        lines.append("  ".join(c.ljust(w) if i < n_left else c.rjust(w)
+        lines.append("  ".join(c.ljust(w) if i in left else c.rjust(w)
                                for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip())
     lines.append("")
     lines.append("KLD: llama.cpp's mean KL divergence from the reference's next-token distribution, per scored token; "

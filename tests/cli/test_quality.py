@@ -59,6 +59,7 @@ def test_files_of_one_model_against_the_most_precise(pinned_tools: Path, tmp_pat
     assert main(["quality", str(q4), str(demo), "-c", "128", "--chunks", "4", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["reference"]["model"] == str(demo)  # 4.66 bits per weight against Q4_0's 4.59
+    assert [(f["path"], round(f["bits_per_weight"], 2)) for f in doc["files"]] == [(str(q4), 4.59), (str(demo), 4.66)]
     assert [(Path(r["model"]).name, r["cache_type_k"]) for r in doc["rows"]] == [("demo-Q4_0.gguf", "f16"),
                                                                                (demo.name, "f16")]
     q4_row, demo_row = doc["rows"]
@@ -98,3 +99,13 @@ def test_files_of_two_models_are_refused(pinned_tools: Path, capsys: pytest.Capt
     assert main(["quality", str(demo), str(tiny)]) == 2
     assert capsys.readouterr().err == (f"fitter: error: {tiny}: its vocabulary has 512 tokens, {demo}'s 2048: "
                                        "quality compares files of one model\n")
+
+
+@needs_tools
+def test_a_users_build_measures_with_its_own_llama_perplexity(capsys: pytest.CaptureFixture[str]) -> None:
+    # --llama-cpp DIR: that build's llama-perplexity (here the pinned build's folder, as a user's would be given)
+    assert main(["quality", "--llama-cpp", str(BUILT_TOOLS), "-c", "128", "--chunks", "4", "-ctk", "q8_0", "-ctv",
+                 "q8_0", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["reference"]["argv"][0] == str(BUILT_TOOLS / "llama-perplexity")
+    assert [(r["cache_type_k"], r["kld_mean"] > 0) for r in doc["rows"]] == [("q8_0", True)]

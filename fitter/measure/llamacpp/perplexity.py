@@ -64,6 +64,7 @@ __all__ = [
     "reference_argv",
     "reference_logits",
     "scored_tokens",
+    "tool_build",
 ]
 
 TOOL = "llama-perplexity"
@@ -311,18 +312,29 @@ def _key(model: Path, text: Path, n_ctx: int, chunks: int | None, build: dict[st
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def reference_logits(tool: str | Path, model: str | Path, text: str | Path, n_ctx: int, flags: Sequence[str] = (),
-              chunks: int | None = None, build: dict[str, Any] | None = None, identity: str = "",
-              timeout: float | None = None) -> Reference:
-    """The reference logits of `model` over `text` at -c `n_ctx` (f16 K and V), made once and kept in fitter's home.
+def tool_build(tool: str | Path) -> dict[str, Any]:
+    """What keys a reference to the build that made it: the commit the tool reports (`--version`), the backends
+    beside it and its folder (fitter.measure.llamacpp.builds)."""
+    from fitter.measure.llamacpp.builds import library_backends, server_build
 
-    The key: the model file (path, size, mtime, its header's `identity`), the text's bytes, -c, --chunks, `build`
-    (what the tool reports of itself: commit, backends) and `flags`. A cached file counts only whole (its size is the
-    one its head implies); a run writes a temporary file and renames it whole, so an interrupted run leaves none."""
+    path = Path(tool).resolve()
+    return {"commit": server_build(str(path)).get("commit", "unknown"),
+            "backends": sorted(library_backends(path.parent)), "folder": str(path.parent)}
+
+
+def reference_logits(tool: str | Path, model: str | Path, text: str | Path, n_ctx: int, flags: Sequence[str] = (),
+                     chunks: int | None = None, identity: str = "", timeout: float | None = None) -> Reference:
+    """The reference logits of `model` over `text` at -c `n_ctx` (f16 K and V, -fa auto: no -ctk/-ctv/-fa in
+    `flags`), made once and kept in fitter's home.
+
+    The key: the model file (path, size, mtime, its header's `identity`), the text's bytes, -c, --chunks, the build
+    (`tool_build`) and `flags` as given (threads included: leave out what should share one reference). A cached file
+    counts only whole (its size is the one its head implies); a run writes a temporary file and renames it whole, so
+    an interrupted run leaves none."""
     model_p, text_p = Path(model), Path(text)
     check_text_length(text_p, n_ctx)
     folder = fitter_home() / "quality"
-    key = _key(model_p, text_p, n_ctx, chunks, build or {}, flags, identity)
+    key = _key(model_p, text_p, n_ctx, chunks, tool_build(tool), flags, identity)
     stem = f"{safe_name(model_p.stem, limit=60)}-c{n_ctx}-{key}"
     path, meta = folder / f"{stem}.kld", folder / f"{stem}.json"
     cached = _cached(path, meta)

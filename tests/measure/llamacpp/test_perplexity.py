@@ -98,7 +98,7 @@ def _fake_tool(tmp_path: Path, body: str) -> Path:
     """A stand-in llama-perplexity: a shell script that writes what `body` says to the file after
     --kl-divergence-base (its 8th argument in reference_argv's order) and counts its runs."""
     tool = tmp_path / "llama-perplexity"
-    tool.write_text(f"#!/bin/sh\necho run >> {tmp_path / 'runs'}\nbase=$8\n{body}\n")
+    tool.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && exit 0\necho run >> {tmp_path / 'runs'}\nbase=$8\n{body}\n")
     tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
     return tool
 
