@@ -18,8 +18,7 @@ def recheck_quality(doc: ParetoDoc, entry: Entry, model: str, tool: Path | None
     """(lines, failures, details) of the pick's quality: re-measured when the build changed, else as recorded."""
     if entry.quality is None or not entry.flags:
         return [], [], {}
-    from fitter.measure.llamacpp.perplexity import measure_quality, reference_logits
-    from fitter.measure.quality import tool_build
+    from fitter.measure.llamacpp.perplexity import measure_quality, reference_logits, tool_build
 
     kv = kv_of_flags(entry.flags)
     old = entry.quality
@@ -37,7 +36,7 @@ def recheck_quality(doc: ParetoDoc, entry: Entry, model: str, tool: Path | None
     if not text or not Path(text).is_file() or not isinstance(n_ctx, int):
         return [f"quality: {kv} KV: {describe(old)} as tuned with {recorded}; not re-measured with "
                 f"{build['commit']}: the text it was measured on ({text}) is gone"], [], {QUALITY: {"recorded": old}}
-    ref = reference_logits(tool, reference_model, text, n_ctx, build=build)
+    ref = reference_logits(tool, reference_model, text, n_ctx)
     ctk, ctv = kv.split("/")
     now = quality_record(measure_quality(tool, model, ref, ctk, ctv))
     line = f"quality: {kv} KV: {describe(old)} with {recorded}; now {describe(now)} with {build['commit']}"

@@ -33,7 +33,11 @@ def cmd_fit(ns: argparse.Namespace) -> int:
 
     config, _ = launch_args(ns)
     targets = parse_fit_targets(ns.fit_target)
-    model = model_path(ns.model)
+    if ns.models_preset or len(ns.model) > 1:  # several models loaded together: one fit for the set
+        from fitter.cli.fit_set import fit_set
+
+        return fit_set(ns, config, targets)
+    model = model_path(ns.model[0] if ns.model else None)
     spec = load_model(model, config)
     with contextlib.ExitStack() as stack:
         gpu = None
@@ -109,7 +113,15 @@ def register(sub: Any) -> None:
         "Exit code 1 when nothing fits.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    fit_p.add_argument("model", nargs="?", help="GGUF file or any shard (default: the demo model)")
+    fit_p.add_argument("model", nargs="*", help="GGUF file or any shard (default: the demo model); several: models "
+                       "loaded together (llama-server's router, a llama-swap group), fitted as one set")
+    fit_p.add_argument("--models-preset", metavar="FILE", help="a llama-server router preset (--models-preset): its "
+                       "models, each with its own options, fitted as one set")
+    fit_p.add_argument("--models-max", type=int, default=0, metavar="N",
+                       help="with several models: at most N loaded at once, as the router's --models-max (default 0: "
+                       "every model)")
+    fit_p.add_argument("--write-preset", metavar="FILE", help="with several models: write the fitted set as a router "
+                           "preset (llama-server --models-preset FILE --models-max N)")
     fit_p.add_argument("--fit-target", default=str(DEFAULT_FIT_TARGET_MIB), metavar="MiB[,MiB...]",
                        help="memory to leave free per device (default 1024, as llama.cpp's --fit-target)")
     fit_p.add_argument("--fit-ctx", type=int, default=DEFAULT_FIT_CTX, metavar="N",

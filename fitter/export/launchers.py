@@ -163,8 +163,13 @@ def preset_options(p: Pick) -> list[tuple[str, str]]:
     """(key, value) in flag order; llama-server rebuilds the argv from them (common_preset::to_args) ordered by the
     options' first spelling, which keeps -ncmoe's rules before -ot's as on the command line. Keys and the values of
     bare flags come from fitter.flags.vocabulary (common_preset::to_ini)."""
-    options = [("model", p.model_path)]
-    for name, tokens in flag_groups(p.flags):
+    return preset_pairs(p.model_path, p.flags)
+
+
+def preset_pairs(model_path: str, flags: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
+    """A model's path and pinned flags as preset (key, value) pairs (see preset_options)."""
+    options = [("model", model_path)]
+    for name, tokens in flag_groups(flags):
         f = BY_NAME[name]
         assert f.preset_key is not None, name
         options.append((f.preset_key, tokens[1] if len(tokens) > 1 else str(f.preset_value)))
@@ -205,16 +210,21 @@ _INI_GLOBAL = "*"
 
 
 def render_preset_ini(p: Pick) -> str:
-    section = re.sub(r"[\[\]:\s]+", "-", p.model_name).strip("-")  # a `:tag` would be re-cased
-    lines = _comments(p, ";")
-    lines.append(f"[{section if section not in ('', _INI_GLOBAL) else 'model'}]")
-    for key, value in preset_options(p):
+    return "\n".join([*_comments(p, ";"), *preset_section(p.model_name, preset_options(p))]) + "\n"
+
+
+def preset_section(name: str, options: list[tuple[str, str]]) -> list[str]:
+    """One model's section of a router preset: `[name]` then `key = value` lines; refused where llama-server's
+    parser would cut a value."""
+    section = re.sub(r"[\[\]:\s]+", "-", name).strip("-")  # a `:tag` would be re-cased
+    lines = [f"[{section if section not in ('', _INI_GLOBAL) else 'model'}]"]
+    for key, value in options:
         if _INI_UNSAFE.search(value):
             raise FitterError(f"preset-ini: {key} = {value!r}: llama-server's preset parser ends a value at ';', "
                               "'#' or a line break and drops the blanks around it; launch with --format server "
                               "instead")
         lines.append(f"{key} = {value}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def render_llama_swap(p: Pick) -> str:

@@ -144,7 +144,6 @@ def quality_book(o: TuneOptions, users: LlamaCppBuild | None, study: optuna.Stud
     """The study's book of quality, measured with the build's llama-perplexity on the model's own devices (llama.cpp
     fits them itself): the reference (an f16 cache) made once per model, text, -c and build, kept in fitter's home."""
     from fitter.measure.llamacpp.perplexity import measure_quality, reference_logits
-    from fitter.measure.quality import tool_build
 
     tool, text, n_ctx = perplexity_tool(users), quality_text(o), o.search.quality_ctx
     ref_model = o.search.quality_reference or o.model
@@ -153,7 +152,7 @@ def quality_book(o: TuneOptions, users: LlamaCppBuild | None, study: optuna.Stud
     def meter(ctk: str, ctv: str) -> dict[str, Any]:
         if not refs:
             log(f"fitter: the quality reference: {ref_model} with an f16 KV cache over {text} at -c {n_ctx}")
-            refs.append(reference_logits(tool, ref_model, text, n_ctx, build=tool_build(tool),
+            refs.append(reference_logits(tool, ref_model, text, n_ctx,
                                          identity=o.spec.identity if ref_model == o.model else ""))
         return quality_record(measure_quality(tool, o.model, refs[0], ctk, ctv, n_vocab=o.spec.n_vocab))
 

@@ -42,7 +42,7 @@ def test_a_new_build_measures_the_picks_quality_again(llama_tools: dict[str, Pat
     text = tmp_path / "text.txt"
     text.write_text(SHIPPED_TEXT.read_text()[:6000])
     model = str(model_file("gpt-oss-tiny"))
-    from fitter.measure.quality import tool_build
+    from fitter.measure.llamacpp.perplexity import tool_build
 
     same = tool_build(tool)["commit"]
     lines, failures, _ = recheck_quality(_doc(same, text), _entry(), model, tool)
