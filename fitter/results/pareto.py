@@ -244,7 +244,8 @@ def picks(entries: list[Entry]) -> dict[str, int]:
     Pareto entries, by trial number.
 
     Configs the confirm rounds cannot tell apart from a pick (fitter.noise: the interval of their ratio
-    contains 1) are a tie, resolved toward less VRAM, then toward llama.cpp's defaults (its own choice first, then
+    contains 1) are a tie, resolved toward the least quality lost (where it was measured), then less VRAM, then
+    toward llama.cpp's defaults (its own choice first, then
     the fewest searched flags off llama-server's defaults), then the faster estimate."""
     if not entries:
         return {}
@@ -258,8 +259,15 @@ def picks(entries: list[Entry]) -> dict[str, int]:
     def tied_with(best: Entry, speeds: tuple[str, ...]) -> list[Entry]:
         return [e for e in entries if e is best or tied(best.rounds, e.rounds, speeds)]
 
-    def chosen(group: list[Entry], faster: Callable[[Entry], float]) -> int:
-        e = min(group, key=lambda e: (e.vram_bytes or 0, e.defaults_distance, -faster(e)))
+    def chosen(group: list[Entry], faster: Callable[[Entry], float], least_vram: bool = False) -> int:
+        # with quality measured (--objectives ...,quality), the config that costs the least of it first (min-vram:
+        # after the VRAM it is for)
+        def key(e: Entry) -> tuple[float, ...]:
+            kld, vram = float(e.quality["kld"]) if e.quality else 0.0, float(e.vram_bytes or 0)
+            first = (vram, kld) if least_vram else (kld, vram)
+            return (*first, e.defaults_distance, -faster(e))
+
+        e = min(group, key=key)
         assert e.trial is not None
         return e.trial
 
@@ -272,7 +280,7 @@ def picks(entries: list[Entry]) -> dict[str, int]:
     top = fastest(entries, "max-decode")
     tied_top = {id(e) for e in tied_with(top, ("tg",))}
     near_top = [e for e in entries if tg(e) >= 0.95 * tg(top) or id(e) in tied_top]
-    out["min-vram"] = chosen(near_top, tg)
+    out["min-vram"] = chosen(near_top, tg, least_vram=True)
     if len({e.n_ctx for e in entries if e.n_ctx}) > 1:  # the context was searched (--min-ctx)
         # the largest context within 5 % of the best decode: what a larger context costs nothing noticeable for
         e = max(near_top, key=lambda e: (e.n_ctx or 0, tg(e), -(e.vram_bytes or 0)))

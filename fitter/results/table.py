@@ -272,7 +272,7 @@ def kv_lines(result: ParetoDoc) -> list[str]:
 
 
 def _kld(r: FrontRow) -> str:
-    return f"{r.quality['kld']:.4g}" if r.quality else "-"
+    return f"{max(float(r.quality['kld']), 0.0):.4g}" if r.quality else "-"  # llama.cpp's -0.000000 reads 0
 
 
 def _ratio(r: FrontRow, key: str) -> str:

@@ -142,3 +142,17 @@ def test_a_class_whose_quality_cannot_be_measured_fails_its_trials_and_the_study
     assert {t.user_attrs["reason"] for t in failed} == {
         "quality: -ctk q8_0: not a KV cache type of the build of /b/llama-perplexity; it takes f16"}
     assert all("q8_0" not in kv_class(candidate(req, dict(t.params)).config) for t in done)
+
+
+def test_a_tie_in_speed_goes_to_the_config_that_costs_less_quality_but_min_vram_to_less_vram() -> None:
+    from fitter.results.pareto import Entry, picks
+
+    def entry(trial: int, kv: str, vram: int) -> Entry:
+        rounds = [100.0, 101.0, 99.0]
+        return Entry.from_json({"trial": trial, "flags": [], "vram_bytes": vram, "quality": fake_record(*kv.split("/")),
+                                "measurement": {"outcome": "ok", "tg": {"avg_ts": 100.0}, "pp": {"avg_ts": 100.0},
+                                                "confirm": {"rounds": 3, "round_avg_ts": {"tg": rounds, "pp": rounds}}}},
+                               "p.json")
+
+    chosen = picks([entry(1, "q4_0/q4_0", 60), entry(2, "f16/f16", 80), entry(3, "q8_0/q8_0", 70)])
+    assert chosen == {"max-decode": 2, "max-prefill": 2, "balanced": 2, "min-vram": 1}
