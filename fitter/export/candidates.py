@@ -37,7 +37,7 @@ class Option:
 
 
 @dataclass(frozen=True)
-class Candidate:
+class LaunchLine:
     trial: int  # the measured config it is, or was re-planned from
     flags: tuple[str, ...]  # llama-server's flags, pinned (no -m)
     need: dict[str, int]  # device → bytes the plan allocates on it (llama.cpp's buffers)
@@ -79,7 +79,7 @@ class Room:
 
 @dataclass(frozen=True)
 class Choice:
-    candidate: Candidate | None  # None: nothing fits, nothing may start
+    candidate: LaunchLine | None  # None: nothing fits, nothing may start
     reason: str  # one line: what the policy's pick needs, what is free, what is served and what it costs
 
 
@@ -125,19 +125,19 @@ def need_of(spec: ModelSpec, config: LaunchConfig, devices: Sequence[Device], cp
     return {d.name: totals[d.name].total for d in devices if d.name in totals}
 
 
-def candidate(option: Option, spec: ModelSpec, devices: Sequence[Device], cpu: CpuProfile = CPU_AVX2
-              ) -> Candidate | None:
+def measured_line(option: Option, spec: ModelSpec, devices: Sequence[Device], cpu: CpuProfile = CPU_AVX2
+              ) -> LaunchLine | None:
     """The measured config with its need on the devices; None where the estimator (llama.cpp's rules) refuses it
     on them."""
     try:
         need = need_of(spec, option.config, devices, cpu)
     except FitterError:
         return None
-    return Candidate(option.trial, tuple(pin(option.config, process=option.process)), need, option.speeds)
+    return LaunchLine(option.trial, tuple(pin(option.config, process=option.process)), need, option.speeds)
 
 
 def replans(pick: Option, spec: ModelSpec, devices: Sequence[Device], cpu: CpuProfile = CPU_AVX2,
-            min_ctx: int = DEFAULT_FIT_CTX) -> Iterator[Candidate]:
+            min_ctx: int = DEFAULT_FIT_CTX) -> Iterator[LaunchLine]:
     """The pick moved toward less device memory, nearest first: at its own context the experts of one more layer on
     the CPU at a time (`-ncmoe`, common/common.h llm_add_n_cpu_ffn_overrides: the first layers'), up to every layer;
     then the same at each halved context (a multiple of 256, src/llama-context.cpp) down to `min_ctx` (llama.cpp's
@@ -165,33 +165,33 @@ def replans(pick: Option, spec: ModelSpec, devices: Sequence[Device], cpu: CpuPr
             seen.append(need)
             change = [f"-ncmoe {n} → {k}"] if k != n else []
             change += [f"-c {ctx0} → {ctx}"] if ctx != ctx0 else []
-            yield Candidate(pick.trial, tuple(pin(moved, process=pick.process)), need, pick.speeds,
+            yield LaunchLine(pick.trial, tuple(pin(moved, process=pick.process)), need, pick.speeds,
                             ", ".join(change))
 
 
-def fits(c: Candidate, room: dict[str, Room]) -> bool:
+def fits(c: LaunchLine, room: dict[str, Room]) -> bool:
     return all(r.budget is None or c.need.get(name, 0) <= r.budget for name, r in room.items())
 
 
-def _over(c: Candidate, room: dict[str, Room]) -> tuple[str, int]:
+def _over(c: LaunchLine, room: dict[str, Room]) -> tuple[str, int]:
     """The device the candidate is most over its budget on (name, bytes over)."""
     over = {name: c.need.get(name, 0) - r.budget for name, r in room.items() if r.budget is not None}
     name = max(over, key=lambda k: over[k])
     return name, over[name]
 
 
-def _needs(c: Candidate, room: dict[str, Room], name: str | None = None) -> str:
+def _needs(c: LaunchLine, room: dict[str, Room], name: str | None = None) -> str:
     names = [name] if name is not None else [n for n in c.need if n in room]
     return ", ".join(f"{size(c.need.get(n, 0))} on {n}" for n in names) or "no device memory"
 
 
-def _speed(c: Candidate, pick: Candidate) -> str:
+def _speed(c: LaunchLine, pick: LaunchLine) -> str:
     parts = [f"{label} {c.speeds[k] / pick.speeds[k]:.2f}×" for k, label in (("tg", "decode"), ("pp", "prefill"))
              if c.speeds.get(k) and pick.speeds.get(k)]
     return " and ".join(parts) + " of it" if parts else "its speed unknown"
 
 
-def choose(policy: str, measured: Sequence[Candidate], replanned: Iterable[Candidate], room: dict[str, Room],
+def choose(policy: str, measured: Sequence[LaunchLine], replanned: Iterable[LaunchLine], room: dict[str, Room],
            source: str = "the result") -> Choice:
     """The first of `measured` (the policy's order, its pick first) that fits every device's budget, else the first
     re-plan that does (`replanned` is read only that far), else none: the reason says what would fit."""

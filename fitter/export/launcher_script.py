@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from fitter.errors import FitterError
-from fitter.export.candidates import Candidate, Option, candidate, policy_order, replans, size
+from fitter.export.candidates import LaunchLine, Option, measured_line, policy_order, replans, size
 from fitter.export.launchers import comment, pick
 from fitter.export.replan import measured_devices
 from fitter.flags import ProcessFlags
@@ -63,7 +63,7 @@ def _where(key: str) -> str:
 
 
 def launcher_candidates(doc: ParetoDoc, policy: str, spec: ModelSpec, cpu: CpuProfile = CPU_AVX2,
-                        min_ctx: int = DEFAULT_FIT_CTX) -> tuple[list[Candidate], tuple[Device, ...], str]:
+                        min_ctx: int = DEFAULT_FIT_CTX) -> tuple[list[LaunchLine], tuple[Device, ...], str]:
     """The lines in the order the script tries them, the devices they are planned on (named as the exported flags
     name them: an emulated GPU as the CUDA<i> it stands for, with the rules it was measured under), and the model."""
     first = pick(doc, policy)
@@ -80,9 +80,9 @@ def launcher_candidates(doc: ParetoDoc, policy: str, spec: ModelSpec, cpu: CpuPr
         process = ProcessFlags(p.threads, p.threads_batch, p.cpu_mask, p.cpu_range)
         options.append(Option(p.trial, p.config, process, {k: v for k in ("tg", "pp")
                                                            if (v := entry.speed(k)) is not None}))
-    measured = [c for o in options if (c := candidate(o, spec, devices, cpu)) is not None]
+    measured = [c for o in options if (c := measured_line(o, spec, devices, cpu)) is not None]
     replanned = list(replans(options[0], spec, devices, cpu, min_ctx)) if devices else []
-    kept: list[Candidate] = []
+    kept: list[LaunchLine] = []
     for c in (*measured, *replanned):  # one that needs as much as an earlier one everywhere can never run
         if not any(all(c.need.get(d.name, 0) >= k.need.get(d.name, 0) for d in devices) for k in kept):
             kept.append(c)
@@ -110,7 +110,7 @@ def render_launcher(doc: ParetoDoc, policy: str, spec: ModelSpec, cpu: CpuProfil
                "|| gpus=")
     out.append(_FREE_OF)
 
-    def line(c: Candidate) -> str:
+    def line(c: LaunchLine) -> str:
         return shlex.join([binary, "-m", model, *c.flags]) + ' "$@"'
 
     def say(text: str) -> str:

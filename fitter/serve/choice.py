@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fitter.errors import FitterError, LaunchConfigError
-from fitter.export.candidates import Candidate, Choice, Option, Room, candidate, choose, policy_order, replans, rooms
+from fitter.export.candidates import (
+    Choice,
+    LaunchLine,
+    Option,
+    Room,
+    choose,
+    measured_line,
+    policy_order,
+    replans,
+    rooms,
+)
 from fitter.flags import parse_launch_flags, split_process_flags
 from fitter.flags.parse import flag_value, process_flags_of, with_endpoints
 from fitter.flags.vocabulary import BY_NAME
@@ -32,7 +42,7 @@ class Plan:
 
     argv: tuple[str, ...]  # empty when nothing fits
     choice: Choice
-    candidates: tuple[Candidate, ...]  # the measured ones, in the policy's order (with their needs now)
+    candidates: tuple[LaunchLine, ...]  # the measured ones, in the policy's order (with their needs now)
     room: dict[str, Room]
 
 
@@ -53,7 +63,7 @@ def tuned_model(doc: ParetoDoc, override: str | None = None) -> tuple[str, Model
     return path, spec
 
 
-def emulated_caps(doc: ParetoDoc) -> tuple[int, ...] | None:
+def recorded_caps(doc: ParetoDoc) -> tuple[int, ...] | None:
     """The caps (MiB) of the emulated GPUs the result was measured on, None when it was not; refused for the
     emulated GPUs llama-server cannot be."""
     if not doc.emulated and not any(e.measurement is not None and e.measurement.emulated for e in doc.pareto):
@@ -128,9 +138,9 @@ def plan_serve(doc: ParetoDoc, policy: str, spec: ModelSpec, binary: str, model_
     opts = options(doc, policy, endpoints)
     targets = doc.fit_targets() or (DEFAULT_FIT_TARGET_MIB,)
     room = rooms(devices, targets if len(targets) in (1, len(devices)) else targets[:1])
-    measured = [c for o in opts if (c := candidate(o, with_extras(spec, o), devices, cpu)) is not None]
+    measured = [c for o in opts if (c := measured_line(o, with_extras(spec, o), devices, cpu)) is not None]
 
-    def replanned() -> Iterator[Candidate]:
+    def replanned() -> Iterator[LaunchLine]:
         if opts and measured and measured[0].trial == opts[0].trial:
             yield from replans(opts[0], with_extras(spec, opts[0]), devices, cpu, min_ctx)
 

@@ -12,18 +12,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import signal
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import FrameType
 
 from fitter import process
 from fitter.errors import FitterError
 from fitter.memory.backends.devices import Device
+from fitter.memory.fit.budgets import DEFAULT_FIT_CTX
 from fitter.results.pareto import ParetoDoc, load_result
-from fitter.serve.choice import Plan, emulated_caps, passed_through, plan_serve, server_binary, tuned_model
-
-FORWARDED = (signal.SIGINT, signal.SIGTERM)
+from fitter.serve.choice import Plan, passed_through, plan_serve, recorded_caps, server_binary, tuned_model
 
 
 def exit_status(returncode: int) -> int:
@@ -33,31 +30,18 @@ def exit_status(returncode: int) -> int:
 
 def run_forwarding(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     """Run `argv` in a session of its own (fitter.process.spawn), SIGINT and SIGTERM sent to fitter passed on to it
-    (llama-server shuts down on the first and stops at once on the second: tools/server/server.cpp
-    `signal_handler`), until it exits; its exit status (`exit_status`). The handlers only send the signal on."""
+    (fitter.process.signals_passed_on: llama-server shuts down on the first and stops at once on the second,
+    tools/server/server.cpp `signal_handler`), until it exits; its exit status (`exit_status`)."""
     child: list[int] = []
-    early: list[int] = []
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        if child:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child[0], signum)
-        else:  # before the child exists: passed on once it does
-            early.append(signum)
-
-    previous = {s: signal.signal(s, forward) for s in FORWARDED}
-    try:
+    with process.signals_passed_on(lambda: child[0] if child else None) as early:
         proc = process.spawn(argv, env=env if env is not None else dict(os.environ), stdin=None)
         child.append(proc.pid)
-        for signum in early:
+        for signum in early:  # came before it existed
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signum)
         rc = proc.wait()  # a handler's run does not end the wait (PEP 475)
         process.kill_group(proc)  # whatever it left in its group; forgets it
-        return exit_status(rc)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    return exit_status(rc)
 
 
 def machine_devices(doc: ParetoDoc, binary: str) -> tuple[Device, ...]:
@@ -86,8 +70,8 @@ def machine_devices(doc: ParetoDoc, binary: str) -> tuple[Device, ...]:
 
     snapshot = listed_by(take_snapshot(), binary)
     changed = gpu_change(doc.machine, snapshot.record()["gpu_map"])
-    if changed:
-        raise FitterError(f"{doc.source} {changed}")
+    if changed:  # check's words, for serve
+        raise FitterError(f"{doc.source} {changed.replace('run the check with', 'serve it with')}")
     return gpus_now(snapshot) or snapshot.devices()
 
 
@@ -138,12 +122,12 @@ def serve(result: str | Path, policy: str, say: Callable[[str], None], *, dry_ru
     doc = load_result(result)
     extra = passed_through(extra)
     model_path, spec = tuned_model(doc, model)
-    caps = emulated_caps(doc)
+    caps = recorded_caps(doc)
     binary = server_binary(doc, build_dir)
     with emulated_endpoints(caps, rpc, binary, doc.source) as endpoints:
         devices = listed_rpc_devices(binary, endpoints) if endpoints else machine_devices(doc, binary)
-        kwargs = {"min_ctx": min_ctx} if min_ctx is not None else {}
-        plan: Plan = plan_serve(doc, policy, spec, binary, model_path, devices, endpoints, extra, **kwargs)
+        plan: Plan = plan_serve(doc, policy, spec, binary, model_path, devices, endpoints, extra,
+                                min_ctx=min_ctx if min_ctx is not None else DEFAULT_FIT_CTX)
         if not plan.argv:
             raise FitterError(plan.choice.reason)
         say(plan.choice.reason)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fitter.export.candidates import Candidate, Room, choose, policy_order, rooms
+from fitter.export.candidates import LaunchLine, Room, choose, policy_order, rooms
 from fitter.memory.backends.devices import RPC, Device
 from fitter.results.pareto import ParetoDoc
 from fitter.serve.choice import plan_serve
@@ -28,8 +28,8 @@ def demo_result(tmp_path: Path) -> ParetoDoc:
     return ParetoDoc.from_json(data, str(tmp_path / "pareto.json"))
 
 
-def _c(trial: int, need_mib: float, tg: float = 10.0, pp: float = 100.0, change: str = "") -> Candidate:
-    return Candidate(trial, ("-c", "4096"), {"CUDA0": int(need_mib * MIB)}, {"tg": tg, "pp": pp}, change)
+def _c(trial: int, need_mib: float, tg: float = 10.0, pp: float = 100.0, change: str = "") -> LaunchLine:
+    return LaunchLine(trial, ("-c", "4096"), {"CUDA0": int(need_mib * MIB)}, {"tg": tg, "pp": pp}, change)
 
 
 ROOM_60 = {"CUDA0": Room(60 * MIB, 0, 16)}  # 60 MiB free, 16 MiB fit target: 44 MiB to plan with
@@ -52,7 +52,7 @@ def test_the_fastest_next_config_that_fits_is_served_with_its_cost() -> None:
 def test_re_plans_are_read_only_until_one_fits() -> None:
     read: list[int] = []
 
-    def replans() -> Iterator[Candidate]:
+    def replans() -> Iterator[LaunchLine]:
         for k, need in ((5, 50.0), (6, 43.0), (7, 30.0)):
             read.append(k)
             yield _c(6, need, change=f"-ncmoe 4 → {k}")
@@ -108,7 +108,7 @@ def test_the_demo_result_on_less_free_memory(tmp_path: Path, free_mib: int, min_
     c = plan.choice.candidate
     assert c is not None and (c.trial, c.change, c.need) == (trial, change, {DEV: need})
     assert plan.argv[:3] == ("llama-server", "-m", "m.gguf") and plan.argv[-2:] == ("--port", "8080")
-    assert ("--rpc", "127.0.0.1:50052") == plan.argv[plan.argv.index("--rpc"):plan.argv.index("--rpc") + 2]
+    assert plan.argv[plan.argv.index("--rpc"):plan.argv.index("--rpc") + 2] == ("--rpc", "127.0.0.1:50052")
 
 
 def test_the_demo_result_with_no_room_starts_nothing(tmp_path: Path) -> None:
