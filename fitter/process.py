@@ -186,3 +186,33 @@ def first_interrupt_deferred(on_first: Callable[[], None]) -> Iterator[None]:
     finally:
         if signal.getsignal(signal.SIGINT) is handler:
             signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def signals_passed_on(pid: Callable[[], int | None]) -> Iterator[list[int]]:
+    """Within the block SIGINT and SIGTERM are sent on to the process `pid()` names (a server fitter runs in the
+    foreground, which decides itself how to stop), not acted on: fitter's other children stay up until it exits.
+    The block gets the list of the signals that came while `pid()` was None, to send once it has started that
+    process. The handlers only call os.kill. Outside the main thread the block changes nothing."""
+    early: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield early
+        return
+    _install_hooks()  # fitter's own handlers first, so that spawning inside the block does not put them back
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        target = pid()
+        if target is None:
+            early.append(signum)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in previous:
+        signal.signal(s, handler)
+    try:
+        yield early
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -10,7 +10,7 @@ import fitter
 ROOT = Path(fitter.__file__).resolve().parent
 # Lower imports nothing higher: the flow of the README's Layout section, leaves first.
 LAYERS = ("errors", "paths", "units", "noise", "process", "ports", "gguf", "flags", "workload", "memory", "machine",
-          "measure", "sim", "search", "storage", "results", "tune", "check", "grid", "export", "report", "cli")
+          "measure", "sim", "search", "storage", "results", "tune", "check", "grid", "export", "serve", "report", "cli")
 MAX_LINES = 520
 
 

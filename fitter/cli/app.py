@@ -20,8 +20,9 @@ from fitter.flags.vocabulary import speculative_flag, unmodelled_speculation
 # The modules that register the commands, and the commands each registers: a command line naming one of them builds
 # only that module's parsers, so `fitter estimate` does not import what `fitter tune` needs.
 COMMANDS = {"estimate": ("estimate",), "fit": ("fit",), "bench": ("bench",), "tune": ("tune",), "grid": ("grid",),
-            "results": ("export", "report"), "check": ("check",), "quality": ("quality",),
+            "results": ("export", "report"), "check": ("check",), "serve": ("serve",), "quality": ("quality",),
             "misc": ("machines", "demo-model", "probe")}
+PASS_THROUGH = ("serve",)  # commands that pass the flags after `--` to the program they start (their ns.extra)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,8 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fitter: error: {unmodelled_speculation(draft)}", file=sys.stderr)
         return 2
     parser = build_parser(argv)
+    extra: list[str] | None = None
+    if argv and argv[0] in PASS_THROUGH and "--" in argv:  # what follows `--` is the program's, not fitter's
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
     try:
         ns = parser.parse_args(argv)  # a rule flag's value is read as it is parsed (-ncmoe x: one line, exit 2)
+        if extra is not None:
+            ns.extra = extra
         result: int = ns.func(ns)
         return result
     except FitterError as e:

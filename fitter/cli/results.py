@@ -26,11 +26,18 @@ def cmd_export(ns: argparse.Namespace) -> int:
 
     doc = load_result(ns.result)
     target = ns.consumer or FORMAT_CONSUMER.get(ns.format, doc.consumer)
+    if ns.format == "launcher" and target != "llama-server":
+        raise FitterError(f"--format launcher --for {target}: the launcher runs llama-server; drop --for")
     if ns.consumer and ns.format in FORMAT_CONSUMER and FORMAT_CONSUMER[ns.format] != ns.consumer:
         fits = [f for f in FORMATS if FORMAT_CONSUMER.get(f, ns.consumer) == ns.consumer]
         raise FitterError(f"--for {ns.consumer} --format {ns.format}: that format is read by "
                           f"{FORMAT_CONSUMER[ns.format]}; for {ns.consumer} choose --format {' or '.join(fits)}, "
                           "or drop --for")
+    if ns.format == "launcher":  # the choice `fitter serve` makes, as a script (fitter.export.launcher_script)
+        from fitter.export.launcher_script import render_launcher
+
+        print(render_launcher(doc, ns.policy, _result_model(doc, ns.model)), end="")
+        return 0
     note = None
     if target != doc.consumer:
         p = pick(doc, ns.policy)
@@ -110,8 +117,9 @@ def register(sub: Any) -> None:
                             "for a launcher, pinning everything llama-server would otherwise decide itself.")
     export.add_argument("result", help="a results folder (or its pareto.json)")
     export.add_argument("--policy", default="balanced", choices=POLICIES)
-    export.add_argument("--format", default="server", choices=FORMATS,
-                        help="server, preset-ini and llama-swap are read by llama-server, python by llama-cpp-python")
+    export.add_argument("--format", default="server", choices=(*FORMATS, "launcher"),
+                        help="server, preset-ini and llama-swap are read by llama-server, python by llama-cpp-python; "
+                        "launcher: a sh script that runs the first config that fits the GPUs' free memory at start")
     export.add_argument("--for", dest="consumer", choices=CONSUMER_NAMES, default=None, metavar="PROGRAM",
                         help="the program that will run it (default: the format's; json: the one it was tuned for); "
                         "another program than the tuned one re-plans the config and says what changed")

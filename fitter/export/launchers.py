@@ -53,10 +53,11 @@ class Pick:
     binary: str = "llama-server"  # the llama-server the result was measured with (`--llama-cpp DIR`), else on PATH
 
 
-def pick(result: ParetoDoc, policy: str) -> Pick:
-    """The picked entry with its flags parsed and pinned; FitterError names the file, trial and flag at fault."""
+def pick(result: ParetoDoc, policy: str, entry: Entry | None = None) -> Pick:
+    """The picked entry (or `entry`, another of the result's, as the policy's launcher would run it) with its flags
+    parsed and pinned; FitterError names the file, trial and flag at fault."""
     source = result.source
-    entry = result.entry(policy)
+    entry = entry if entry is not None else result.entry(policy)
     where = f"{source}: the {policy} pick (trial {entry.trial})"
     model = result.model
     path = model.get("path")

@@ -33,6 +33,7 @@ from fitter.units import MIB
 
 # Which program each export format is read by; json keeps the result's own.
 FORMAT_CONSUMER = {"server": "llama-server", "preset-ini": "llama-server", "llama-swap": "llama-server",
+                   "launcher": "llama-server",
                    "python": "llama-cpp-python"}
 
 

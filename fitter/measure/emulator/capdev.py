@@ -56,8 +56,9 @@ STATS_MAGIC = 0x3156454450414346  # "FCAPDEV1"
     _W_RESET_SEEN,
     _W_PID,
     _W_MEMORY_QUERIES,
-) = range(14)
-_N_WORDS = 14
+    _W_HELD,
+) = range(15)
+_N_WORDS = 15
 _WORDS = struct.Struct(f"<{_N_WORDS}Q")
 _PARENT_POLL_S = 0.2
 _LOG_TAIL = 2000
@@ -83,6 +84,7 @@ class EmulatedGpuStats:
     live_buffers: int = 0
     memory_queries: int = 0  # ggml_backend_dev_memory calls the cap answered (the client's free-memory queries)
     server_pid: int = 0
+    held_bytes: int = 0  # what another process holds on the device (`set_held`): counted against the cap, not free
 
 
 def parse_stats(data: bytes) -> EmulatedGpuStats | None:
@@ -106,6 +108,7 @@ def parse_stats(data: bytes) -> EmulatedGpuStats | None:
         live_buffers=w[_W_LIVE],
         memory_queries=w[_W_MEMORY_QUERIES],
         server_pid=w[_W_PID],
+        held_bytes=w[_W_HELD],
     )
 
 
@@ -125,6 +128,14 @@ def request_peak_reset(stats: mmap.mmap) -> None:
     """Ask the shim to restart its peak from the bytes in use now (it applies it at the next allocation)."""
     req = struct.unpack_from("<Q", stats, _W_RESET_REQ * 8)[0]
     struct.pack_into("<Q", stats, _W_RESET_REQ * 8, req + 1)  # the parent is this word's only writer
+
+
+def set_held(stats: mmap.mmap, held_bytes: int) -> None:
+    """Say that another process holds `held_bytes` of the device (a browser, a second model on a real GPU): the shim
+    answers memory queries with that much less free and refuses allocations past the cap less it."""
+    if held_bytes < 0:
+        raise EmulatedGpuError(f"emulated GPU held memory: must be 0 or more bytes, got {held_bytes}")
+    struct.pack_into("<Q", stats, _W_HELD * 8, held_bytes)  # the parent is this word's only writer
 
 
 def capped_server_argv(endpoint: str, threads: int, parent_pid: int, lib_dir: Path) -> list[str]:

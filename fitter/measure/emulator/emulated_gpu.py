@@ -50,6 +50,7 @@ from fitter.measure.emulator.capdev import (
     read_stats,
     request_peak_reset,
     server_env,
+    set_held,
     shim_library,
 )
 from fitter.memory.backends.devices import CUDA, RPC, Device, rpc_device_name
@@ -312,6 +313,16 @@ class EmulatedGpu:
         if f is None:
             raise EmulatedGpuError("emulated GPU reset_peak: the server is not running")
         request_peak_reset(f)
+
+    def hold(self, held_bytes: int) -> None:
+        """Let another process hold `held_bytes` of this device from now on (0: none), as a browser or a second
+        model holds part of a real GPU: llama.cpp's clients see that much less free memory (`--list-devices`, the
+        RPC server's memory answer) and an allocation past the cap less it is refused. The RPC server serves one
+        client at a time, so a second client cannot hold memory on it; the shim counts this for one."""
+        f = self._stats_file
+        if f is None:
+            raise EmulatedGpuError("emulated GPU hold: the server is not running")
+        set_held(f, held_bytes)
 
 
 class EmulatedGpus:

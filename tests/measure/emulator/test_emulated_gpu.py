@@ -37,25 +37,25 @@ MIB = 1024 * 1024
 
 def _words(**changes: int) -> bytes:
     # fitter/measure/emulator/native/capdev.c's layout: magic, version, seq, cap, used, peak, refused, last_refused,
-    # allocs, live, reset_req, reset_seen, pid, memory_queries.
-    w = [STATS_MAGIC, 1, 4, 64 * MIB, 3 * MIB, 5 * MIB, 2, 777, 9, 1, 0, 0, 4242, 6]
+    # allocs, live, reset_req, reset_seen, pid, memory_queries, held.
+    w = [STATS_MAGIC, 1, 4, 64 * MIB, 3 * MIB, 5 * MIB, 2, 777, 9, 1, 0, 0, 4242, 6, 20 * MIB]
     names = ["magic", "version", "seq", "cap", "used", "peak", "refused", "last", "allocs", "live", "req", "seen"]
     for k, v in changes.items():
         w[names.index(k)] = v
-    return struct.pack("<14Q", *w) + bytes(STATS_SIZE - 14 * 8)
+    return struct.pack("<15Q", *w) + bytes(STATS_SIZE - 15 * 8)
 
 
 def test_parse_stats_reads_the_shims_counters() -> None:
     assert parse_stats(_words()) == EmulatedGpuStats(
         cap_bytes=64 * MIB, used_bytes=3 * MIB, peak_bytes=5 * MIB, refused=2, last_refused_bytes=777,
-        allocations=9, live_buffers=1, memory_queries=6, server_pid=4242,
+        allocations=9, live_buffers=1, memory_queries=6, server_pid=4242, held_bytes=20 * MIB,
     )  # fmt: skip
     assert parse_stats(_words(seq=5)) is None  # odd: the shim is mid-update
     assert parse_stats(_words(magic=0)) is None  # the shim has not written the file yet
     # A reset_peak() the shim has not applied yet (no allocation since) reads as peak = used.
     st = parse_stats(_words(req=1))
     assert st is not None and st.peak_bytes == 3 * MIB
-    with pytest.raises(EmulatedGpuError, match="need 112 bytes, got 8"):
+    with pytest.raises(EmulatedGpuError, match="need 120 bytes, got 8"):
         parse_stats(bytes(8))
 
 

@@ -46,8 +46,10 @@
  *                            that only ask for memory (--list-devices, a no-alloc projection) leave it alone.
  *
  * The counters are 64-bit words in a seqlock (layout: STATS_* below, mirrored in capdev.py): the shim is their only
- * writer, except the word STATS_RESET_REQ which the parent bumps to ask for peak := used (and, in client mode, the
- * parent's reset of a file whose process is gone).
+ * writer, except the word STATS_RESET_REQ which the parent bumps to ask for peak := used, the word STATS_HELD (bytes
+ * another process holds on the device, as a browser or a second model holds part of a real GPU: they count against
+ * the cap and are not free; `EmulatedGpu.hold`) and, in client mode, the parent's reset of a file whose process is
+ * gone.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -80,6 +82,7 @@ enum {
     STATS_RESET_SEEN,     /* the last STATS_RESET_REQ the shim applied */
     STATS_PID,            /* the server's pid */
     STATS_MEMORY_QUERIES, /* ggml_backend_dev_memory calls answered */
+    STATS_HELD,           /* written by the parent: bytes another process holds on the device (server mode) */
     STATS_WORDS
 };
 
@@ -247,7 +250,7 @@ static void claim(struct capped * d) {
     __atomic_store_n(&mapped[STATS_SEQ], seq | 1, __ATOMIC_RELAXED); /* odd: mid-update */
     __atomic_thread_fence(__ATOMIC_RELEASE);
     for (int w = STATS_CAP; w < STATS_WORDS; w++) {
-        if (w != STATS_RESET_REQ) {
+        if (w != STATS_RESET_REQ && w != STATS_HELD) {
             mapped[w] = d->own[w];
         }
     }
@@ -375,8 +378,11 @@ void * ggml_backend_buft_alloc_buffer(void * buft, size_t size) {
     }
     struct capped * d = &g_devices[device];
     claim(d);
+    /* what another process holds (STATS_HELD) is not this process's to allocate */
+    uint64_t held = __atomic_load_n(&d->stats[STATS_HELD], __ATOMIC_ACQUIRE);
     uint64_t used = d->used;
-    if ((uint64_t) size > d->cap || used > d->cap - (uint64_t) size) {
+    uint64_t taken = used + (held < d->cap ? held : d->cap);
+    if ((uint64_t) size > d->cap || taken > d->cap - (uint64_t) size) {
         write_begin(d);
         apply_reset(d);
         d->stats[STATS_REFUSED] += 1;
@@ -454,10 +460,11 @@ void ggml_backend_buffer_free(void * buffer) {
     }
 }
 
-/* A capped device's memory as llama.cpp asks for it: total = cap, free = cap - used; called with g_lock held. */
+/* A capped device's memory as llama.cpp asks for it: total = cap, free = cap - used - held; called with g_lock
+ * held. */
 static void capped_memory(struct capped * d, size_t * free, size_t * total) {
     if (d->cap != UINT64_MAX) {
-        uint64_t used = d->used;
+        uint64_t used = d->used + __atomic_load_n(&d->stats[STATS_HELD], __ATOMIC_ACQUIRE);
         *total = (size_t) d->cap;
         *free = (size_t) (used < d->cap ? d->cap - used : 0);
     }
