@@ -149,10 +149,10 @@ def test_a_tie_in_speed_goes_to_the_config_that_costs_less_quality_but_min_vram_
 
     def entry(trial: int, kv: str, vram: int) -> Entry:
         rounds = [100.0, 101.0, 99.0]
-        return Entry.from_json({"trial": trial, "flags": [], "vram_bytes": vram, "quality": fake_record(*kv.split("/")),
-                                "measurement": {"outcome": "ok", "tg": {"avg_ts": 100.0}, "pp": {"avg_ts": 100.0},
-                                                "confirm": {"rounds": 3, "round_avg_ts": {"tg": rounds, "pp": rounds}}}},
-                               "p.json")
+        m = {"outcome": "ok", "tg": {"avg_ts": 100.0}, "pp": {"avg_ts": 100.0},
+             "confirm": {"rounds": 3, "round_avg_ts": {"tg": rounds, "pp": rounds}}}
+        return Entry.from_json({"trial": trial, "flags": [], "vram_bytes": vram,
+                                "quality": fake_record(*kv.split("/")), "measurement": m}, "p.json")
 
     chosen = picks([entry(1, "q4_0/q4_0", 60), entry(2, "f16/f16", 80), entry(3, "q8_0/q8_0", 70)])
     assert chosen == {"max-decode": 2, "max-prefill": 2, "balanced": 2, "min-vram": 1}
