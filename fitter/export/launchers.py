@@ -26,6 +26,7 @@ from fitter.flags.parse import flag_groups, process_flags_of
 from fitter.flags.vocabulary import BY_NAME
 from fitter.memory.backends.devices import emulated_gpu_names
 from fitter.results.pareto import POLICIES, Entry, ParetoDoc
+from fitter.results.quality_record import kv_note, kv_of_flags
 
 FORMATS = ("server", "preset-ini", "llama-swap", "python", "json")
 LLAMA_CPP_PYTHON = "0.3.36"  # the Llama.__init__ the python format is mapped against (pyproject's `llama` extra)
@@ -150,6 +151,8 @@ def _header(result: ParetoDoc, entry: Entry, policy: str) -> tuple[str, ...]:
         lines.append("measured " + ", ".join(speeds) + (f" with llama.cpp {commit}" if commit else ""))
     elif commit:
         lines.append(f"measured with llama.cpp {commit}")
+    if entry.flags and (note := kv_note(kv_of_flags(entry.flags), entry.quality, entry.kv_bytes)) is not None:
+        lines.append(note)  # what its KV cache types cost in quality (fitter.results.quality_record)
     return tuple(lines)
 
 

@@ -157,6 +157,8 @@ def test_preset_ini_of_the_decode_pick() -> None:
     assert render(_result(), "max-decode", "preset-ini", SOURCE) == (
         f"; fitter export --policy max-decode: trial 3 of {SOURCE}\n"
         "; measured tg 41.2 t/s, pp 812.0 t/s with llama.cpp 0c1e570\n"
+        "; q8_0/q8_0 KV: its cost in quality was not measured (--objectives ...,quality measures it with "
+        "llama-perplexity)\n"
         "[fitter-demo-gpt-oss]\n"
         f"model = {MODEL}\n"
         "ctx-size = 4096\nbatch-size = 2048\nubatch-size = 512\ncache-type-k = q8_0\ncache-type-v = q8_0\n"
@@ -223,6 +225,8 @@ def test_llama_swap_entry_of_the_decode_pick() -> None:
     assert render(_result(), "max-decode", "llama-swap", SOURCE) == (
         f"# fitter export --policy max-decode: trial 3 of {SOURCE}\n"
         "# measured tg 41.2 t/s, pp 812.0 t/s with llama.cpp 0c1e570\n"
+        "# q8_0/q8_0 KV: its cost in quality was not measured (--objectives ...,quality measures it with "
+        "llama-perplexity)\n"
         "models:\n"
         '  "fitter-demo-gpt-oss":\n'
         "    cmd: |\n"
