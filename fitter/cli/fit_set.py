@@ -47,10 +47,14 @@ def set_sections(models: list[SetModel], result: JointFit, rpc: tuple[str, ...]
 
 def set_preset(sections: list[tuple[str, str, list[str]]], result: JointFit) -> str:
     """The fitted set as a router preset: a section per model (fitter.export.launchers.preset_section)."""
+    return set_preset_text(sections, len(sections), result.models_max, list(result.budgets))
+
+
+def set_preset_text(sections: list[tuple[str, str, list[str]]], n: int, models_max: int, devices: list[str]) -> str:
     from fitter.export.launchers import preset_pairs, preset_section
 
-    text = [f"; fitter fit: {len(sections)} models loaded together on {', '.join(result.budgets)} "
-            f"(llama-server --models-preset FILE --models-max {result.models_max or len(sections)})"]
+    text = [f"; fitter: {n} models loaded together on {', '.join(devices)} "
+            f"(llama-server --models-preset FILE --models-max {models_max or n})"]
     for name, path, flags in sections:
         text += ["", *preset_section(name, preset_pairs(path, flags))]
     return "\n".join(text) + "\n"

@@ -96,7 +96,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         raise FitterError(f"--confirm-rounds {ns.confirm_rounds}: give at least 1 (2 or more for intervals and ties)")
     config, process = launch_args(ns)  # bad flags stop here, before anything starts
     workload, config = workload_from_args(ns, config, tune=True)
-    models = [model_path(m) for m in ns.model] or [model_path(None)]
+    if ns.models_preset and ns.model:
+        raise FitterError("--models-preset FILE names the set's models: give them there, not on the command line")
+    models = [] if ns.models_preset else [model_path(m) for m in ns.model] or [model_path(None)]
     specs = [load_model(m, config) for m in models]
     objectives = parse_objectives(ns.objectives)
     reference = None
@@ -109,11 +111,12 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         reference = reference_file(files).path
         objectives = objectives if "quality" in objectives else (*objectives, "quality")
 
-    def options_for(model: str, spec: Any) -> TuneOptions:
+    def options_for(model: str, spec: Any, base: Any = config, targets: tuple[int, ...] | None = None) -> TuneOptions:
+        if targets is None and ns.fit_target:
+            targets = parse_fit_targets(ns.fit_target)
         return TuneOptions(
-            model=model, spec=spec, base=config, process=process, workload=workload, demo=not ns.model,
-            search=SearchOptions(objectives=objectives, space=ns.space,
-                                 fit_targets=parse_fit_targets(ns.fit_target) if ns.fit_target else None,
+            model=model, spec=spec, base=base, process=process, workload=workload, demo=not ns.model,
+            search=SearchOptions(objectives=objectives, space=ns.space, fit_targets=targets,
                                  trials=ns.trials, timeout_s=ns.timeout, seed=ns.seed,
                                  quality_text=ns.quality_text, quality_ctx=ns.quality_ctx,
                                  quality_reference=reference),
@@ -124,6 +127,10 @@ def cmd_tune(ns: argparse.Namespace) -> int:
                                    confirm_rounds=ns.confirm_rounds, trial_timeout_s=ns.trial_timeout),
             storage=StorageOptions(storage=ns.storage, study_name=ns.study_name, results=Path(ns.results)))
 
+    if ns.models_preset:  # models loaded together: each tuned within its share of the set's fit
+        from fitter.cli.tune_set import tune_set
+
+        return tune_set(ns, config, options_for, _run_one)
     if len(models) > 1:
         return _tune_files(ns, [options_for(m, s) for m, s in zip(models, specs, strict=True)])
     code, _ = _run_one(ns, options_for(models[0], specs[0]))
@@ -230,6 +237,12 @@ def register(sub: Any) -> None:
                       "added; quality: the KL divergence of each KV cache type from f16, measured with llama.cpp's "
                       "llama-perplexity (the KV types searched widen to every type llama.cpp takes) "
                       "(default: tg,pp,vram)")
+    tune.add_argument("--models-preset", metavar="FILE", help="a llama-server router preset: its models, loaded "
+                      "together, fitted as one set (fitter fit --models-preset) and each tuned within its share; "
+                      "the picks are written as one preset (RESULTS/set-preset.ini)")
+    tune.add_argument("--models-max", type=int, default=0, metavar="N",
+                      help="with --models-preset: at most N loaded at once, as the router's --models-max (default 0: "
+                      "every model)")
     tune.add_argument("--quality-text", metavar="FILE", help="with --objectives ...,quality: the text quality is "
                       "measured on (default: the --prompts file, else the public-domain text fitter ships)")
     tune.add_argument("--quality-ctx", type=int, default=512, metavar="N",
