@@ -386,3 +386,21 @@ def test_a_study_whose_objectives_are_not_fitters_is_refused(tmp_path: Path) -> 
         load_study_result(tmp_path)
     assert str(e.value) == (f"{tmp_path / 'study.db'}: the study records objectives ['../../../escape']; fitter's "
                             "are tg, pp, vram, ctx, tg-stream, ttft, quality")
+
+
+def test_a_study_with_quality_draws_decode_against_the_kv_caches_divergence(tmp_path: Path) -> None:
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}", study_name="fitter",
+                                directions=["maximize", "minimize"])
+    for k, v in {"model_identity": "abc", "machine_fingerprint": "def", "llama_cpp_commit": "0c1e570",
+                 "objectives": ["tg", "quality"]}.items():
+        study.set_user_attr(k, v)
+    for i, (ctk, kld, tg) in enumerate([("f16", 0.0, 100.0), ("q8_0", 0.0002, 104.0), ("q4_0", 0.002, 110.0)]):
+        q = {"kv": f"{ctk}/{ctk}", "kld": kld, "kld_interval": [kld, kld], "kld_p99": kld, "same_top_pct": 99.0}
+        study.add_trial(create_trial(
+            state=TrialState.COMPLETE, values=[tg, kld], params={"cache-type-k": ctk},
+            distributions={"cache-type-k": CategoricalDistribution(("f16", "q8_0", "q4_0"))},
+            user_attrs={"phase": "tpe", "launched": True, "measurement": measurement(500, tg, None), "quality": q,
+                        "flags": ["-ctk", ctk, "-ctv", ctk], "key": f"k{i}"}))
+    report = write_report(load_study_result(tmp_path), tmp_path / "report")
+    check_files(tmp_path / "report", ["decode-vs-quality.png", "history-quality.png"])
+    assert not any(n.startswith("decode vs quality") for n in report.notes)
