@@ -85,15 +85,14 @@ def test_bench_through_the_users_llama_server(llama_tools: dict[str, Path]) -> N
     assert code == 1 and out["outcome"] == "oom" and "pp" not in out
 
 
-def _agree(a: dict, b: dict) -> bool:  # type: ignore[type-arg]
-    """Same speed within noise: the gap is under three combined standard deviations plus 10 %."""
-    gap = abs(a["avg_ts"] - b["avg_ts"])
-    return bool(gap <= 3 * (a["stddev_ts"] ** 2 + b["stddev_ts"] ** 2) ** 0.5 + 0.10 * b["avg_ts"])
-
-
+@pytest.mark.load
 @pytest.mark.llama
 @pytest.mark.tools("llama-server")
-def test_llama_server_and_the_worker_measure_the_same_speeds(llama_tools: dict[str, Path]) -> None:
+def test_llama_server_and_the_worker_measure_the_same_quantities(llama_tools: dict[str, Path]) -> None:
+    # the same tokens at the same depth from one llama.cpp source; whether their speeds agree is judged by
+    # scripts/bench_backends.py (interleaved rounds, fitter.noise): beside busy processes the two backends are
+    # scheduled differently (the README's test command beside two busy loops: decode 584 vs 243 t/s), which no
+    # noise model cancels
     server = str(llama_tools["llama-server"])
     demo = subprocess.run([sys.executable, "-m", "fitter.cli", "demo-model"], capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -103,14 +102,13 @@ def test_llama_server_and_the_worker_measure_the_same_speeds(llama_tools: dict[s
         return json.loads(subprocess.run([sys.executable, "-m", "fitter.cli", "bench", *args, *extra],
                                          capture_output=True, text=True, timeout=300).stdout)
 
-    # interleaved, best of two each: a neighbour's load only ever slows a run down
-    runs = [run("--llama-server", server), run(), run("--llama-server", server), run()]
-    server = max(runs[0::2], key=lambda r: r["tg"]["avg_ts"] + r["pp"]["avg_ts"] / 4)
-    worker = max(runs[1::2], key=lambda r: r["tg"]["avg_ts"] + r["pp"]["avg_ts"] / 4)
+    server, worker = run("--llama-server", server), run()
+    assert server["outcome"] == worker["outcome"] == "ok"
     assert server["peak_rss"] > 50 * MIB and worker["peak_rss"] > 50 * MIB
-    assert server["tg"]["depth"] == worker["tg"]["depth"] == 64  # the same quantity: decode after -d tokens
-    assert _agree(server["pp"], worker["pp"]), (server["pp"], worker["pp"])
-    assert _agree(server["tg"], worker["tg"]), (server["tg"], worker["tg"])
+    for key, n in (("pp", 128), ("tg", 32)):  # prefill of -p tokens; decode of -n tokens after -d tokens
+        assert (server[key]["n"], server[key]["depth"], len(server[key]["samples_ts"])) == (n, 64, 5), server[key]
+        assert (worker[key]["n"], worker[key]["depth"], len(worker[key]["samples_ts"])) == (n, 64, 5), worker[key]
+        assert min(server[key]["samples_ts"]) > 0 and min(worker[key]["samples_ts"]) > 0
     assert server["llama_cpp"]["commit"] == worker["llama_cpp"]["commit"].removesuffix("-dirty")  # one source
     assert "--version" in server["llama_cpp"]["source"] and "ggml_commit()" in worker["llama_cpp"]["source"]
 
