@@ -137,6 +137,22 @@ def test_a_model_that_cannot_fit_starts_no_trial_and_says_by_how_much(tmp_path: 
     assert "nothing was launched" in proc.stderr
 
 
+def test_two_emulated_gpus_given_take_a_fit_target_that_fits_and_a_refusal_names_one(tmp_path: Path) -> None:
+    # --emulated-gpu 64,48 alone was refused: llama.cpp's 1024 MiB target left budgets of -960 and -976 MiB
+    proc = tune("--emulated-gpu", "64,48", "--results", str(tmp_path / "r"), "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "fitter: fit target 10,8 MiB on the emulated GPU" in proc.stderr
+    assert "budgets: RPC0[127.0.0.1:50052] 54 MiB, RPC0[127.0.0.1:50053] 40 MiB" in proc.stdout
+    # a target given that leaves no room: the refusal names the largest targets the lightest configuration fits
+    refused = tune("--emulated-gpu", "64,48", "--fit-target", "1024", "--results", str(tmp_path / "r"), "--dry-run",
+                   cwd=tmp_path)
+    assert refused.returncode == 2 and "--fit-target 42,32 would fit it;" in refused.stderr, refused.stderr
+    suggested = tune("--emulated-gpu", "64,48", "--fit-target", "42,32", "--results", str(tmp_path / "r"),
+                     "--dry-run", cwd=tmp_path)
+    assert suggested.returncode == 0 and "budgets: RPC0[127.0.0.1:50052] 22 MiB, RPC0[127.0.0.1:50053] 16 MiB" \
+        in suggested.stdout, suggested.stderr
+
+
 def _study_db(tmp_path: Path) -> Path:
     """Where a demo tune on the default emulated GPU keeps its study (the folder rules a tune uses)."""
     from fitter.gguf.demo_models import demo_model_path
