@@ -16,7 +16,7 @@ from fitter.measure.llamacpp.builds import LlamaCppBuild
 from fitter.measure.llamacpp.projection import Projector, guess_projector
 from fitter.memory.fit.budgets import target_of
 from fitter.memory.fit.fit import fit
-from fitter.memory.plan.projected import guessed_kinds
+from fitter.memory.plan.projected import guess_warning, guessed_kinds
 from fitter.search import split
 from fitter.search.plan import Screener
 from fitter.search.request import TuneRequest, candidate, combos
@@ -94,7 +94,8 @@ def projected_before_start(o: TuneOptions, target: Target, planned: TuneRequest,
         raise FitterError(f"{o.model}: fitter has no rules for the {kinds} memory of "
                           f"{o.spec.arch!r}, and llama.cpp cannot project a simulated machine's GPUs: take fitter's "
                           "guess with --projection never")
-    if target.planned_rpc:
+    if target.planned_rpc:  # as `fitter estimate` warns of a guess, then why this one is taken for now
+        log(f"fitter: warning: {guess_warning(o.spec, devices)}")
         log(f"fitter: warning: {o.spec.arch}: before the emulated GPU starts, the feasible region is fitter's guess "
             f"of its {kinds} memory; every trial is screened by {projector.source}")
         return planned

@@ -122,7 +122,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         gpus = ()  # CUDA's order of these GPUs is unknown, and the trials run elsewhere: left alone
     if built and not any(d.profile.kind == "cuda" for d in built):
         gpus = ()  # NVML's GPUs are not the build's devices (a Vulkan or ROCm build): no CUDA peaks sampled
-    default_fit_target = None
+    default_fit_target: tuple[int, ...] | None = None
     no_emulator = None
     if llama_cpp is not None and emulated_mib is None and not gpus and not built and not base.rpc and demo:
         from fitter.measure.emulator.capdev import emulated_gpu_problem
