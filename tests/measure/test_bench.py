@@ -122,7 +122,7 @@ def test_bench_through_the_users_llama_server(llama_tools: dict[str, Path]) -> N
 @pytest.mark.tools("llama-server")
 def test_llama_server_and_the_worker_measure_the_same_quantities(llama_tools: dict[str, Path]) -> None:
     # the same tokens at the same depth from one llama.cpp source; whether their speeds agree is judged by
-    # scripts/bench_backends.py (interleaved rounds, fitter.noise): beside busy processes the two backends are
+    # benchmarks/server_vs_worker.py (interleaved rounds, fitter.noise): beside busy processes the two backends are
     # scheduled differently (the README's test command beside two busy loops: decode 584 vs 243 t/s), which no
     # noise model cancels
     server = str(llama_tools["llama-server"])

@@ -10,9 +10,9 @@ This is a benchmark, not a test: on a loaded machine the two backends are schedu
 HTTP and slot threads beside its one compute thread, the worker's single Python process), so their speeds differ
 for a reason no noise model cancels (the README's test command beside two busy processes: 584 vs 243 t/s decode);
 and a 95 % interval misses a true ratio of 1 one run in twenty. The test suite checks that both measure the same
-quantity (tests/measure/test_bench.py); this script, run on a quiet machine, checks the speeds.
+quantity (tests/measure/test_bench.py); this benchmark, run on a quiet machine, checks the speeds.
 
-    python scripts/bench_backends.py --llama-server PATH [--rounds 5] [--seed 0]
+    python benchmarks/server_vs_worker.py --llama-server PATH [--rounds 5] [--seed 0]
 """
 
 from __future__ import annotations
