@@ -8,8 +8,8 @@
   GPU; `tools(NAME…)` where those tools are not built, unless FITTER_REQUIRE_TOOLS=1 (.ci/run sets it, so a
   missing build step fails there instead of skipping); `vulkan` where fitter's Vulkan build of llama.cpp
   (`.ci/setup --vulkan`) or Mesa's lavapipe is missing, under the same rule; `slow` marks the long matrices the
-  default test command
-  deselects (.ci/run runs them as its second command).
+  default test command deselects (.ci/run runs them as its second command); `load` marks the tests a loaded
+  machine once failed, which tests/test_under_load.py runs beside two busy processes.
 - Property tests (hypothesis) run under the `fitter` profile: the same examples on every run (`derandomize`), no
   example database or cache left in the clone, a deadline per example; each test sets its own `max_examples`.
 """

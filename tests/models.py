@@ -61,3 +61,23 @@ def renamed_in_header(shape: str, folder: Path, old: bytes, new: bytes) -> Path:
     out.write_bytes(header.replace(old, new))
     os.truncate(out, src.stat().st_size)
     return out
+
+
+@cache
+def golden_arch_model(name: str) -> Path:
+    """llama.cpp's own tiny model `name` of tests/golden/archs.json (its tests/test-llama-archs.cpp builds them),
+    rebuilt from the stored header as a sparse file: zero weights, which llama.cpp loads and runs."""
+    import json
+    import tarfile
+
+    golden = Path(__file__).resolve().parent / "golden"
+    size = json.loads((golden / "archs.json").read_text())["models"][name]["size"]
+    folder = _DIR / "archs"
+    folder.mkdir(exist_ok=True)
+    out = folder / f"{name}.gguf"
+    with tarfile.open(golden / "llama-archs.tar.xz") as tar:
+        member = tar.extractfile(f"{name}.gguf")
+        assert member is not None, name
+        out.write_bytes(member.read())
+    os.truncate(out, size)
+    return out

@@ -37,6 +37,7 @@ def test_a_child_leads_its_own_group_and_stop_all_kills_it() -> None:
     assert child.wait(timeout=10) == -signal.SIGKILL
 
 
+@pytest.mark.load
 def test_run_kills_a_child_past_its_timeout_and_keeps_what_it_wrote() -> None:
     assert process.run(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=30) == (3, "out\n", "err\n")
     t0 = time.monotonic()
@@ -45,6 +46,7 @@ def test_run_kills_a_child_past_its_timeout_and_keeps_what_it_wrote() -> None:
     assert time.monotonic() - t0 < 10 and e.value.stdout == "started\n"
 
 
+@pytest.mark.load
 @pytest.mark.parametrize("how", ["exits", "is terminated"])
 def test_children_die_when_fitter_exits_or_is_terminated(how: str) -> None:
     code = ("import sys\nfrom fitter import process\n"
@@ -65,6 +67,7 @@ def test_children_die_when_fitter_exits_or_is_terminated(how: str) -> None:
     assert not _alive(pid)
 
 
+@pytest.mark.load
 def test_the_first_ctrl_c_only_asks_to_stop_and_the_second_stops_the_children() -> None:
     # Ctrl-C enabled in the child whatever this test was started with: a background shell starts everything with
     # SIGINT ignored, the child inherits that, and fitter rightly keeps an ignored Ctrl-C ignored

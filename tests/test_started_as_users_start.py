@@ -35,6 +35,7 @@ def _run_as_background_shell(*nodes: str) -> subprocess.CompletedProcess[str]:
                           preexec_fn=_ignore_sigint, start_new_session=True)
 
 
+@pytest.mark.load
 def test_the_ctrl_c_tests_pass_when_the_suite_starts_with_sigint_ignored() -> None:
     run = _run_as_background_shell(CTRL_C, TUNE_CTRL_C)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -64,7 +64,7 @@ class CheckVerdict:
     measurement: dict[str, Any] | None  # the new bench JSON
     failures: tuple[str, ...] = ()  # one short reason per failed check (empty when ok)
     details: dict[str, Any] = field(default_factory=dict)  # the same, machine-readable (for --json)
-    warnings: tuple[str, ...] = ()  # about the model (fitter.gguf.model_spec), for the command to print
+    warnings: tuple[str, ...] = ()  # about the model and its estimate, for the command to print
 
 
 # -- pure ------------------------------------------------------------------------------------------------------
@@ -368,7 +368,10 @@ def run_check(result_dir: Path, policy: str, tolerance: float, runner_factory: R
     details = {"for": config.consumer, "result": str(path), "policy": policy, "trial": entry.trial,
                "tolerance": tolerance,
                "flags": list(flags), **speed.details, "fit": fit_details, **q_details}
-    return CheckVerdict(not failures, lines, new, failures, details, model_spec.warnings)
+    # the model's warnings and the estimate's, as `fitter estimate` prints them (a kind fitter guesses, or took from
+    # the build's projection once the emulated GPU ran)
+    warnings = tuple(dict.fromkeys((*model_spec.warnings, *(plan.warnings if plan is not None else ()))))
+    return CheckVerdict(not failures, lines, new, failures, details, warnings)
 
 
 def _projected(plan: MemoryPlan, rpc: tuple[str, ...]) -> tuple[MemoryPlan, list[str]]:

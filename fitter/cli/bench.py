@@ -10,8 +10,11 @@ from typing import TYPE_CHECKING, Any
 from fitter.cli.common import (
     add_emulated_gpu,
     add_llama_cpp,
+    add_projection,
+    build_projector,
     launch_args,
     load_model,
+    log,
     model_path,
     target_devices,
     warn,
@@ -99,7 +102,14 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         devices = target_devices(ns, config, snapshot)
     else:
         devices = (gpus_now(snapshot) or snapshot.devices()) if snapshot.gpus and ns.emulated_gpu is None else ()
-    result = bench(model, spec, config, bench_spec, runner, snapshot.cpu_profile, devices, ns.timeout)
+    # refused here, before anything starts, where fitter guesses and no build can project (as `fitter estimate`)
+    build_projector(ns, spec, config.rpc, devices)
+    result = bench(model, spec, config, bench_spec, runner, snapshot.cpu_profile, devices, ns.timeout,
+                   projector_for=lambda rpc, planned: build_projector(ns, spec, rpc, planned))
+    for w in result["warnings"]:  # as `fitter estimate` warns
+        warn(w)
+    if "projection" in result:
+        log(f"fitter: {result['projection']['summary']}")
     result["threads"] = threads
     result["threads_batch"] = ns.threads_batch or threads
     result["cpus"] = list(cpus) if cpus else None
@@ -280,6 +290,7 @@ def register(sub: Any) -> None:
     add_emulated_gpu(b, "run on", several=True)
     b.add_argument("--llama-server", metavar="PATH", help="measure this llama-server binary instead")
     add_llama_cpp(b, "measure with that build's llama-server")
+    add_projection(b)
     b.add_argument("--llama-bench", metavar="PATH",
                    help="measure with this llama-bench binary instead (its context is p+n+d, not the deployed one)")
     b.add_argument("--devices", default="", help=argparse.SUPPRESS)

@@ -12,6 +12,7 @@ from typing import Any
 
 from fitter.measure.types import Measurement
 from fitter.memory.plan.estimator import MemoryPlan
+from fitter.memory.plan.projected import projected_on
 from fitter.units import MIB
 
 NOISY = 0.10  # stddev / avg above which a speed is flagged noisy
@@ -32,11 +33,15 @@ def bench_json(
             s = out[test]
             s["noisy"] = bool(s["avg_ts"] and s["stddev_ts"] / s["avg_ts"] > NOISY)
     names = {d.name for d in plan.devices} if plan is not None else set()
-    # the estimate's buffers, matched in order within each (buffer type, kind)
-    estimated: dict[tuple[str, str], list[int]] = defaultdict(list)
+    # the estimate's buffers, matched in order within each (buffer type, kind), each with where its number comes
+    # from: fitter's rules, llama.cpp's own projection (the kinds fitter has no rules for), or fitter's guess of them
+    estimated: dict[tuple[str, str], list[tuple[int, str]]] = defaultdict(list)
     if plan is not None:
+        guessed = projected_on(plan.model, plan.devices)
         for eb in plan.buffers:
-            estimated[(eb.buft, eb.kind)].append(eb.bytes)
+            origin = ("fitter" if eb.kind not in guessed.get(eb.device, ()) else
+                      "projection" if eb.kind in plan.projected else "guess")
+            estimated[(eb.buft, eb.kind)].append((eb.bytes, origin))
     taken: dict[tuple[str, str], int] = defaultdict(int)
     buffers = []
     devices: dict[str, dict[str, int]] = {}
@@ -44,9 +49,11 @@ def bench_json(
         key = (lb.buft, lb.kind)
         i = taken[key]
         taken[key] += 1
-        est = estimated[key][i] if i < len(estimated[key]) else None
+        match: tuple[int | None, str | None] = estimated[key][i] if i < len(estimated[key]) else (None, None)
+        est, source = match
         logged = round(lb.mib * MIB)
-        buffers.append({"buft": lb.buft, "kind": lb.kind, "bytes": logged, "estimated_bytes": est})
+        buffers.append({"buft": lb.buft, "kind": lb.kind, "bytes": logged, "estimated_bytes": est,
+                        "estimated_from": source})
         dev = devices.setdefault(_device_of(lb.buft, names), {"model": 0, "kv": 0, "compute": 0, "output": 0})
         dev[lb.kind] += logged
     out["buffers"] = buffers
@@ -60,6 +67,9 @@ def bench_json(
         if peak.get("source") == "nvml" and name in out["devices"]:
             out["devices"][name]["overhead"] = max(0, int(peak["bytes"]) - int(out["devices"][name]["total"]))
     return out
+
+
+_MARKS = {"projection": "projected", "guess": "guessed"}  # beside an estimate not from fitter's own rules
 
 
 def bench_table(result: dict[str, Any]) -> str:
@@ -97,9 +107,18 @@ def bench_table(result: dict[str, Any]) -> str:
             cells = "   ".join(f"{k} {d[k]['avg_ts']:.2f} t/s" for k in ("pp", "tg", "tg_stream") if k in d)
             lines.append(f"  depth {d['depth']:>6}: {cells}")
     lines += ["", f"{'buffer':<28}{'kind':<9}{'MiB':>10}{'estimate':>10}"]
+    sources = set()
     for b in result["buffers"]:
         est = f"{b['estimated_bytes'] / MIB:10.2f}" if b["estimated_bytes"] is not None else f"{'-':>10}"
-        lines.append(f"{b['buft']:<28}{b['kind']:<9}{b['bytes'] / MIB:10.2f}{est}")
+        source = b.get("estimated_from")
+        mark = f"  {_MARKS[source]}" if source in _MARKS else ""
+        sources.add(source)
+        lines.append(f"{b['buft']:<28}{b['kind']:<9}{b['bytes'] / MIB:10.2f}{est}{mark}".rstrip())
+    if "projection" in sources:
+        lines.append(f"{_MARKS['projection']}: llama.cpp's own projection ({result['projection']['source']}), its "
+                     "floored MiB rounded up: fitter has no rules for it")
+    if "guess" in sources:
+        lines.append(f"{_MARKS['guess']}: fitter's guess (the warning above says what it guessed)")
     for name, peak in result["peak_vram"].items():
         lines.append(f"peak on {name}: {peak['bytes'] / MIB:.2f} MiB ({peak['source']})")
     if result.get("peak_rss"):

@@ -209,6 +209,13 @@ class WorkerRunner(_Devices):
         info = self._build or llama_cpp_python_build()
         return {"commit": info["commit"], "source": info["source"]}
 
+    def release_devices(self) -> None:
+        """Let the emulated GPUs serve another client (llama-fit-params projecting a config): ggml's RPC server
+        serves one at a time, and the worker's child holds its connection while it lives; the next trial starts a
+        fresh child."""
+        if self._gpu is not None:
+            self._worker.close_child()
+
     def run(self, model: str, config: LaunchConfig, spec: BenchSpec, timeout: float | None,
             plan: MemoryPlan | None = None) -> TrialResult:
         _one_stream(spec, "fitter's worker")

@@ -4,6 +4,7 @@ drift guard (a build's own projection beside fitter's estimate) when fitter's ru
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -13,8 +14,9 @@ from fitter.flags import placement_flags
 from fitter.flags.parse import searched_flags
 from fitter.measure.llamacpp.builds import LlamaCppBuild
 from fitter.measure.llamacpp.projection import Projector, guess_projector
+from fitter.memory.fit.budgets import target_of
 from fitter.memory.fit.fit import fit
-from fitter.memory.plan.projected import guessed_kinds
+from fitter.memory.plan.projected import guess_warning, guessed_kinds
 from fitter.search import split
 from fitter.search.plan import Screener
 from fitter.search.request import TuneRequest, candidate, combos
@@ -30,6 +32,7 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
     if any(screener.placement(c) is not None for c in all_combos):
         return
     lightest: tuple[float, str] | None = None
+    lightest_over: dict[str, float] = {}
     for c in all_combos:
         params = screener._with_threads(c)
         if "n-cpu-moe" in req.distributions:
@@ -45,7 +48,11 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
             if lightest is None or worst[1] < lightest[0]:
                 searched = " ".join(searched_flags(list(cand.flags), req.fixed_flags))
                 lightest = (worst[1], f"{worst[0]} by {worst[1]:.1f} MiB with {searched}")
+                lightest_over = dict(s.constraints)
     detail = f" the lightest configuration is over budget on {lightest[1]};" if lightest else ""
+    lower = targets_that_fit(lightest_over, req, targets)
+    if lower is not None:
+        detail += f" --fit-target {','.join(map(str, lower))} would fit it;"
     if req.devices:
         projector = req.projector if guessed_kinds(req.spec, req.devices) else None
         result = fit(req.spec, req.base, req.devices, targets, cpu=req.cpu, projects=projector)
@@ -56,6 +63,22 @@ def check_something_fits(req: TuneRequest, targets: tuple[int, ...]) -> None:
     raise FitterError(f"{req.model}: no configuration of the search space fits ({req.spec.n_layer} layers; budgets "
                       + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in req.budgets.devices.items())
                       + f"; host RAM {(req.budgets.host or 0) / MIB:.0f} MiB);{detail}; nothing was launched")
+
+
+def targets_that_fit(over: dict[str, float], req: TuneRequest, targets: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The largest fit target (MiB) per device under which a configuration over budget by `over` (MiB per
+    constraint, fitter.search.screen) fits: each device's target less what it is over by, rounded up to a MiB; None
+    where a constraint no fit target moves is over (host RAM) or no target can make room (a device over by more than
+    its target)."""
+    if not over or any(v > 0 and not k.startswith("vram:") for k, v in over.items()):
+        return None
+    out = []
+    for i, d in enumerate(req.devices):
+        lower = target_of(targets, i) - max(0, math.ceil(over.get(f"vram:{d.name}", 0.0)))
+        if lower < 0:
+            return None
+        out.append(lower)
+    return tuple(out) if len(set(out)) > 1 else tuple(out[:1])
 
 
 def projected_before_start(o: TuneOptions, target: Target, planned: TuneRequest, tool: Path | None,
@@ -71,7 +94,8 @@ def projected_before_start(o: TuneOptions, target: Target, planned: TuneRequest,
         raise FitterError(f"{o.model}: fitter has no rules for the {kinds} memory of "
                           f"{o.spec.arch!r}, and llama.cpp cannot project a simulated machine's GPUs: take fitter's "
                           "guess with --projection never")
-    if target.planned_rpc:
+    if target.planned_rpc:  # as `fitter estimate` warns of a guess, then why this one is taken for now
+        log(f"fitter: warning: {guess_warning(o.spec, devices)}")
         log(f"fitter: warning: {o.spec.arch}: before the emulated GPU starts, the feasible region is fitter's guess "
             f"of its {kinds} memory; every trial is screened by {projector.source}")
         return planned

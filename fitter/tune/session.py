@@ -38,7 +38,7 @@ from fitter.measure.llamacpp.builds import LlamaCppBuild
 from fitter.measure.llamacpp.projection import guess_projector
 from fitter.measure.served import WorkloadRunner
 from fitter.memory.fit.budgets import check_target_count
-from fitter.memory.plan.projected import guess_warning, guessed_kinds
+from fitter.memory.plan.projected import guess_warning, guessed_kinds, projection_warning
 from fitter.results.pareto import RESULT_FILE, ParetoDoc, load_result, write_result
 from fitter.results.trials import write_trials_csv
 from fitter.search.dry_run import dry_run_text
@@ -226,8 +226,12 @@ def search(ready: Ready, opened: Opened, runner: WorkloadRunner, baseline_unavai
     o, target = ready.o, ready.target
     req = plan_request(o, target, target.devices(runner), runner.rpc)
     if ready.guessed:  # the trials' screen: llama.cpp's projection on the devices the runner started
-        req = replace(req, projector=guess_projector(o.spec, ready.tool, "no llama-fit-params was found", runner.rpc,
-                                                     req.devices))
+        projector = guess_projector(o.spec, ready.tool, "no llama-fit-params was found", runner.rpc, req.devices)
+        req = replace(req, projector=projector)
+        if target.planned_rpc:  # the emulated GPU runs now: the guess said before it started gives way, aloud
+            log(f"fitter: warning: {projection_warning(o.spec, req.devices, projector.source)}")
+            # the worker's child holds the emulated GPU's one connection between trials: released to project
+            projector.before_run = getattr(runner, "release_devices", None)
     elif ready.users is not None:
         req = replace(req, projector=drift_guard(o, ready.users, opened.build["commit"], runner.rpc, log))
     book = quality_book(o, ready.users, opened.study, log) if QUALITY in req.objectives else None

@@ -52,6 +52,14 @@ HOST_RESERVE = 512 * MIB  # RAM left to the OS and fitter itself when judging ho
 PLACEHOLDER_ENDPOINT = "127.0.0.1:50052"  # an emulated GPU's name before its server has chosen a port
 
 
+def emulated_fit_targets(caps: tuple[int, ...]) -> tuple[int, ...]:
+    """The fit target (MiB) of each emulated GPU when `--fit-target` is not given: the demo's share of its device
+    (16 MiB of 96, so `--emulated-gpu 96` is the automatic demo), never more than llama.cpp's default 1024 MiB. An
+    emulated GPU has no other tenant (no desktop, no driver's context), so the margin llama.cpp keeps on a real card
+    would leave a device under 1 GiB nothing (`--emulated-gpu 64,48` was refused with budgets of -960 and -976 MiB)."""
+    return tuple(min(DEFAULT_FIT_TARGET_MIB, cap * DEMO_FIT_TARGET_MIB // DEMO_EMULATED_GPU_MIB) for cap in caps)
+
+
 def placeholder_endpoints(n: int) -> tuple[str, ...]:
     """The names of n emulated GPUs before their servers have chosen ports."""
     host, port = PLACEHOLDER_ENDPOINT.rsplit(":", 1)
@@ -114,7 +122,7 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         gpus = ()  # CUDA's order of these GPUs is unknown, and the trials run elsewhere: left alone
     if built and not any(d.profile.kind == "cuda" for d in built):
         gpus = ()  # NVML's GPUs are not the build's devices (a Vulkan or ROCm build): no CUDA peaks sampled
-    default_fit_target = None
+    default_fit_target: tuple[int, ...] | None = None
     no_emulator = None
     if llama_cpp is not None and emulated_mib is None and not gpus and not built and not base.rpc and demo:
         from fitter.measure.emulator.capdev import emulated_gpu_problem
@@ -131,6 +139,10 @@ def local_target(snapshot: MachineSnapshot, base: LaunchConfig, process: Process
         shown = ",".join(map(str, fit_targets or default_fit_target))
         notes.append(f"no GPU found: tuning the demo model on fitter's emulated GPU ({emulated_mib} MiB, fit target "
                      f"{shown} MiB; its speed is CPU speed)")
+    elif emulated_mib is not None and not fit_targets:
+        default_fit_target = emulated_fit_targets(emulated_caps(emulated_mib))
+        notes.append(f"fit target {','.join(map(str, default_fit_target))} MiB on the emulated GPU (the demo's share "
+                     f"of {DEMO_FIT_TARGET_MIB} MiB in {DEMO_EMULATED_GPU_MIB}; --fit-target MiB[,MiB…] to choose)")
     # each emulated GPU's RPC server computes on the CPU too: its core is not the trials' to use (the Vulkan one has
     # no server: lavapipe computes in the trial's own process)
     servers = len(emulated_caps(emulated_mib)) if emulated_kind != "vulkan" else 0

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from fitter.measure.logs import classify_exit
 from fitter.measure.server import server_argv
 from fitter.measure.types import BenchSpec, LoggedBuffer, Measurement, SpeedStats
 from fitter.memory.plan.estimator import estimate
-from tests.models import model_file
+from tests.models import golden_arch_model, model_file
 
 MIB = 1024 * 1024
 
@@ -30,6 +31,7 @@ def test_bench_json_puts_each_logged_buffer_beside_its_estimate() -> None:
     assert [b["estimated_bytes"] for b in out["buffers"]] == [b.bytes for b in plan.buffers]
     assert out["pp"]["avg_ts"] == 10000.0 and out["pp"]["noisy"] is False and out["tg"]["noisy"] is True
     assert out["devices"]["CPU"]["estimated_total"] == plan.totals()["CPU"].total
+    assert {b["estimated_from"] for b in out["buffers"]} == {"fitter"}  # gpt-oss: every rule is fitter's own
     failed = bench_json(Measurement("oom", "x", BenchSpec(), ()), "llama-cpp-python", plan, False, {})
     assert "pp" not in failed and "tg" not in failed  # a failure has no speeds, never zeros
 
@@ -44,9 +46,12 @@ def test_server_command_and_exit_classes() -> None:
     assert classify_exit(-9, "nothing") == ("crash", "killed by signal SIGKILL")
 
 
-def _bench(*args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
-    proc = subprocess.run([sys.executable, "-m", "fitter.cli", "bench", str(model_file("gpt-oss-tiny")), "--json",
-                           "-t", "1", *args], capture_output=True, text=True, timeout=300)
+def _bench(*args: str, model: Path | None = None, tools: Path | None = None) -> tuple[int, dict]:  # type: ignore[type-arg]
+    # `tools`: the built llama.cpp tools on PATH (where a projection finds llama-fit-params beyond fitter's home)
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"} if tools is not None else None
+    proc = subprocess.run([sys.executable, "-m", "fitter.cli", "bench", str(model or model_file("gpt-oss-tiny")),
+                           "--json", "-t", "1", *args], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.stdout, proc.stderr[-2000:]
     return proc.returncode, json.loads(proc.stdout)
 
 
@@ -68,6 +73,33 @@ def test_bench_worker_on_the_emulated_gpu() -> None:
 
 
 @pytest.mark.llama
+@pytest.mark.tools("llama-fit-params")
+def test_bench_on_the_emulated_gpu_says_which_estimates_are_projected_or_guessed(llama_tools: dict[str, Path]) -> None:
+    # phi2: fitter does not replay its graph, so its compute buffers are guessed; once the emulated GPU runs, the
+    # build's projection of it replaces the guess, and bench warns exactly as `fitter estimate` does either way
+    from fitter.memory.plan.projected import guess_warning, projection_warning
+
+    model = golden_arch_model("phi2-dense")
+    spec = load_model_spec(str(model))
+    args = ("-c", "2048", "-np", "1", "-p", "32", "-n", "8", "-r", "2", "-ngl", "all", "--emulated-gpu", "64")
+    tools = llama_tools["llama-fit-params"].parent
+    code, out = _bench(*args, model=model, tools=tools)
+    assert code == 0 and out["outcome"] == "ok", out["reason"]
+    (gpu,) = out["peak_vram"]
+    source = out["projection"]["source"]
+    assert source.startswith("llama-fit-params --fit-print on of ")
+    assert any(w.startswith(projection_warning(spec, (), source)) for w in out["warnings"]), out["warnings"]
+    assert guess_warning(spec) not in out["warnings"]
+    assert [(b["buft"], b["kind"], b["estimated_from"]) for b in out["buffers"] if b["kind"] != "model"] == [
+        ("CPU", "output", "fitter"), (gpu, "kv", "fitter"), (gpu, "compute", "projection"),
+        ("CPU", "compute", "projection")]
+    code, out = _bench(*args, "--projection", "never", model=model, tools=tools)
+    assert code == 0 and guess_warning(spec) in out["warnings"] and "projection" not in out
+    assert {b["kind"]: b["estimated_from"] for b in out["buffers"] if b["buft"] == "CPU"} == {
+        "output": "fitter", "compute": "guess"}
+
+
+@pytest.mark.llama
 def test_bench_over_the_cap_is_an_oom_state_not_a_zero() -> None:
     code, out = _bench("-c", "65536", "-np", "1", "-ngl", "all", "-p", "32", "-n", "8", "--emulated-gpu", "2")
     assert code == 1 and out["outcome"] == "oom" and "pp" not in out and "RPC0[" in out["reason"]
@@ -85,15 +117,14 @@ def test_bench_through_the_users_llama_server(llama_tools: dict[str, Path]) -> N
     assert code == 1 and out["outcome"] == "oom" and "pp" not in out
 
 
-def _agree(a: dict, b: dict) -> bool:  # type: ignore[type-arg]
-    """Same speed within noise: the gap is under three combined standard deviations plus 10 %."""
-    gap = abs(a["avg_ts"] - b["avg_ts"])
-    return bool(gap <= 3 * (a["stddev_ts"] ** 2 + b["stddev_ts"] ** 2) ** 0.5 + 0.10 * b["avg_ts"])
-
-
+@pytest.mark.load
 @pytest.mark.llama
 @pytest.mark.tools("llama-server")
-def test_llama_server_and_the_worker_measure_the_same_speeds(llama_tools: dict[str, Path]) -> None:
+def test_llama_server_and_the_worker_measure_the_same_quantities(llama_tools: dict[str, Path]) -> None:
+    # the same tokens at the same depth from one llama.cpp source; whether their speeds agree is judged by
+    # benchmarks/server_vs_worker.py (interleaved rounds, fitter.noise): beside busy processes the two backends are
+    # scheduled differently (the README's test command beside two busy loops: decode 584 vs 243 t/s), which no
+    # noise model cancels
     server = str(llama_tools["llama-server"])
     demo = subprocess.run([sys.executable, "-m", "fitter.cli", "demo-model"], capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -103,14 +134,13 @@ def test_llama_server_and_the_worker_measure_the_same_speeds(llama_tools: dict[s
         return json.loads(subprocess.run([sys.executable, "-m", "fitter.cli", "bench", *args, *extra],
                                          capture_output=True, text=True, timeout=300).stdout)
 
-    # interleaved, best of two each: a neighbour's load only ever slows a run down
-    runs = [run("--llama-server", server), run(), run("--llama-server", server), run()]
-    server = max(runs[0::2], key=lambda r: r["tg"]["avg_ts"] + r["pp"]["avg_ts"] / 4)
-    worker = max(runs[1::2], key=lambda r: r["tg"]["avg_ts"] + r["pp"]["avg_ts"] / 4)
+    server, worker = run("--llama-server", server), run()
+    assert server["outcome"] == worker["outcome"] == "ok"
     assert server["peak_rss"] > 50 * MIB and worker["peak_rss"] > 50 * MIB
-    assert server["tg"]["depth"] == worker["tg"]["depth"] == 64  # the same quantity: decode after -d tokens
-    assert _agree(server["pp"], worker["pp"]), (server["pp"], worker["pp"])
-    assert _agree(server["tg"], worker["tg"]), (server["tg"], worker["tg"])
+    for key, n in (("pp", 128), ("tg", 32)):  # prefill of -p tokens; decode of -n tokens after -d tokens
+        assert (server[key]["n"], server[key]["depth"], len(server[key]["samples_ts"])) == (n, 64, 5), server[key]
+        assert (worker[key]["n"], worker[key]["depth"], len(worker[key]["samples_ts"])) == (n, 64, 5), worker[key]
+        assert min(server[key]["samples_ts"]) > 0 and min(worker[key]["samples_ts"]) > 0
     assert server["llama_cpp"]["commit"] == worker["llama_cpp"]["commit"].removesuffix("-dirty")  # one source
     assert "--version" in server["llama_cpp"]["source"] and "ggml_commit()" in worker["llama_cpp"]["source"]
 

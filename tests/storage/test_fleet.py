@@ -111,6 +111,7 @@ SLOW_STORAGES = ["sqlite", pytest.param("journal", marks=pytest.mark.slow),
                  pytest.param("postgres", marks=pytest.mark.slow)]
 
 
+@pytest.mark.load
 @pytest.mark.parametrize("kind", STORAGES)
 def test_claims_hold_settle_finish_and_go_stale(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     url = storage_url(kind, tmp_path, request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shlex
 import sqlite3
 import subprocess
@@ -23,7 +24,7 @@ from fitter.tune.options import TuneOptions
 from fitter.tune.session import run_tune
 from fitter.workload import Workload
 from tests.conftest import BUILT_TOOLS
-from tests.models import model_file, unknown_arch_model
+from tests.models import golden_arch_model, model_file, unknown_arch_model
 from tests.tune.options import tune_options
 
 FAST = ["-p", "32", "-n", "8", "-r", "2", "--llama-fit-params", str(BUILT_TOOLS / "llama-fit-params")]
@@ -119,6 +120,36 @@ def test_tune_on_two_emulated_gpus_searches_each_devices_placement_and_checks_on
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.llama
+@pytest.mark.tools("llama-fit-params")
+def test_a_guessed_model_on_the_emulated_gpu_is_said_guessed_then_projected_and_checked_so(tmp_path: Path) -> None:
+    # phi2's compute is fitter's guess until the emulated GPU runs, then llama-fit-params projects each config on it:
+    # the tune warns as `fitter estimate` does at each step, and no longer hangs on the second trial's projection
+    # (the worker's child held the emulated GPU's one RPC connection; ggml's server accepts one client at a time)
+    from fitter.memory.plan.projected import guess_warning, projection_warning
+
+    model = golden_arch_model("phi2-dense")
+    spec = load_model_spec(str(model))
+    results = tmp_path / "results"
+    proc = tune(str(model), "--emulated-gpu", "64", "--trials", "3", "--confirm-rounds", "1", "-c", "2048",
+                "--results", str(results), *FAST, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    source = f"llama-fit-params --fit-print on of {BUILT_TOOLS}"
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("fitter: warning: phi2")]
+    assert said == [f"fitter: warning: {guess_warning(spec)}",
+                    f"fitter: warning: phi2: before the emulated GPU starts, the feasible region is fitter's guess of "
+                    f"its compute memory; every trial is screened by {source}",
+                    f"fitter: warning: {projection_warning(spec, (), source)}"]
+    rows = list(csv.DictReader((_result_dir(results) / "trials.csv").open()))
+    # trials after the first were screened by a projection made while the worker had run: the ones that hung
+    assert sum(r["launched"] == "True" and r["phase"] != "baseline" for r in rows) >= 2
+    env = {**os.environ, "PATH": f"{BUILT_TOOLS}{os.pathsep}{os.environ['PATH']}"}  # where check finds the tool
+    check = subprocess.run([sys.executable, "-m", "fitter.cli", "check", str(_result_dir(results)), "--tolerance",
+                            "90%"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"fitter: warning: {projection_warning(spec, (), source)}" in check.stderr
+
+
 def test_dry_run_shows_the_space_and_plan_and_launches_nothing(tmp_path: Path) -> None:
     proc = tune("--dry-run", "-c", "4096", "--results", str(tmp_path / "r"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -135,6 +166,22 @@ def test_a_model_that_cannot_fit_starts_no_trial_and_says_by_how_much(tmp_path: 
     assert "the lightest configuration is over budget on vram:RPC0[127.0.0.1:50052] by " in proc.stderr
     assert "-ncmoe 8" in proc.stderr and "fitter fit finds a placement outside the space: -ngl " in proc.stderr
     assert "nothing was launched" in proc.stderr
+
+
+def test_two_emulated_gpus_given_take_a_fit_target_that_fits_and_a_refusal_names_one(tmp_path: Path) -> None:
+    # --emulated-gpu 64,48 alone was refused: llama.cpp's 1024 MiB target left budgets of -960 and -976 MiB
+    proc = tune("--emulated-gpu", "64,48", "--results", str(tmp_path / "r"), "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "fitter: fit target 10,8 MiB on the emulated GPU" in proc.stderr
+    assert "budgets: RPC0[127.0.0.1:50052] 54 MiB, RPC0[127.0.0.1:50053] 40 MiB" in proc.stdout
+    # a target given that leaves no room: the refusal names the largest targets the lightest configuration fits
+    refused = tune("--emulated-gpu", "64,48", "--fit-target", "1024", "--results", str(tmp_path / "r"), "--dry-run",
+                   cwd=tmp_path)
+    assert refused.returncode == 2 and "--fit-target 42,32 would fit it;" in refused.stderr, refused.stderr
+    suggested = tune("--emulated-gpu", "64,48", "--fit-target", "42,32", "--results", str(tmp_path / "r"),
+                     "--dry-run", cwd=tmp_path)
+    assert suggested.returncode == 0 and "budgets: RPC0[127.0.0.1:50052] 22 MiB, RPC0[127.0.0.1:50053] 16 MiB" \
+        in suggested.stdout, suggested.stderr
 
 
 def _study_db(tmp_path: Path) -> Path:

@@ -219,6 +219,7 @@ Tuner(_request(spec, n_trials=10), study, SlowRunner(spec), heartbeat_s=1).run()
 """
 
 
+@pytest.mark.load
 def test_kill_9_mid_study_then_resume_loses_no_finished_trial(tmp_path: Path, demo_spec: Any) -> None:
     import os
     import signal
@@ -260,6 +261,7 @@ def test_kill_9_mid_study_then_resume_loses_no_finished_trial(tmp_path: Path, de
     assert relaunched == []
 
 
+@pytest.mark.load
 def test_a_trial_killed_before_it_launched_is_failed_when_the_study_resumes(tmp_path: Path, demo_spec: Any) -> None:
     # Optuna fails a RUNNING trial as stale only once it has a heartbeat (RDBStorage._get_stale_trial_ids): a tune
     # killed while it screened or started a trial, before the heartbeat thread ran, left that trial RUNNING forever

@@ -12,7 +12,7 @@ from fitter.machine.nvidia import GpuInfo
 from fitter.machine.snapshot import take_snapshot
 from fitter.memory.backends.devices import CUDA, RPC, Device
 from fitter.memory.backends.overhead import default_overhead
-from fitter.tune.targets import local_target
+from fitter.tune.targets import emulated_fit_targets, local_target
 
 GIB = 1024**3
 GPU = GpuInfo(0, "NVIDIA Test", memory_total=8 * GIB, memory_free=7 * GIB)
@@ -129,3 +129,17 @@ def test_split_mode_is_searched_where_tensor_mode_runs_and_the_flags_leave_it(
     modes = plan_request(o, target, target.planned_devices, ()).distributions.get("split-mode")
     spread = machine == "gpu-2x3090" and not {"-sm", "-ts"} & set(flags)  # per-device placement searched
     assert modes == (CategoricalDistribution(("layer", "none")) if spread else None)
+
+
+def test_emulated_gpus_given_without_a_fit_target_take_the_demos_share_of_each() -> None:
+    # the demo's 16 MiB of 96 (so --emulated-gpu 96 is the automatic demo), never above llama.cpp's 1024 MiB
+    assert emulated_fit_targets((96,)) == (16,) and emulated_fit_targets((64, 48)) == (10, 8)
+    assert emulated_fit_targets((8192, 4)) == (1024, 0)
+    snapshot = dataclasses.replace(take_snapshot(), gpus=())
+    base = parse_launch_flags(["-c", "2048"])
+    given = local_target(snapshot, base, ProcessFlags(), (64, 48), False, None)
+    assert given.default_fit_target == (10, 8)
+    assert "fit target 10,8 MiB on the emulated GPU (the demo's share of 16 MiB in 96; --fit-target MiB[,MiB…] to " \
+           "choose)" in given.notes
+    chosen = local_target(snapshot, base, ProcessFlags(), (64, 48), False, (4,))
+    assert chosen.default_fit_target is None and not any("fit target" in n for n in chosen.notes)

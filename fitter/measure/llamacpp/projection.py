@@ -23,7 +23,7 @@ import re
 import shlex
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -130,6 +130,10 @@ class Projector:
         self._identity = [_stat_key(self.tool), spec.identity, str(Path(spec.path).resolve())]
         self._memo: dict[tuple[str, ...], dict[str, dict[str, int]]] = {}
         self.runs, self.seconds, self.cached = 0, 0.0, 0
+        # called before the tool runs (not for a remembered projection): an emulated GPU's server serves one client at
+        # a time (ggml-rpc.cpp ggml_backend_rpc_start_server: a serial accept loop), so a runner whose process holds
+        # its connection between trials lets go first, else the tool waits for it forever
+        self.before_run: Callable[[], None] | None = None
 
     def __call__(self, config: LaunchConfig) -> dict[str, dict[str, int]]:
         """The projection of `config`; on the RPC servers given (an emulated GPU's) where it names none."""
@@ -160,6 +164,8 @@ class Projector:
                 return devices
             except (OSError, ValueError, AttributeError):
                 pass  # a damaged cache entry is projected again and rewritten
+        if self.before_run is not None and "--rpc" in flags:
+            self.before_run()
         t0 = time.perf_counter()
         devices = project(self.tool, self.spec.path, list(flags), self.timeout).devices
         self.runs, self.seconds = self.runs + 1, self.seconds + time.perf_counter() - t0

@@ -119,14 +119,20 @@ def with_projection(plan: MemoryPlan, projection: Mapping[str, Mapping[str, int]
                 buffers.append(Buffer(name, kind, name, _round_up(floored)))
     guess = guess_warning(plan.model, plan.devices)
     warnings = [w for w in plan.warnings if w != guess]
-    if (none := unruled(plan.devices)):
-        warnings.append(f"{', '.join(d.name for d in none)}: every buffer from llama.cpp's own projection ({source}), "
-                        "its floored MiB rounded up: fitter has no rules for this backend")
-    else:
-        warnings.append(f"{plan.model.arch}: {' and '.join(kinds)} from llama.cpp's own projection ({source}), its "
-                        f"floored MiB rounded up: fitter has no rules for {'it' if len(kinds) == 1 else 'them'} on "
-                        "this architecture" + _logits_note(plan, kinds))
+    note = projection_warning(plan.model, plan.devices, source)
+    warnings.append(note if unruled(plan.devices) else note + _logits_note(plan, kinds))
     return replace(plan, buffers=tuple(buffers), warnings=tuple(warnings), projected=kinds)
+
+
+def projection_warning(spec: ModelSpec, devices: Sequence[Device], source: str) -> str:
+    """What a plan says once the kinds fitter guesses come from llama.cpp's projection by `source` (a command that
+    projects every config says it once, as `fitter estimate` does for its one)."""
+    if (none := unruled(devices)):
+        return (f"{', '.join(d.name for d in none)}: every buffer from llama.cpp's own projection ({source}), its "
+                "floored MiB rounded up: fitter has no rules for this backend")
+    kinds = guessed_kinds(spec, devices)
+    return (f"{spec.arch}: {' and '.join(kinds)} from llama.cpp's own projection ({source}), its floored MiB rounded "
+            f"up: fitter has no rules for {'it' if len(kinds) == 1 else 'them'} on this architecture")
 
 
 def _logits_note(plan: MemoryPlan, kinds: tuple[str, ...]) -> str:

@@ -106,8 +106,10 @@ def _load(model: Path, gpu: EmulatedGpu) -> tuple[bool, str, str]:
 
 
 def _settled(gpu: EmulatedGpu) -> EmulatedGpuStats:
-    """The counters once the server has freed the disconnected client's buffers."""
-    for _ in range(200):
+    """The counters once the server has freed the disconnected client's buffers (a deadline, not a count of polls:
+    a loaded machine runs the server's cleanup seconds late, and an empty device returns at once)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         st = gpu.stats()
         if st.live_buffers == 0:
             return st
@@ -119,6 +121,7 @@ def _gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
+@pytest.mark.load
 @pytest.mark.llama
 def test_a_config_that_fits_loads_on_the_device_and_the_peak_covers_its_buffers(demo: Path) -> None:
     with EmulatedGpu(128) as gpu:
@@ -243,13 +246,14 @@ def _dead(pid: int) -> bool:
         return True
 
 
+@pytest.mark.load
 @pytest.mark.llama
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
 def test_the_server_does_not_outlive_its_parent(demo: Path, sig: str) -> None:
     proc = subprocess.run([sys.executable, "-c", _PARENT, sig], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -getattr(signal, sig), proc.stderr
     pid, own_dir = int(proc.stdout.split()[0]), Path(proc.stdout.split()[1])
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # the server's watchdog and cleanup run late on a loaded machine
     while not (_dead(pid) and not own_dir.exists()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _dead(pid)
