@@ -37,7 +37,7 @@ from fitter.errors import FitterError, LaunchConfigError
 from fitter.flags import ProcessFlags, parse_launch_flags, split_process_flags
 from fitter.flags.consumers import retarget
 from fitter.flags.parse import flag_value, process_flags_of, with_endpoints
-from fitter.gguf.model_spec import ModelSpec, load_model_spec, with_draft
+from fitter.gguf.model_spec import ModelSpec, with_draft
 from fitter.gguf.projector import with_projector
 from fitter.machine.gpu_order import gpu_map_text
 from fitter.machine.snapshot import MachineSnapshot
@@ -49,7 +49,7 @@ from fitter.memory.fit.budgets import DEFAULT_FIT_TARGET_MIB, device_budgets, ta
 from fitter.memory.plan.estimator import MemoryPlan, estimate
 from fitter.noise import between_run_sd
 from fitter.results.measurement import measurement_json, round_avgs, vram_bytes
-from fitter.results.pareto import Entry, ParetoDoc, load_result
+from fitter.results.pareto import Entry, ParetoDoc, load_result, recorded_model
 from fitter.search.screen import device_totals
 from fitter.units import MIB
 from fitter.workload import Workload
@@ -387,18 +387,7 @@ def _projected(plan: MemoryPlan, rpc: tuple[str, ...]) -> tuple[MemoryPlan, list
 
 
 def _model(doc: ParetoDoc, override: str | None) -> tuple[str, ModelSpec]:
-    model = override or doc.model.get("path")
-    if not isinstance(model, str) or not model:
-        raise FitterError(f"{doc.source}: no model.path; give the GGUF file with --model")
-    try:
-        spec = load_model_spec(model)
-    except FitterError as e:
-        raise FitterError(f"{e} (the model {doc.source} was tuned on; give it with --model PATH)") from None
-    identity = doc.model.get("identity")
-    if identity and spec.identity != identity:
-        raise FitterError(f"{model}: not the model {doc.source} was tuned on (header identity {spec.identity} != "
-                          f"{identity}); a check compares the same model")
-    return model, spec
+    return recorded_model(doc, override, "; a check compares the same model")
 
 
 def _emulated_cap(doc: ParetoDoc) -> int | tuple[int, ...]:

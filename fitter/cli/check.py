@@ -45,14 +45,7 @@ def _build_devices(result: Path) -> Any:
     """The devices of the build a result was tuned through (`--llama-cpp DIR`), as it lists them now, for the fit
     check; refused when they or its backends are not those it was tuned on (fitter.measure.llamacpp.builds
     .build_change). None for a result tuned otherwise."""
-    from fitter.errors import FitterError
-    from fitter.measure.llamacpp.builds import (
-        build_backends,
-        build_change,
-        device_records,
-        devices_of_build,
-        find_build,
-    )
+    from fitter.measure.llamacpp.builds import recorded_build_devices
     from fitter.results.pareto import load_result
 
     try:
@@ -62,12 +55,7 @@ def _build_devices(result: Path) -> Any:
     binary = doc.llama_cpp.get("llama_server")
     if not isinstance(binary, str) or not Path(binary).is_file() or "build_devices" not in doc.machine:
         return None
-    devices, _ = devices_of_build(find_build(Path(binary).parent))
-    change = build_change(doc.machine, device_records(devices), doc.llama_cpp.get("backends"),
-                          build_backends(binary))
-    if change is not None:
-        raise FitterError(f"{doc.source} {change}")
-    return devices
+    return recorded_build_devices(doc.machine, doc.llama_cpp, binary, doc.source)
 
 
 def _listed(snapshot: MachineSnapshot, result: Path) -> MachineSnapshot:

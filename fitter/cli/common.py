@@ -189,3 +189,13 @@ def add_projection(parser: argparse.ArgumentParser) -> None:
                         help="auto: the memory fitter has no rules for on the model's architecture (its KV cache, "
                         "compute buffers) comes from llama.cpp's own projection of each config (llama-fit-params "
                         "of --llama-cpp DIR or of the pinned tools); never: take fitter's guess")
+
+
+def add_set_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """--models-preset and --models-max, as llama-server's router takes them; `what` says what the command does
+    with the set."""
+    parser.add_argument("--models-preset", metavar="FILE", help=f"a llama-server router preset (--models-preset): "
+                        f"its models, loaded together, {what}")
+    parser.add_argument("--models-max", type=int, default=0, metavar="N",
+                        help="with several models: at most N loaded at once, as the router's --models-max (default "
+                        "0: every model)")

@@ -101,6 +101,8 @@ def _vulkan_server(ns: argparse.Namespace) -> str | None:
 
 
 def register(sub: Any) -> None:
+    from fitter.cli.common import add_set_arguments
+
     fit_p = sub.add_parser(
         "fit",
         help="the placement that puts the most on the GPU(s) within free memory minus a target",
@@ -115,11 +117,7 @@ def register(sub: Any) -> None:
     )
     fit_p.add_argument("model", nargs="*", help="GGUF file or any shard (default: the demo model); several: models "
                        "loaded together (llama-server's router, a llama-swap group), fitted as one set")
-    fit_p.add_argument("--models-preset", metavar="FILE", help="a llama-server router preset (--models-preset): its "
-                       "models, each with its own options, fitted as one set")
-    fit_p.add_argument("--models-max", type=int, default=0, metavar="N",
-                       help="with several models: at most N loaded at once, as the router's --models-max (default 0: "
-                       "every model)")
+    add_set_arguments(fit_p, "each with its own options, fitted as one set")
     fit_p.add_argument("--write-preset", metavar="FILE", help="with several models: write the fitted set as a router "
                            "preset (llama-server --models-preset FILE --models-max N)")
     fit_p.add_argument("--fit-target", default=str(DEFAULT_FIT_TARGET_MIB), metavar="MiB[,MiB...]",

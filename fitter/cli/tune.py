@@ -213,6 +213,8 @@ def _tune_files(ns: argparse.Namespace, options: list[Any]) -> int:
 
 
 def register(sub: Any) -> None:
+    from fitter.cli.common import add_set_arguments
+
     tune = sub.add_parser(
         "tune",
         help="find the fastest llama.cpp settings this machine can hold (Optuna over real measured trials)",
@@ -237,12 +239,8 @@ def register(sub: Any) -> None:
                       "added; quality: the KL divergence of each KV cache type from f16, measured with llama.cpp's "
                       "llama-perplexity (the KV types searched widen to every type llama.cpp takes) "
                       "(default: tg,pp,vram)")
-    tune.add_argument("--models-preset", metavar="FILE", help="a llama-server router preset: its models, loaded "
-                      "together, fitted as one set (fitter fit --models-preset) and each tuned within its share; "
-                      "the picks are written as one preset (RESULTS/set-preset.ini)")
-    tune.add_argument("--models-max", type=int, default=0, metavar="N",
-                      help="with --models-preset: at most N loaded at once, as the router's --models-max (default 0: "
-                      "every model)")
+    add_set_arguments(tune, "fitted as one set (fitter fit --models-preset) and each tuned within its share; the "
+                      "picks are written as one preset (RESULTS/set-preset.ini)")
     tune.add_argument("--quality-text", metavar="FILE", help="with --objectives ...,quality: the text quality is "
                       "measured on (default: the --prompts file, else the public-domain text fitter ships)")
     tune.add_argument("--quality-ctx", type=int, default=512, metavar="N",

@@ -8,13 +8,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fitter.errors import FitterError
 from fitter.noise import tied
 from fitter.paths import write_atomic
 from fitter.results.measurement import MeasurementRecord, ResultError, finite, shown, speed
 from fitter.results.quality_record import QUALITY, record_problem
+
+if TYPE_CHECKING:
+    from fitter.gguf.model_spec import ModelSpec
 
 POLICIES = ("max-decode", "max-prefill", "balanced", "min-vram", "max-context")
 RESULT_FILE = "pareto.json"
@@ -298,3 +301,22 @@ def ratios(measurement: dict[str, Any], baseline: dict[str, Any] | None) -> dict
         value = speed(measurement, k)
         out[k] = round(value / base, 3) if base and value is not None else None
     return out
+
+
+def recorded_model(doc: ParetoDoc, override: str | None, why: str) -> tuple[str, ModelSpec]:
+    """The model a result was tuned on (its recorded path, or `override`: the same file elsewhere), refused when its
+    header identity is not the one recorded; `why` ends that refusal (what the caller would compare or run)."""
+    from fitter.gguf.model_spec import load_model_spec
+
+    path = override or doc.model.get("path")
+    if not isinstance(path, str) or not path:
+        raise FitterError(f"{doc.source}: no model.path; give the GGUF file with --model")
+    try:
+        spec = load_model_spec(path)
+    except FitterError as e:
+        raise FitterError(f"{e} (the model {doc.source} was tuned on; give it with --model PATH)") from None
+    identity = doc.model.get("identity")
+    if identity and spec.identity != identity:
+        raise FitterError(f"{path}: not the model {doc.source} was tuned on (header identity {spec.identity} != "
+                          f"{identity}){why}")
+    return path, spec

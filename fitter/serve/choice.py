@@ -29,11 +29,11 @@ from fitter.export.candidates import (
 from fitter.flags import parse_launch_flags, split_process_flags
 from fitter.flags.parse import flag_value, process_flags_of, with_endpoints
 from fitter.flags.vocabulary import BY_NAME
-from fitter.gguf.model_spec import ModelSpec, load_model_spec, with_draft
+from fitter.gguf.model_spec import ModelSpec, with_draft
 from fitter.gguf.projector import with_projector
 from fitter.memory.backends.devices import CPU_AVX2, CpuProfile, Device
 from fitter.memory.fit.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB
-from fitter.results.pareto import ParetoDoc
+from fitter.results.pareto import ParetoDoc, recorded_model
 
 
 @dataclass(frozen=True)
@@ -49,18 +49,7 @@ class Plan:
 def tuned_model(doc: ParetoDoc, override: str | None = None) -> tuple[str, ModelSpec]:
     """The model the result was tuned on (its header; --model gives it at another path): refused when its header
     identity is not the one recorded."""
-    path = override or doc.model.get("path")
-    if not isinstance(path, str) or not path:
-        raise FitterError(f"{doc.source}: no model.path; give the GGUF file with --model")
-    try:
-        spec = load_model_spec(path)
-    except FitterError as e:
-        raise FitterError(f"{e} (the model {doc.source} was tuned on; give it with --model PATH)") from None
-    identity = doc.model.get("identity")
-    if identity and spec.identity != identity:
-        raise FitterError(f"{path}: not the model {doc.source} was tuned on (header identity {spec.identity} != "
-                          f"{identity}): its configs were measured on another file; tune it again")
-    return path, spec
+    return recorded_model(doc, override, ": its configs were measured on another file; tune it again")
 
 
 def recorded_caps(doc: ParetoDoc) -> tuple[int, ...] | None:

@@ -48,22 +48,10 @@ def machine_devices(doc: ParetoDoc, binary: str) -> tuple[Device, ...]:
     """The devices a result not measured on the emulated GPU runs on now, with their free memory; refused when
     they are not those it was tuned on."""
     from fitter.check.run import gpu_change
-    from fitter.measure.llamacpp.builds import (
-        build_backends,
-        build_change,
-        device_records,
-        devices_of_build,
-        find_build,
-        listed_by,
-    )
+    from fitter.measure.llamacpp.builds import listed_by, recorded_build_devices
 
     if "build_devices" in doc.machine:  # tuned through a build: its devices, as it lists them now
-        devices, _ = devices_of_build(find_build(Path(binary).parent))
-        change = build_change(doc.machine, device_records(devices), doc.llama_cpp.get("backends"),
-                              build_backends(binary))
-        if change is not None:
-            raise FitterError(f"{doc.source} {change}")
-        return devices
+        return recorded_build_devices(doc.machine, doc.llama_cpp, binary, doc.source)
     if not isinstance(doc.machine.get("gpu_map"), list) or not doc.machine.get("gpu_map"):
         return ()  # tuned without a GPU: nothing to judge, the pick runs as recorded
     from fitter.machine.snapshot import gpus_now, take_snapshot

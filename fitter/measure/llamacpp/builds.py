@@ -263,3 +263,15 @@ def build_backends(binary: str) -> list[str]:
 def binary_build(binary: str) -> dict[str, Any]:
     """`server_build`, the backends and the binary itself (results and exports name it: `--llama-cpp DIR`)."""
     return {**server_build(binary), "backends": build_backends(binary), "llama_server": str(Path(binary).resolve())}
+
+
+def recorded_build_devices(machine: dict[str, Any], llama_cpp: dict[str, Any], binary: str,
+                           source: str) -> tuple[Device, ...]:
+    """The devices of the build a result was tuned through (`--llama-cpp DIR`: its machine record's
+    `build_devices`), as the build lists them now; refused in one line (`source` first) when they or its backends
+    are not those it was tuned on (`build_change`)."""
+    devices, _ = devices_of_build(find_build(Path(binary).parent))
+    change = build_change(machine, device_records(devices), llama_cpp.get("backends"), build_backends(binary))
+    if change is not None:
+        raise FitterError(f"{source} {change}")
+    return devices
