@@ -343,10 +343,15 @@ def reference_logits(tool: str | Path, model: str | Path, text: str | Path, n_ct
     folder.mkdir(parents=True, exist_ok=True)
     part = folder / f".{stem}.{secrets.token_hex(4)}.part"
     argv = reference_argv(tool, model, text, n_ctx, part, flags, chunks)
-    t0 = time.perf_counter()
     try:
-        rc, log = _run(argv, timeout)
-        seconds = time.perf_counter() - t0
+        for attempt in range(1, ATTEMPTS + 1):
+            t0 = time.perf_counter()
+            rc, log = _run(argv, timeout)
+            seconds = time.perf_counter() - t0
+            # a text too short whose count the log lost (see `measure_quality`): run it again for llama.cpp's count
+            if attempt < ATTEMPTS and _TOO_SHORT.search(log) is None and _short_file(part, rc):
+                continue
+            break
         head = _reference_head(part, rc, log, argv, text_p, n_ctx, str(model))
         os.replace(part, path)
     finally:
@@ -362,13 +367,18 @@ def reference_logits(tool: str | Path, model: str | Path, text: str | Path, n_ct
     return ref
 
 
+def _short_file(part: Path, rc: int) -> bool:
+    """The file `perplexity` leaves on a text too short: the magic and n_ctx only (perplexity.cpp)."""
+    return rc == 0 and part.is_file() and part.stat().st_size == len(_MAGIC) + 4
+
+
 def _reference_head(part: Path, rc: int, log: str, argv: Sequence[str], text: Path, n_ctx: int,
                     model: str) -> KldHeader:
     """The head of the logits file a reference run wrote, once it is whole; QualityError otherwise. A text too short
     is told by the tool's error or, where its log lost that line, by the file it left: `perplexity` writes the magic
     and n_ctx, then returns on the short text before n_vocab and n_chunk (perplexity.cpp)."""
     short = _text_too_short(text, n_ctx, log, model)
-    if short is None and rc == 0 and part.is_file() and part.stat().st_size == len(_MAGIC) + 4:
+    if short is None and _short_file(part, rc):
         short = QualityError(f"{text}: it tokenizes to fewer than the {2 * n_ctx} tokens -c {n_ctx} needs with "
                              f"{model} (llama-perplexity scores chunks of -c tokens and needs two: "
                              "tools/perplexity/perplexity.cpp); give a longer text or a smaller -c")
