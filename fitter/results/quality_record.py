@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fitter.flags import KV_CACHE_TYPES
-from fitter.measure.llamacpp.perplexity import QualityMeasure
 from fitter.units import MIB
+
+if TYPE_CHECKING:  # a type only: results are read without importing the tool's runner
+    from fitter.measure.llamacpp.perplexity import QualityMeasure
 
 QUALITY = "quality"  # the objective, the study attribute and the entries' key
 
