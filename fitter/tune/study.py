@@ -213,9 +213,11 @@ class Tuner:
 
     def _launch(self, trial: optuna.Trial, cand: Candidate, s: Screen | None, phase: str, claim: str) -> TrialResult:
         self._attrs(trial, cand, phase)
-        trial.set_user_attr("launched", True)
         trial.set_user_attr("worker", self.worker.name)
         trial.set_user_attr("claim", claim)
+        # last: another worker waiting for the fleet (fitter.storage.fleet.wait_for_others) judges a launched trial
+        # by its worker and claim, so a launched one without them was failed as stale (CI: journal, under load)
+        trial.set_user_attr("launched", True)
         self.claims.settle(claim, self.worker.name, trial.number)
         if s is not None and s.plan is not None:
             trial.set_user_attr("predicted_bytes", device_totals(s.plan))

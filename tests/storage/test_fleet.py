@@ -261,7 +261,10 @@ def test_three_workers_share_one_study(kind: str, tmp_path: Path, request: pytes
     procs = [_tune(["--backend", "sim", "--machine", machine, "--trials", "12", "--results", str(root),
                     *storage], tmp_path, {}) for root in roots]
     outs = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for _, e in outs]
+    # a failed worker's whole stderr, as a string (pytest shortens a list's repr to its ends)
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(
+        f"worker {i} exited {p.returncode}:\n{e}" for i, (p, (_, e)) in enumerate(zip(procs, outs, strict=True))
+        if p.returncode)
     url = storage[1] if storage else f"sqlite:///{next(roots[0].glob('*/*/*/study.db'))}"
     study = load(url, STUDY if storage else "fitter")
     doc = check_fleet(study, [p.pid for p in procs], 12, sorted(set(roots)))
@@ -303,8 +306,9 @@ def kill_mid_trial(url: str, procs: list[subprocess.Popen[str]], victim: subproc
     else:
         pytest.fail("the victim never ran a trial")
     outs = [p.communicate(timeout=900) for p in procs]
-    assert [p.returncode for p in procs] == [-signal.SIGKILL if p is victim else 0 for p in procs], [
-        e[-2000:] for _, e in outs]
+    assert [p.returncode for p in procs] == [-signal.SIGKILL if p is victim else 0 for p in procs], "\n".join(
+        f"worker {i} exited {p.returncode}:\n{e}" for i, (p, (_, e)) in enumerate(zip(procs, outs, strict=True))
+        if p is not victim and p.returncode)
     study = load(url, STUDY)
     after = {t.number: t for t in study.trials}
     assert {n: list(after[n].values) for n in finished_before} == finished_before
@@ -342,7 +346,7 @@ def test_two_workers_on_emulated_gpus_share_a_postgres_study_and_survive_a_kill(
     results = [tmp_path / f"r{i}" for i in range(2)]
     procs = [_tune([*fast, "--trials", "6", "--results", str(r), "--storage", url], tmp_path, {}) for r in results]
     outs = [p.communicate(timeout=900) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-6000:] for _, e in outs]
     doc = check_fleet(load(url, STUDY), [p.pid for p in procs], 6, results)
     assert {w["worker"] for w in doc["study"]["workers"]} == {f"{HOST}:{p.pid}" for p in procs}
 

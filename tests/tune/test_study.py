@@ -228,8 +228,9 @@ def test_kill_9_mid_study_then_resume_loses_no_finished_trial(tmp_path: Path, de
     import time
 
     root = Path(__file__).resolve().parents[2]
+    # its temporary files (tests.models) under tmp_path: killed, it removes nothing itself
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], cwd=root, start_new_session=True,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env={**os.environ, "TMPDIR": str(tmp_path)})
     url = f"sqlite:///{tmp_path / 's.db'}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -298,6 +299,32 @@ def test_workers_that_check_the_budget_at_once_never_launch_past_trials(tmp_path
     assert failed.user_attrs["reason"] == ("not launched: the fleet's workers launched the study's 3 trials (--trials) "
                                            "while this one screened it")
     assert c.runner.runs == [] and claims.row(cand.key) is None  # nothing ran; the config is free for whoever
+
+
+class WatchedStorage(optuna.storages.InMemoryStorage):
+    """A storage that notes, each time a trial is marked launched, the attributes it already holds: what another
+    worker of the fleet reading the study at that moment would see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen_at_launch: list[set[str]] = []
+
+    def set_trial_user_attr(self, trial_id: int, key: str, value: Any) -> None:
+        if key == "launched":
+            self.seen_at_launch.append(set(self.get_trial(trial_id).user_attrs))
+        super().set_trial_user_attr(trial_id, key, value)
+
+
+def test_a_trial_is_marked_launched_only_once_its_worker_and_claim_are_there(demo_spec: Any) -> None:
+    # a worker waiting for the fleet fails a launched RUNNING trial whose claim it cannot find as stale
+    # (fitter.storage.fleet.wait_for_others); with "launched" written first, a fleet on a journal failed a trial a
+    # live worker was starting, and that worker crashed on its next write (UpdateFinishedTrialError)
+    storage = WatchedStorage()
+    study = optuna.create_study(storage=storage, directions=["maximize", "maximize", "minimize"])
+    Tuner(_request(demo_spec, n_trials=3), study, FakeRunner(demo_spec), claims=MemoryClaims(),
+          worker=Worker("host-a", 1)).run()
+    assert len(storage.seen_at_launch) == 3
+    assert all({"worker", "claim"} <= seen for seen in storage.seen_at_launch)
 
 
 def _grid(req: TuneRequest) -> Iterator[dict[str, Any]]:
