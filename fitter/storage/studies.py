@@ -185,6 +185,14 @@ def open_study(url: str, key: StudyKey, directions: list[Any], sampler: optuna.s
     return study
 
 
+# Optuna's tables (optuna/storages/_rdb/models.py) and the fleet's claims (fitter.storage.fleet.TABLE). Optuna creates
+# them one at a time (sqlalchemy's create_all), so a worker joining a fleet that is creating its study sees a subset.
+STUDY_TABLES = frozenset({"studies", "study_directions", "study_system_attributes", "study_user_attributes",
+                          "trial_heartbeats", "trial_intermediate_values", "trial_params", "trial_system_attributes",
+                          "trial_user_attributes", "trial_values", "trials", "version_info", "alembic_version",
+                          "fitter_claims"})
+
+
 def check_study_db(path: Path, advice: str, require_tables: bool) -> None:
     """Refuse anything but an Optuna SQLite database before Optuna opens it: Optuna would add its tables to any
     SQLite file. Read-only (a running tune may be writing to it). An empty SQLite file, or one without tables, is a
@@ -203,6 +211,8 @@ def check_study_db(path: Path, advice: str, require_tables: bool) -> None:
             con.close()
     except sqlite3.Error as e:
         raise ResultsError(f"{path}: cannot read the SQLite database ({e}); {advice}") from None
-    if (tables or require_tables) and not {"studies", "trials", "version_info"} <= tables:
+    complete = {"studies", "trials", "version_info"} <= tables
+    # only Optuna's (and the fleet's) tables, some of them: a study another worker is creating right now
+    if not complete and (require_tables or tables - STUDY_TABLES):
         raise ResultsError(f"{path}: an SQLite database without Optuna's tables (it has: "
                            f"{', '.join(sorted(tables)) or 'none'}); {advice}")

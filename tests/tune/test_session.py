@@ -258,6 +258,21 @@ def test_a_foreign_sqlite_file_is_refused_and_left_as_it_was(tmp_path: Path) -> 
     assert db.read_bytes() == before
 
 
+def test_a_study_another_worker_is_creating_is_joined_not_refused(tmp_path: Path) -> None:
+    """Optuna creates its tables one at a time: a worker starting beside the creator sees only some of them (CI saw
+    "it has: studies") and joins, where a file with a table of its own is refused."""
+    import optuna
+
+    from fitter.storage.studies import StudyKey, open_study
+
+    db = tmp_path / "study.db"
+    with sqlite3.connect(db) as con:
+        con.execute("create table studies (study_id integer primary key, study_name varchar(512))")
+    study = open_study(f"sqlite:///{db}", StudyKey("id", "fp", "b"), ["maximize"], optuna.samplers.RandomSampler(),
+                       {})
+    assert study.user_attrs["model_identity"] == "id"
+
+
 # -- the order of a tune: refuse bad input before anything starts or is created ----------------------------------
 
 
