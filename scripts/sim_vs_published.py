@@ -34,7 +34,8 @@ from fitter.measure.types import BenchSpec
 from fitter.sim import SimRunner, load_machine, out_of_memory, speeds
 
 POINTS = Path(__file__).resolve().parents[1] / "tests" / "golden" / "published.json"
-_DIR = Path(tempfile.mkdtemp(prefix="fitter-published-"))
+_TEMPORARY = tempfile.TemporaryDirectory(prefix="fitter-published-")  # removed at exit
+_DIR = Path(_TEMPORARY.name)
 
 
 @cache

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from fitter.machine.llama_cpp import llama_cpp_python_problem
 from fitter.measure.llamacpp.tools import TOOLS, tools_dir
 from fitter.paths import fitter_home
+from tests.folders import process_folder
 
 pytest_plugins = ["pytester"]  # tests/test_markers.py runs the markers on a pytest of its own
 
@@ -35,7 +35,7 @@ pytest_plugins = ["pytester"]  # tests/test_markers.py runs the markers on a pyt
 STARTING_HOME = Path(os.environ.setdefault("FITTER_TEST_STARTING_HOME", str(fitter_home())))
 BUILT_TOOLS = STARTING_HOME / "tools" / tools_dir().name  # the recipe names the folder, the home holds it
 BUILT_VULKAN = STARTING_HOME / "tools" / tools_dir("vulkan").name  # fitter's Vulkan build (.ci/setup --vulkan)
-SESSION_HOME = Path(tempfile.mkdtemp(prefix="fitter-test-session-home-"))
+SESSION_HOME = process_folder("fitter-test-session-home-")
 os.environ["FITTER_HOME"] = str(SESSION_HOME)  # before any test module is imported or any fixture runs
 
 # CI's 2 cores run every property example in tens of milliseconds: a deadline of seconds only catches a runaway.

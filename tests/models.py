@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from functools import cache
 from pathlib import Path
 
 from fitter.gguf.demo_models import SHAPES, write_model
+from tests.folders import process_folder
 
-_DIR = Path(tempfile.mkdtemp(prefix="fitter-test-models-"))
+_DIR = process_folder("fitter-test-models-")
 
 
 @cache
