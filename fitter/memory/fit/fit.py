@@ -29,7 +29,7 @@ from fitter.flags import LaunchConfig
 from fitter.flags.overrides import EXPERT_KINDS, experts_rules, ncmoe_rules
 from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.backends.devices import CPU_AVX2, CpuProfile, Device
-from fitter.memory.fit.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, device_budgets
+from fitter.memory.fit.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, device_budgets, target_of
 from fitter.memory.fit.fit_devices import DeviceSearch, better, expert_layers
 from fitter.memory.plan.estimator import MemoryPlan, complete, estimate, model_devices, place
 from fitter.memory.plan.projected import Projects, guessed_kinds, with_projection
@@ -314,7 +314,8 @@ def _lightest(s: _Search, base: LaunchConfig) -> LaunchConfig:
     return replace(base, n_gpu_layers=ngl, overrides=ncmoe_rules(s.spec.n_layer) if s.spec.n_expert else ())
 
 
-def _suggestions(s: _Search, base: LaunchConfig, plan: MemoryPlan) -> tuple[str, ...]:
+def _suggestions(s: _Search, base: LaunchConfig, plan: MemoryPlan, targets_mib: tuple[int, ...]
+                 ) -> tuple[str, ...]:
     """What would fit instead, each checked with the estimator at the lightest placement."""
     lightest = _lightest(s, base)
     ctx = plan.context.n_ctx
@@ -340,10 +341,32 @@ def _suggestions(s: _Search, base: LaunchConfig, plan: MemoryPlan) -> tuple[str,
         if placed is not None:
             used = max(_device_bytes(placed[1]).values())
             out.append(f"{label}: fits ({used / MIB:.0f} MiB on the busiest device)")
-    if not out:
-        used = max(_device_bytes(s.plan(lightest)).values())
-        out.append(f"even with nothing offloaded the devices need {used / MIB:.0f} MiB: lower --fit-target")
+    if not out and (lower := _lower_targets(s, lightest, targets_mib)) is not None:
+        out.append(lower)
     return tuple(out)
+
+
+def _lower_targets(s: _Search, lightest: LaunchConfig, targets_mib: tuple[int, ...]) -> str | None:
+    """The fit targets under which the lightest placement fits (each device's target less what it is over by), or
+    the device too small for it at any target."""
+    used = _device_bytes(s.plan(lightest))
+    placement = "with nothing offloaded" if lightest.n_gpu_layers == 0 else \
+        f"at -ngl {lightest.n_gpu_layers} with every expert on the CPU"
+    lower, why = [], []
+    for i, d in enumerate(s.devices):
+        target = target_of(targets_mib, i)
+        over = used.get(d.name, 0) - s.budgets[d.name]
+        room = s.budgets[d.name] + target * MIB  # its free memory less its overhead (CUDA's context and cuBLAS)
+        if over > 0 and used[d.name] > room:
+            return (f"a device with more room: {d.name} needs {used[d.name] / MIB:.0f} MiB {placement}, more than "
+                    f"the {max(room, 0) / MIB:.0f} MiB it has free after its backend's own overhead")
+        lower.append(target - max(0, -(-over // MIB)))
+        if over > 0:
+            why.append(f"{d.name} needs {used[d.name] / MIB:.0f} MiB {placement}, of its {room / MIB:.0f} MiB free")
+    if not why:
+        return None
+    targets = lower if len(set(lower)) > 1 else lower[:1]
+    return f"--fit-target {','.join(map(str, targets))}: fits ({'; '.join(why)})"
 
 
 def fit(
@@ -387,4 +410,4 @@ def fit(
     s.budgets = budgets
     lightest = _lightest(s, start)
     plan = s.plan(lightest)
-    return FitResult(False, lightest, plan, budgets, 0, _over(plan, budgets), _suggestions(s, start, plan))
+    return FitResult(False, lightest, plan, budgets, 0, _over(plan, budgets), _suggestions(s, start, plan, targets_mib))

@@ -71,7 +71,15 @@ def test_nothing_fits_says_by_how_much_and_what_would() -> None:
     result = fit(spec, parse_launch_flags(["-c", "8192"]), (_device(1000),), (1024,))
     assert not result.fits and result.config.n_gpu_layers == 0
     assert result.shortfall == 24 * MIB + 28874752
-    assert result.suggestions == ("even with nothing offloaded the devices need 28 MiB: lower --fit-target",)
+    assert result.suggestions == ("--fit-target 972: fits (CUDA0 needs 28 MiB with nothing offloaded, of its 1000 MiB "
+                                  "free)",)
+    # each device's target less what it is over by; -ngl as given, with every expert on the CPU
+    two = fit(spec, parse_launch_flags(["-c", "8192"]), (_device(1000), _device(20, name="CUDA1")), (1024, 30))
+    assert two.suggestions == ("--fit-target 972,20: fits (CUDA0 needs 28 MiB with nothing offloaded, of its 1000 MiB "
+                               "free; CUDA1 needs 0 MiB with nothing offloaded, of its 20 MiB free)",)
+    small = fit(spec, parse_launch_flags(["-c", "8192", "-ub", "128", "-ngl", "2"]), (_device(4),), (0,))
+    assert small.suggestions == ("a device with more room: CUDA0 needs 22 MiB at -ngl 2 with every expert on the CPU, "
+                                 "more than the 4 MiB it has free after its backend's own overhead",)
 
 
 def test_fit_cli_json_and_exit_codes() -> None:
