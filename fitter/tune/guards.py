@@ -4,7 +4,6 @@ drift guard (a build's own projection beside fitter's estimate) when fitter's ru
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +13,7 @@ from fitter.flags import placement_flags
 from fitter.flags.parse import searched_flags
 from fitter.measure.llamacpp.builds import LlamaCppBuild
 from fitter.measure.llamacpp.projection import Projector, guess_projector
-from fitter.memory.fit.budgets import target_of
+from fitter.memory.fit.budgets import lowered_targets
 from fitter.memory.fit.fit import fit
 from fitter.memory.plan.projected import guess_warning, guessed_kinds
 from fitter.search import split
@@ -72,13 +71,7 @@ def targets_that_fit(over: dict[str, float], req: TuneRequest, targets: tuple[in
     its target)."""
     if not over or any(v > 0 and not k.startswith("vram:") for k, v in over.items()):
         return None
-    out = []
-    for i, d in enumerate(req.devices):
-        lower = target_of(targets, i) - max(0, math.ceil(over.get(f"vram:{d.name}", 0.0)))
-        if lower < 0:
-            return None
-        out.append(lower)
-    return tuple(out) if len(set(out)) > 1 else tuple(out[:1])
+    return lowered_targets([over.get(f"vram:{d.name}", 0.0) for d in req.devices], targets)
 
 
 def projected_before_start(o: TuneOptions, target: Target, planned: TuneRequest, tool: Path | None,

@@ -4,6 +4,7 @@ common/common.h `fit_params_target`, default 1024). One function for fit, tune a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from fitter.errors import FitterError
@@ -54,3 +55,13 @@ def device_budgets(devices: Sequence[Device], targets_mib: Sequence[int],
 def target_of(targets_mib: Sequence[int], index: int) -> int:
     """The fit target (MiB) of device `index`: its own, or the one for every device."""
     return targets_mib[index if len(targets_mib) > 1 else 0]
+
+
+def lowered_targets(over_mib: Sequence[float], targets_mib: Sequence[int]) -> tuple[int, ...] | None:
+    """The fit targets (MiB) under which a plan over its budgets by `over_mib` (per device, in order) fits: each
+    device's target less what it is over by, rounded up to a MiB; None where a device is over by more than its target
+    (no target makes room). One value when they are all alike, as --fit-target is written."""
+    out = [target_of(targets_mib, i) - max(0, math.ceil(over)) for i, over in enumerate(over_mib)]
+    if any(v < 0 for v in out):
+        return None
+    return tuple(out) if len(set(out)) > 1 else tuple(out[:1])

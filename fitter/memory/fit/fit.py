@@ -29,7 +29,13 @@ from fitter.flags import LaunchConfig
 from fitter.flags.overrides import EXPERT_KINDS, experts_rules, ncmoe_rules
 from fitter.gguf.model_spec import ModelSpec, Role
 from fitter.memory.backends.devices import CPU_AVX2, CpuProfile, Device
-from fitter.memory.fit.budgets import DEFAULT_FIT_CTX, DEFAULT_FIT_TARGET_MIB, device_budgets, target_of
+from fitter.memory.fit.budgets import (
+    DEFAULT_FIT_CTX,
+    DEFAULT_FIT_TARGET_MIB,
+    device_budgets,
+    lowered_targets,
+    target_of,
+)
 from fitter.memory.fit.fit_devices import DeviceSearch, better, expert_layers
 from fitter.memory.plan.estimator import MemoryPlan, complete, estimate, model_devices, place
 from fitter.memory.plan.projected import Projects, guessed_kinds, with_projection
@@ -341,32 +347,29 @@ def _suggestions(s: _Search, base: LaunchConfig, plan: MemoryPlan, targets_mib: 
         if placed is not None:
             used = max(_device_bytes(placed[1]).values())
             out.append(f"{label}: fits ({used / MIB:.0f} MiB on the busiest device)")
-    if not out and (lower := _lower_targets(s, lightest, targets_mib)) is not None:
+    if not out and (lower := _lower_targets(s, lightest, plan, targets_mib)) is not None:
         out.append(lower)
     return tuple(out)
 
 
-def _lower_targets(s: _Search, lightest: LaunchConfig, targets_mib: tuple[int, ...]) -> str | None:
-    """The fit targets under which the lightest placement fits (each device's target less what it is over by), or
-    the device too small for it at any target."""
-    used = _device_bytes(s.plan(lightest))
+def _lower_targets(s: _Search, lightest: LaunchConfig, plan: MemoryPlan, targets_mib: tuple[int, ...]) -> str | None:
+    """The fit targets under which the lightest placement (`plan`) fits, or the device too small for it at any
+    target."""
+    used = _device_bytes(plan)
     placement = "with nothing offloaded" if lightest.n_gpu_layers == 0 else \
         f"at -ngl {lightest.n_gpu_layers} with every expert on the CPU"
-    lower, why = [], []
+    over = [used.get(d.name, 0) - s.budgets[d.name] for d in s.devices]
+    lower = lowered_targets([o / MIB for o in over], targets_mib)
+    why = []
     for i, d in enumerate(s.devices):
-        target = target_of(targets_mib, i)
-        over = used.get(d.name, 0) - s.budgets[d.name]
-        room = s.budgets[d.name] + target * MIB  # its free memory less its overhead (CUDA's context and cuBLAS)
-        if over > 0 and used[d.name] > room:
-            return (f"a device with more room: {d.name} needs {used[d.name] / MIB:.0f} MiB {placement}, more than "
-                    f"the {max(room, 0) / MIB:.0f} MiB it has free after its backend's own overhead")
-        lower.append(target - max(0, -(-over // MIB)))
-        if over > 0:
-            why.append(f"{d.name} needs {used[d.name] / MIB:.0f} MiB {placement}, of its {room / MIB:.0f} MiB free")
-    if not why:
-        return None
-    targets = lower if len(set(lower)) > 1 else lower[:1]
-    return f"--fit-target {','.join(map(str, targets))}: fits ({'; '.join(why)})"
+        need = used.get(d.name, 0)
+        room = s.budgets[d.name] + target_of(targets_mib, i) * MIB  # its free memory less its overhead (CUDA's context)
+        if lower is None and need > room:  # over by more than its target: no target makes room
+            return (f"a device with more room: {d.name} needs {need / MIB:.0f} MiB {placement}, more than the "
+                    f"{max(room, 0) / MIB:.0f} MiB it has free after its backend's own overhead")
+        if over[i] > 0:
+            why.append(f"{d.name} needs {need / MIB:.0f} MiB {placement}, of its {room / MIB:.0f} MiB free")
+    return f"--fit-target {','.join(map(str, lower or ()))}: fits ({'; '.join(why)})" if why else None
 
 
 def fit(
