@@ -20,6 +20,7 @@ import optuna
 from fitter.errors import FitterError
 from fitter.paths import WriteError, safe_name
 from fitter.storage.faults import check_refused
+from fitter.storage.fleet import TABLE as CLAIMS_TABLE
 
 STUDY_NAME = "fitter"
 HEARTBEAT_S = 5
@@ -185,12 +186,12 @@ def open_study(url: str, key: StudyKey, directions: list[Any], sampler: optuna.s
     return study
 
 
-# Optuna's tables (optuna/storages/_rdb/models.py) and the fleet's claims (fitter.storage.fleet.TABLE). Optuna creates
+# Optuna's tables (optuna/storages/_rdb/models.py) and the fleet's claims. Optuna creates
 # them one at a time (sqlalchemy's create_all), so a worker joining a fleet that is creating its study sees a subset.
 STUDY_TABLES = frozenset({"studies", "study_directions", "study_system_attributes", "study_user_attributes",
                           "trial_heartbeats", "trial_intermediate_values", "trial_params", "trial_system_attributes",
                           "trial_user_attributes", "trial_values", "trials", "version_info", "alembic_version",
-                          "fitter_claims"})
+                          CLAIMS_TABLE})
 
 
 def check_study_db(path: Path, advice: str, require_tables: bool) -> None:
