@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import json
 import multiprocessing
 import os
@@ -276,35 +275,47 @@ def test_three_workers_share_one_study(kind: str, tmp_path: Path, request: pytes
             assert f"fitter: worker {doc['study']['confirmed_by']} confirm" in err
 
 
-def kill_mid_trial(url: str, procs: list[subprocess.Popen[str]], victim: subprocess.Popen[str],
-                   trials: int, results: list[Path]) -> None:
-    """kill -9 `victim` while a trial of its own runs (after two trials finished), let the others end, and check:
-    the killed trial is failed and counts as never measured, every trial finished before the kill is still there
-    with its values, nothing is left running, and the fleet's result is whole."""
+def kill_mid_trial(url: str, procs: list[subprocess.Popen[str]], trials: int, results: list[Path]) -> None:
+    """kill -9 a worker while a trial of its own runs (one launched after two trials finished), let the others end,
+    and check: the killed trial is failed and counts as never measured, every trial finished before the kill is still
+    there with its values, nothing is left running, and the fleet's result is whole.
+
+    The victim is whichever worker launches a trial first once two have finished: one always does (no more than one
+    trial per worker runs at once, and the budget outlasts two finished trials plus one running per worker). A victim
+    chosen beforehand could take a long trial before two had finished and hold it while the others ran the rest of the
+    budget (CI, PostgreSQL: "the victim never ran a trial", the others running trials 4 to 8)."""
+    by_name = {f"{HOST}:{p.pid}": p for p in procs}
     deadline = time.monotonic() + 240  # within the test's own time limit, so a miss fails with its own words
     study = None
+    seen: set[int] | None = None  # the trials seen launched by earlier polls (None: no poll yet)
+    previous_read = 0.0
     while time.monotonic() < deadline:
         time.sleep(0.1)
         try:
             study = study or load(url, STUDY)
         except NOT_YET:
             continue
+        read_from = time.monotonic()
         trials_now = study.get_trials(deepcopy=False)
-        # a trial that started within the last 3 s, so the kill lands while it runs (the shortest trial of the sim
-        # paced 60× takes about 7.5 s, a real one several): wide enough for a poll slowed by a loaded machine
-        # (PostgreSQL's query and this loop share CI's 2 cores with another test worker, and the slow suite's
-        # tests/test_under_load.py runs two busy loops beside it), which missed every trial of the victim with a 1 s
-        # window and 2.5 s trials there
-        running = [t for t in trials_now if t.state == TrialState.RUNNING and t.user_attrs.get("launched")
-                   and t.user_attrs.get("worker") == f"{HOST}:{victim.pid}" and t.datetime_start is not None
-                   and (datetime.datetime.now() - t.datetime_start).total_seconds() < 3.0]
-        if running and sum(t.state == TrialState.COMPLETE for t in trials_now) >= 2:
+        # a trial that this poll is the first to see launched, when the previous poll began reading the study less
+        # than 3 s before this one ended: it was launched at most 3 s ago, so the kill lands while it runs (the shortest
+        # trial of the sim paced 60x takes about 7.5 s). Timed by this watcher's own polls, not by the trial's
+        # datetime_start: a trial is marked launched after its other attributes, one storage write each
+        launched = {t.number: by_name[t.user_attrs["worker"]] for t in trials_now
+                    if t.state == TrialState.RUNNING and t.user_attrs.get("launched")
+                    and t.user_attrs.get("phase") != "baseline"}  # a search trial
+        fresh = sorted(launched.keys() - seen) if seen is not None and time.monotonic() - previous_read < 3.0 else []
+        seen, previous_read = launched.keys() | (seen or set()), read_from
+        finished = {t.number: list(t.values) for t in trials_now if t.state == TrialState.COMPLETE}
+        if fresh and len(finished) >= 2:
+            killed, victim, finished_before = fresh[0], launched[fresh[0]], finished
             os.kill(victim.pid, signal.SIGKILL)
-            killed = running[0].number
-            finished_before = {t.number: list(t.values) for t in trials_now if t.state == TrialState.COMPLETE}
             break
     else:
-        pytest.fail("the victim never ran a trial")
+        held = [(t.number, t.state.name, t.user_attrs.get("worker"), t.user_attrs.get("launched"))
+                for t in (study.get_trials(deepcopy=False) if study else [])]
+        pytest.fail(f"no worker launched a trial after two finished; the study held (trial, state, worker, launched): "
+                    f"{held}")
     outs = [p.communicate(timeout=900) for p in procs]
     assert [p.returncode for p in procs] == [-signal.SIGKILL if p is victim else 0 for p in procs], "\n".join(
         f"worker {i} exited {p.returncode}:\n{e}" for i, (p, (_, e)) in enumerate(zip(procs, outs, strict=True))
@@ -331,7 +342,7 @@ def test_a_worker_killed_mid_trial_loses_nothing_finished(kind: str, tmp_path: P
     machine = str(paced(tmp_path, 60))
     procs = [_tune(["--backend", "sim", "--machine", machine, "--trials", "9", "--confirm-rounds", "1",
                     "--results", str(r), "--storage", url], tmp_path, {}) for r in results]
-    kill_mid_trial(url, procs, procs[1], 9, results)
+    kill_mid_trial(url, procs, 9, results)
 
 
 @pytest.mark.slow
@@ -353,7 +364,7 @@ def test_two_workers_on_emulated_gpus_share_a_postgres_study_and_survive_a_kill(
     url = storage_url("postgres", tmp_path / "kill", request)
     results = [tmp_path / f"k{i}" for i in range(2)]
     procs = [_tune([*fast, "--trials", "8", "--results", str(r), "--storage", url], tmp_path, {}) for r in results]
-    kill_mid_trial(url, procs, procs[1], 8, results)
+    kill_mid_trial(url, procs, 8, results)
 
 
 @pytest.mark.tools("llama-fit-params")
